@@ -1,0 +1,26 @@
+# The two commands of the README. Both install what they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EPD := $(VENV)/bin/epd
+
+.PHONY: setup serve test lint protos
+
+setup:
+	@bash scripts/setup.sh
+
+serve: setup
+	$(EPD) demo-model $${EPD_DEMO_DIR:-$$HOME/.cache/epd/demo-tiny}
+
+test: setup
+	$(EPD) protos --check
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+protos: setup
+	$(EPD) protos

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates .venv and installs the project with everything it needs on this machine.
+# Idempotent: re-runs only when pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${EPD_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.epd-installed"
+WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+  exit 0
+fi
+
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+"${PIP[@]}" --upgrade pip
+# The CPU build of torch that lies on this machine's disk; any torch>=2.4 works
+# elsewhere (GPU machines bring their own CUDA build).
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  "${PIP[@]}" "torch==2.13.0"
+fi
+"${PIP[@]}" -e ".[dev]"
+# The tritonserver binary and its Python backend ship inside this wheel. Its
+# metadata pins numpy<2 and Python deps the binary never uses, hence --no-deps.
+"${PIP[@]}" --no-deps "nvidia-pytriton==0.7.0"
+
+echo "$WANT" > "$STAMP"

@@ -1,0 +1,1 @@
+"""EPD: encode/language disaggregated serving for vision-language models."""

@@ -1,0 +1,1 @@
+"""Model layer: checkpoint spec and loaders, demo checkpoint, image tokens, prompts, M-RoPE."""

@@ -1,0 +1,190 @@
+"""`epd demo-model`: a small Qwen2.5-VL checkpoint built locally, no downloads.
+
+Random weights from a config, a byte-level BPE tokenizer trained on
+demo_corpus.txt with Qwen2-VL's special tokens and chat template, and a Qwen2-VL
+image processor config. The model's vocabulary is exactly the tokenizer's, so
+every id the model can emit decodes to text. The same seed gives the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+# Qwen2-VL's special tokens, in the order its tokenizer adds them.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+TOKENIZER_VOCAB_SIZE = 1024
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSize:
+    """Layer sizes of a demo model; vision and text towers are set apart."""
+
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+
+    @property
+    def mrope_section(self) -> list[int]:
+        # Qwen2.5-VL splits the rotary half-dimension 2:3:3 over (t, h, w).
+        half = self.text_hidden // self.text_heads // 2
+        t = half // 4
+        h = (half - t) // 2
+        return [t, h, half - t - h]
+
+    @property
+    def fullatt_block_indexes(self) -> list[int]:
+        # Like the real model: full attention in every fourth block, windowed elsewhere.
+        return [i for i in range(self.vision_layers) if i % 4 == 3] or [self.vision_layers - 1]
+
+
+SIZES = {
+    "tiny": DemoSize(128, 2, 4, 2, 256, 64, 2, 2, 128),
+    "small": DemoSize(512, 8, 8, 4, 1376, 512, 8, 8, 1024),
+}
+
+
+def build_tokenizer(out_dir: Path) -> dict[str, int]:
+    """Trains the BPE tokenizer, saves it with the chat template; returns special-token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = resources.files("services.model").joinpath("demo_corpus.txt").read_text("utf-8")
+    template = resources.files("services.model").joinpath("chat_template.jinja").read_text("utf-8")
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = template
+    fast.save_pretrained(out_dir)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    assert all(i is not None for i in ids.values()), "special tokens are trained in"
+    return {t: int(i) for t, i in ids.items() if i is not None}
+
+
+def build_image_processor_config(out_dir: Path) -> None:
+    config = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(OPENAI_CLIP_MEAN),
+        "image_std": list(OPENAI_CLIP_STD),
+        "do_convert_rgb": True,
+        "resample": 3,
+        "min_pixels": 56 * 56,
+        "max_pixels": 28 * 28 * 1280,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def build_demo_checkpoint(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Writes a complete checkpoint folder and returns it."""
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if size not in SIZES:
+        raise ValueError(f"unknown demo size {size!r}; choose from {sorted(SIZES)}")
+    spec = SIZES[size]
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    ids = build_tokenizer(out_dir)
+    vocab_size = len(json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": spec.text_hidden,
+            "intermediate_size": spec.text_intermediate,
+            "num_hidden_layers": spec.text_layers,
+            "num_attention_heads": spec.text_heads,
+            "num_key_value_heads": spec.text_kv_heads,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": spec.mrope_section,
+            },
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            # Wider than the 0.02 default: a random model then writes varied
+            # text instead of one repeated token, which makes token-for-token
+            # comparisons (and the demo) say more.
+            "initializer_range": 0.1,
+        },
+        vision_config={
+            "depth": spec.vision_layers,
+            "hidden_size": spec.vision_hidden,
+            "intermediate_size": spec.vision_intermediate,
+            "num_heads": spec.vision_heads,
+            "out_hidden_size": spec.text_hidden,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": spec.fullatt_block_indexes,
+            "tokens_per_second": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    ).save_pretrained(out_dir)
+    build_image_processor_config(out_dir)
+    return out_dir

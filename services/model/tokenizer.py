@@ -1,0 +1,92 @@
+"""Tokenizer + chat template, and the prompt with image placeholders expanded.
+
+The chat template renders one `<|image_pad|>` per image; build_prompt repeats
+it once per embedding token of that image, which is what the HF processor does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.model.spec import CheckpointError, ModelSpec
+
+# OpenAI-shaped chat messages: {"role": ..., "content": str | [{"type": "text" | "image", ...}]}
+ChatMessages = Sequence[dict[str, Any]]
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The checkpoint's tokenizer, with its chat template (from tokenizer_config.json,
+    chat_template.jinja or the processor's chat_template.json)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").is_file():
+        raise CheckpointError(f"{folder}: missing tokenizer (tokenizer.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: cannot load the tokenizer: {exc}") from exc
+    if not tokenizer.chat_template:
+        processor_template = folder / "chat_template.json"
+        if processor_template.is_file():
+            tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+    if not tokenizer.chat_template:
+        raise CheckpointError(f"{folder}: the tokenizer has no chat template")
+    return tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    token_ids: list[int]
+    image_offsets: list[int]  # index of each image's first placeholder token
+    image_token_counts: list[int]
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(self.image_token_counts)
+
+
+def render_chat(tokenizer: Any, messages: ChatMessages) -> str:
+    return str(
+        tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    )
+
+
+def count_images(messages: ChatMessages) -> int:
+    return sum(
+        1
+        for message in messages
+        if not isinstance(message.get("content"), str)
+        for part in message.get("content") or ()
+        if part.get("type") == "image"
+    )
+
+
+def build_prompt(
+    tokenizer: Any, spec: ModelSpec, messages: ChatMessages, image_token_counts: Sequence[int]
+) -> Prompt:
+    """Token ids of the templated chat with image i's placeholder repeated
+    image_token_counts[i] times."""
+    ids = tokenizer(render_chat(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    placeholders = [i for i, t in enumerate(ids) if t == spec.image_token_id]
+    if len(placeholders) != len(image_token_counts):
+        raise ValueError(
+            f"prompt has {len(placeholders)} image placeholders "
+            f"but {len(image_token_counts)} image token counts were given"
+        )
+    out: list[int] = []
+    offsets: list[int] = []
+    last = 0
+    for position, count in zip(placeholders, image_token_counts, strict=True):
+        if count <= 0:
+            raise ValueError(f"image token count must be positive, got {count}")
+        out.extend(ids[last:position])
+        offsets.append(len(out))
+        out.extend([spec.image_token_id] * count)
+        last = position + 1
+    out.extend(ids[last:])
+    return Prompt(out, offsets, list(image_token_counts))

@@ -1,0 +1,143 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_ENCODER: _ClassVar[Role]
+    ROLE_LANGUAGE: _ClassVar[Role]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC: _ClassVar[Transport]
+    TRANSPORT_NIXL: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_GRPC: _ClassVar[Transport]
+ROLE_UNSPECIFIED: Role
+ROLE_ENCODER: Role
+ROLE_LANGUAGE: Role
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_CUDA_IPC: Transport
+TRANSPORT_NIXL: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_GRPC: Transport
+
+class ImageGrid(_message.Message):
+    __slots__ = ("t", "h", "w")
+    T_FIELD_NUMBER: _ClassVar[int]
+    H_FIELD_NUMBER: _ClassVar[int]
+    W_FIELD_NUMBER: _ClassVar[int]
+    t: int
+    h: int
+    w: int
+    def __init__(self, t: _Optional[int] = ..., h: _Optional[int] = ..., w: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class ShmPool(_message.Message):
+    __slots__ = ("embeddings_name", "deepstack_name")
+    EMBEDDINGS_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEEPSTACK_NAME_FIELD_NUMBER: _ClassVar[int]
+    embeddings_name: str
+    deepstack_name: str
+    def __init__(self, embeddings_name: _Optional[str] = ..., deepstack_name: _Optional[str] = ...) -> None: ...
+
+class NixlPool(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "embeddings_addr", "deepstack_addr", "device_id", "memory_type")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_ADDR_FIELD_NUMBER: _ClassVar[int]
+    DEEPSTACK_ADDR_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    embeddings_addr: int
+    deepstack_addr: int
+    device_id: int
+    memory_type: str
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., embeddings_addr: _Optional[int] = ..., deepstack_addr: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...
+
+class CudaIpcPool(_message.Message):
+    __slots__ = ("embeddings_handle", "deepstack_handle", "device_id")
+    EMBEDDINGS_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEEPSTACK_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    embeddings_handle: bytes
+    deepstack_handle: bytes
+    device_id: int
+    def __init__(self, embeddings_handle: _Optional[bytes] = ..., deepstack_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class GrpcPool(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class PoolEndpoint(_message.Message):
+    __slots__ = ("shm", "nixl", "cuda_ipc", "grpc")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    shm: ShmPool
+    nixl: NixlPool
+    cuda_ipc: CudaIpcPool
+    grpc: GrpcPool
+    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., grpc: _Optional[_Union[GrpcPool, _Mapping]] = ...) -> None: ...
+
+class PoolDescriptor(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "hidden_size", "deepstack_levels", "dtype", "endpoints")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEEPSTACK_LEVELS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    hidden_size: int
+    deepstack_levels: int
+    dtype: DType
+    endpoints: _containers.RepeatedCompositeFieldContainer[PoolEndpoint]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., deepstack_levels: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., endpoints: _Optional[_Iterable[_Union[PoolEndpoint, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from services.cli import main
+from services.model.spec import load_spec
+from services.model.tokenizer import load_tokenizer
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_same_seed_same_files(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    assert main(["demo-model", str(tmp_path / "again"), "--size", "tiny", "--seed", "0"]) == 0
+    assert _digest(tmp_path / "again") == _digest(tiny_checkpoint)
+
+
+def test_other_seed_other_weights(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    main(["demo-model", str(tmp_path / "seed1"), "--seed", "1"])
+    a, b = _digest(tmp_path / "seed1"), _digest(tiny_checkpoint)
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert a["tokenizer.json"] == b["tokenizer.json"]
+
+
+def test_vocabulary_covers_every_model_id(tiny_checkpoint: Path) -> None:
+    spec = load_spec(tiny_checkpoint)
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    assert len(tokenizer) == spec.text.vocab_size
+    assert all(tokenizer.convert_ids_to_tokens(i) is not None for i in range(spec.text.vocab_size))
+    assert tokenizer.convert_ids_to_tokens(spec.image_token_id) == "<|image_pad|>"
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in spec.eos_token_ids
+
+
+def test_text_round_trips(tiny_checkpoint: Path) -> None:
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    text = "Describe this café, 你好 😀 — 42 apples!"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_sizes(small_checkpoint: Path, tiny_checkpoint: Path) -> None:
+    tiny, small = load_spec(tiny_checkpoint), load_spec(small_checkpoint)
+    assert (tiny.text.hidden_size, tiny.text.num_layers) == (128, 2)
+    assert (small.text.hidden_size, small.text.num_layers) == (512, 8)
+    assert small.vision.out_hidden_size == 512

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.model.mrope import decode_position, mrope_positions
+from services.model.processor import ImageGrid
+from services.model.spec import load_spec
+
+
+def _hf_rope_index(
+    folder: Path, ids: list[int], grids: list[ImageGrid]
+) -> tuple[torch.Tensor, int]:
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    config = AutoConfig.from_pretrained(folder)
+    model = Qwen2_5_VLModel.__new__(Qwen2_5_VLModel)  # get_rope_index only reads the config
+    model.config = config
+    input_ids = torch.tensor([ids])
+    positions, deltas = model.get_rope_index(
+        input_ids,
+        (input_ids == config.image_token_id).int(),
+        image_grid_thw=torch.tensor([[g.t, g.h, g.w] for g in grids]) if grids else None,
+    )
+    return positions[:, 0], int(deltas[0, 0])
+
+
+GRID_SETS = [
+    [],
+    [ImageGrid(1, 16, 16)],
+    [ImageGrid(1, 4, 30)],
+    [ImageGrid(1, 36, 6), ImageGrid(1, 2, 2), ImageGrid(1, 22, 36)],
+]
+
+
+@pytest.mark.parametrize("grids", GRID_SETS)
+def test_positions_equal_get_rope_index(tiny_checkpoint: Path, grids: list[ImageGrid]) -> None:
+    spec = load_spec(tiny_checkpoint)
+    merge = spec.vision.spatial_merge_size
+    ids: list[int] = [100, 101, 102]
+    for i, grid in enumerate(grids):
+        ids += [spec.vision_start_token_id] + [spec.image_token_id] * grid.num_tokens(merge)
+        ids += [spec.vision_end_token_id] + [200 + i] * (i + 1)
+    ids += [300, 301]
+
+    positions, delta = mrope_positions(ids, spec.image_token_id, grids, merge)
+    expected, expected_delta = _hf_rope_index(tiny_checkpoint, ids, grids)
+    assert torch.equal(positions, expected)
+    assert delta == expected_delta
+
+
+def test_decode_positions_continue_with_delta() -> None:
+    grids = [ImageGrid(1, 8, 4)]
+    ids = [1, 2] + [9] * 8 + [3]
+    positions, delta = mrope_positions(ids, 9, grids, 2)
+    # text(2) + image(4x2 merged: spans 4 positions) + text(1) => last position 2+4 = 6
+    assert int(positions.max()) == 6
+    assert decode_position(len(ids), delta) == 7
+
+
+def test_mismatched_grids_are_errors() -> None:
+    with pytest.raises(ValueError, match="more image grids"):
+        mrope_positions([1, 2, 3], 9, [ImageGrid(1, 2, 2)], 2)
+    with pytest.raises(ValueError, match="consecutive placeholder"):
+        mrope_positions([1, 9, 9, 2], 9, [ImageGrid(1, 4, 4)], 2)

@@ -1,0 +1,77 @@
+"""The Hugging Face reference: greedy `generate()` on a whole checkpoint.
+
+The processor's placeholder expansion is done here by hand (AutoProcessor
+needs torchvision, which does not load beside the CPU torch): each
+`<|image_pad|>` becomes grid.prod() / merge^2 copies, as Qwen2VLProcessor does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+
+@cache
+def _hf_model(folder: str) -> Any:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@cache
+def _hf_parts(folder: str) -> tuple[Any, Any]:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+
+
+def hf_greedy(
+    folder: str | Path,
+    messages: Sequence[dict[str, Any]],
+    images: Sequence[Image.Image] = (),
+    max_new_tokens: int = 16,
+) -> list[int]:
+    """Greedy tokens from HF generate() for a chat (image parts in order of `images`)."""
+    folder = str(folder)
+    model = _hf_model(folder)
+    tokenizer, image_processor = _hf_parts(folder)
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    kwargs: dict[str, Any] = {}
+    if images:
+        pixels = image_processor(images=list(images), return_tensors="pt")
+        merge = model.config.vision_config.spatial_merge_size
+        pad = "<|image_pad|>"
+        pieces = text.split(pad)
+        assert len(pieces) == len(images) + 1, "one <|image_pad|> per image"
+        counts = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
+        text = pieces[0] + "".join(
+            pad * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
+        )
+        kwargs = {
+            "pixel_values": pixels["pixel_values"],
+            "image_grid_thw": pixels["image_grid_thw"],
+        }
+    enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
+    mm_token_type_ids = (enc["input_ids"] == model.config.image_token_id).int()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            mm_token_type_ids=mm_token_type_ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return [int(t) for t in out[0, enc["input_ids"].shape[1] :]]
+
+
+def chat(text: str, num_images: int = 0) -> list[dict[str, Any]]:
+    """One user turn: the images first, then the text."""
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
+    parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
