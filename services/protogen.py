@@ -8,6 +8,8 @@ temporary folder and fails when the committed files differ, so CI catches a
 from __future__ import annotations
 
 import filecmp
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,23 +28,26 @@ def proto_files(proto_root: Path = PROTO_ROOT) -> list[Path]:
 
 
 def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
-    """Runs protoc on every .proto under proto_root; returns the files written."""
-    from grpc_tools import protoc  # dev-only dependency
-
+    """Runs protoc (grpc_tools, a dev dependency) on every .proto under proto_root;
+    returns the files written. It runs in a child process: protoc must not share
+    a process with already-loaded generated modules."""
     files = proto_files(proto_root)
     if not files:
         raise FileNotFoundError(f"no .proto files under {proto_root}")
     args = [
+        sys.executable,
+        "-m",
         "grpc_tools.protoc",
         f"-I{proto_root}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
+        # relative names: protoc resolves them against the -I folder
         *(str(f.relative_to(proto_root)) for f in files),
     ]
-    # protoc resolves the relative file names against the -I folder.
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    result = subprocess.run(args, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"protoc failed:\n{result.stderr.strip()}")
     return sorted(p for p in (out_dir / GENERATED_DIR).rglob("*") if p.is_file())
 
 
