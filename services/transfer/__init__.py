@@ -1,0 +1,1 @@
+"""The embedding data plane: block allocator, embedding pools, transports."""

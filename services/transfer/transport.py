@@ -1,0 +1,99 @@
+"""Transport kinds, what a language instance offers, and the choice per request pair."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.proto import common_pb2
+
+
+class Transport(enum.IntEnum):
+    """Values match epd.v1.Transport. Lower is preferred."""
+
+    CUDA_IPC = common_pb2.TRANSPORT_CUDA_IPC
+    NIXL = common_pb2.TRANSPORT_NIXL
+    SHM = common_pb2.TRANSPORT_SHM
+    GRPC = common_pb2.TRANSPORT_GRPC
+
+    @property
+    def same_host_only(self) -> bool:
+        return self in (Transport.CUDA_IPC, Transport.SHM)
+
+    @classmethod
+    def parse(cls, name: str) -> Transport:
+        try:
+            return cls[name.strip().upper()]
+        except KeyError:
+            raise ValueError(
+                f"unknown transport {name!r}; choose from {', '.join(t.name.lower() for t in cls)}"
+            ) from None
+
+
+# Same host: copy through shared memory (CPU) or an IPC handle (GPU); NIXL is
+# for crossing hosts (RDMA), and gRPC works anywhere.
+PREFERENCE = (Transport.CUDA_IPC, Transport.SHM, Transport.NIXL, Transport.GRPC)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmEndpoint:
+    embeddings_name: str
+    deepstack_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NixlEndpoint:
+    agent_name: str
+    agent_metadata: bytes
+    embeddings_addr: int
+    deepstack_addr: int = 0
+    device_id: int = 0
+    memory_type: str = "DRAM"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaIpcEndpoint:
+    embeddings_handle: bytes
+    deepstack_handle: bytes = b""
+    device_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcEndpoint:
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """How a language instance's pool can be reached, by transport."""
+
+    shm: ShmEndpoint | None = None
+    nixl: NixlEndpoint | None = None
+    cuda_ipc: CudaIpcEndpoint | None = None
+    grpc: GrpcEndpoint | None = None
+
+    @property
+    def transports(self) -> tuple[Transport, ...]:
+        offered = {
+            Transport.SHM: self.shm,
+            Transport.NIXL: self.nixl,
+            Transport.CUDA_IPC: self.cuda_ipc,
+            Transport.GRPC: self.grpc,
+        }
+        return tuple(t for t in PREFERENCE if offered[t] is not None)
+
+
+def choose_transport(
+    sender_transports: tuple[Transport, ...],
+    sender_host: str,
+    receiver_transports: tuple[Transport, ...],
+    receiver_host: str,
+) -> Transport | None:
+    """The most preferred transport both sides have and their locality allows."""
+    for transport in PREFERENCE:
+        if transport not in sender_transports or transport not in receiver_transports:
+            continue
+        if transport.same_host_only and sender_host != receiver_host:
+            continue
+        return transport
+    return None

@@ -1,0 +1,153 @@
+"""cuda_ipc: same node, GPU. The language pool is cudaMalloc'd through CuPy and
+exported by IPC handle; the encoder opens the handle once and copies runs on
+the device. Written against the CUDA runtime API as CuPy exposes it; it needs
+a GPU and is covered only by `gpu`-marked tests."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from services.broker.messages import Registration
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.layout import PoolLayout, copy_runs
+from services.transfer.transport import CudaIpcEndpoint, Transport
+from services.transfer.transports.base import Part, check_compatible, receiver_layout
+
+
+def cuda_ipc_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _view(ptr: int, nbytes: int, device: int, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """A torch tensor over raw device memory (CuPy has no bfloat16: go through bytes)."""
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(ptr, nbytes, owner=None, device_id=device)
+    raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return torch.from_dlpack(raw).view(dtype).view(rows, -1)
+
+
+class CudaIpcPool:
+    """Receive-pool memory allocated for export: the pool and its IPC endpoint."""
+
+    def __init__(self, layout: PoolLayout, device: torch.device) -> None:
+        import cupy
+
+        self.device_id = device.index or 0
+        self._ptrs: list[int] = []
+        handles: list[bytes] = []
+        tensors: list[torch.Tensor] = []
+        sizes = [layout.embeddings_bytes] + (
+            [layout.deepstack_bytes] if layout.deepstack_levels else []
+        )
+        with cupy.cuda.Device(self.device_id):
+            for nbytes in sizes:
+                ptr = cupy.cuda.runtime.malloc(nbytes)
+                cupy.cuda.runtime.memset(ptr, 0, nbytes)
+                self._ptrs.append(ptr)
+                handles.append(bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr)))
+                tensors.append(_view(ptr, nbytes, self.device_id, layout.dtype, layout.num_rows))
+        self.pool = EmbeddingPool(layout, tensors[0], tensors[1] if len(tensors) > 1 else None)
+        self.endpoint = CudaIpcEndpoint(
+            embeddings_handle=handles[0],
+            deepstack_handle=handles[1] if len(handles) > 1 else b"",
+            device_id=self.device_id,
+        )
+
+    def close(self) -> None:
+        import cupy
+
+        self.pool.close()
+        with cupy.cuda.Device(self.device_id):
+            for ptr in self._ptrs:
+                cupy.cuda.runtime.free(ptr)
+        self._ptrs = []
+
+
+class _OpenedPool:
+    def __init__(self, peer: Registration) -> None:
+        import cupy
+
+        assert peer.pool is not None and peer.pool.endpoints.cuda_ipc is not None
+        endpoint = peer.pool.endpoints.cuda_ipc
+        self.layout = receiver_layout(peer)
+        self.device_id = endpoint.device_id
+        self._ptrs: list[int] = []
+        with cupy.cuda.Device(self.device_id):
+            self.embeddings = self._open(endpoint.embeddings_handle, self.layout.embeddings_bytes)
+            self.deepstack = (
+                self._open(endpoint.deepstack_handle, self.layout.deepstack_bytes)
+                if self.layout.deepstack_levels
+                else None
+            )
+
+    def _open(self, handle: bytes, nbytes: int) -> torch.Tensor:
+        import cupy
+
+        ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        self._ptrs.append(ptr)
+        return _view(ptr, nbytes, self.device_id, self.layout.dtype, self.layout.num_rows)
+
+    def close(self) -> None:
+        import cupy
+
+        self.embeddings = torch.empty(0)
+        self.deepstack = None
+        with cupy.cuda.Device(self.device_id):
+            for ptr in self._ptrs:
+                cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+        self._ptrs = []
+
+
+def _copy(source: EmbeddingPool, target: _OpenedPool, part: Part) -> None:
+    runs = copy_runs(
+        part.src_blocks,
+        source.layout.block_size,
+        part.start,
+        part.dst_blocks,
+        target.layout.block_size,
+        0,
+        part.count,
+    )
+    pairs: list[tuple[torch.Tensor, Any]] = [(source.embeddings, target.embeddings)]
+    if source.deepstack is not None:
+        pairs.append((source.deepstack, target.deepstack))
+    with torch.cuda.device(target.device_id):
+        for src, dst in pairs:
+            for run in runs:
+                dst[run.dst_row : run.dst_row + run.length].copy_(
+                    src[run.src_row : run.src_row + run.length], non_blocking=True
+                )
+        torch.cuda.current_stream().synchronize()
+
+
+class CudaIpcWriter:
+    transport = Transport.CUDA_IPC
+
+    def __init__(self) -> None:
+        self._opened: dict[str, _OpenedPool] = {}
+
+    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+        opened = self._opened.get(peer.instance_id)
+        if opened is None:
+            opened = self._opened[peer.instance_id] = _OpenedPool(peer)
+        check_compatible(source.layout, opened.layout, peer.instance_id)
+        await asyncio.to_thread(_copy, source, opened, part)
+
+    async def forget(self, instance_id: str) -> None:
+        opened = self._opened.pop(instance_id, None)
+        if opened is not None:
+            opened.close()
+
+    async def close(self) -> None:
+        for instance_id in list(self._opened):
+            await self.forget(instance_id)

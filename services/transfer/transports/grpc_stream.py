@@ -1,0 +1,71 @@
+"""grpc: the encoder streams a part as EmbeddingChunks to Language.PushEmbeddings,
+directly to the language instance (never through the broker)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.broker.messages import Registration
+from services.grpc_server import channel
+from services.proto import language_pb2, language_pb2_grpc
+from services.transfer.embedding_pool import EmbeddingPool, read_tokens, tensor_bytes
+from services.transfer.transport import Transport
+from services.transfer.transports.base import Part, check_compatible, receiver_layout
+
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class GrpcWriter:
+    transport = Transport.GRPC
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, peer: Registration) -> language_pb2_grpc.LanguageStub:
+        assert peer.pool is not None and peer.pool.endpoints.grpc is not None
+        ch = self._channels.get(peer.instance_id)
+        if ch is None:
+            ch = self._channels[peer.instance_id] = channel(peer.pool.endpoints.grpc.address)
+        return language_pb2_grpc.LanguageStub(ch)
+
+    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+        check_compatible(source.layout, receiver_layout(peer), peer.instance_id)
+        per_chunk = max(1, CHUNK_BYTES // source.layout.token_bytes)
+        bs = source.layout.block_size
+
+        async def chunks() -> AsyncIterator[language_pb2.EmbeddingChunk]:
+            for offset in range(0, part.count, per_chunk):
+                n = min(per_chunk, part.count - offset)
+                start = part.start + offset
+                chunk = language_pb2.EmbeddingChunk(
+                    request_id=part.request_id,
+                    start_token=start,
+                    num_tokens=n,
+                    embeddings=tensor_bytes(
+                        read_tokens(source.embeddings, part.src_blocks, bs, start, n)
+                    ),
+                )
+                if source.deepstack is not None:
+                    chunk.deepstack = tensor_bytes(
+                        read_tokens(source.deepstack, part.src_blocks, bs, start, n)
+                    )
+                yield chunk
+
+        reply = await self._stub(peer).PushEmbeddings(chunks(), timeout=self.timeout_s)
+        if reply.received_tokens != part.count:
+            raise RuntimeError(
+                f"{peer.instance_id} took {reply.received_tokens} of {part.count} tokens"
+            )
+
+    async def forget(self, instance_id: str) -> None:
+        ch = self._channels.pop(instance_id, None)
+        if ch is not None:
+            await ch.close()
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

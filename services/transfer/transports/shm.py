@@ -1,0 +1,82 @@
+"""shm: the encoder maps the language pool's shared-memory segments and copies runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from services.broker.messages import Registration
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.layout import PoolLayout, copy_runs
+from services.transfer.shared_memory import SharedSegment
+from services.transfer.transport import Transport
+from services.transfer.transports.base import Part, check_compatible, receiver_layout
+
+
+class _MappedPool:
+    """A language pool's segments mapped into this process."""
+
+    def __init__(self, peer: Registration) -> None:
+        assert peer.pool is not None and peer.pool.endpoints.shm is not None
+        endpoint = peer.pool.endpoints.shm
+        self.layout = receiver_layout(peer)
+        self.segments = [SharedSegment.attach(endpoint.embeddings_name)]
+        self.embeddings = self.segments[0].tensor(
+            self.layout.dtype, (self.layout.num_rows, self.layout.hidden_size)
+        )
+        self.deepstack: torch.Tensor | None = None
+        if self.layout.deepstack_levels:
+            self.segments.append(SharedSegment.attach(endpoint.deepstack_name))
+            self.deepstack = self.segments[1].tensor(
+                self.layout.dtype, (self.layout.num_rows, self.layout.deepstack_width)
+            )
+
+    def close(self) -> None:
+        self.embeddings = torch.empty(0)
+        self.deepstack = None
+        for segment in self.segments:
+            segment.close()
+
+
+def _copy(source: EmbeddingPool, target: _MappedPool, part: Part, layout: PoolLayout) -> None:
+    runs = copy_runs(
+        part.src_blocks,
+        source.layout.block_size,
+        part.start,
+        part.dst_blocks,
+        layout.block_size,
+        0,
+        part.count,
+    )
+    pairs = [(source.embeddings, target.embeddings)]
+    if source.deepstack is not None and target.deepstack is not None:
+        pairs.append((source.deepstack, target.deepstack))
+    for src, dst in pairs:
+        for run in runs:
+            dst[run.dst_row : run.dst_row + run.length].copy_(
+                src[run.src_row : run.src_row + run.length]
+            )
+
+
+class ShmWriter:
+    transport = Transport.SHM
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, _MappedPool] = {}
+
+    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+        mapped = self._mapped.get(peer.instance_id)
+        if mapped is None:
+            mapped = self._mapped[peer.instance_id] = _MappedPool(peer)
+        check_compatible(source.layout, mapped.layout, peer.instance_id)
+        await asyncio.to_thread(_copy, source, mapped, part, mapped.layout)
+
+    async def forget(self, instance_id: str) -> None:
+        mapped = self._mapped.pop(instance_id, None)
+        if mapped is not None:
+            mapped.close()
+
+    async def close(self) -> None:
+        for instance_id in list(self._mapped):
+            await self.forget(instance_id)
