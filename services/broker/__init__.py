@@ -1,0 +1,1 @@
+"""The broker: registration, routing and the embedding-transfer rendezvous."""

@@ -1,0 +1,140 @@
+"""Broker: the registry and the rendezvous behind the gRPC servicer.
+
+Everything runs on the event loop; deliveries go into the target session's
+outbox, which its Attach stream drains.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.broker.messages import (
+    Abort,
+    EmbeddingMeta,
+    InstanceJoined,
+    Load,
+    PeerLost,
+    PeerMessage,
+    Prealloc,
+    Registered,
+    Registration,
+    Resume,
+    Role,
+    TransferDone,
+)
+from services.broker.metrics import BrokerMetrics
+from services.broker.registry import Registry, RouteChoice, Session
+from services.broker.rendezvous import Delivery, Rendezvous
+
+logger = logging.getLogger(__name__)
+
+
+class Broker:
+    def __init__(
+        self,
+        metrics: BrokerMetrics,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 5.0,
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.registry = Registry()
+        self.rendezvous = rendezvous or Rendezvous()
+
+    def _deliver(self, deliveries: list[Delivery]) -> None:
+        for target, message in deliveries:
+            session = self.registry.get(target)
+            if session is not None:
+                session.outbox.put_nowait(message)
+        self.metrics.active_requests.set(self.rendezvous.num_active)
+
+    def _update_gauges(self) -> None:
+        for role in Role:
+            self.metrics.instances.labels(role.name.lower()).set(len(self.registry.sessions(role)))
+
+    def join(self, registration: Registration) -> Session:
+        session, replaced = self.registry.add(registration)
+        if replaced is not None:
+            replaced.outbox.put_nowait(None)  # a reconnect: the old stream is finished
+        session.outbox.put_nowait(Registered(registration.instance_id, self.heartbeat_interval_s))
+        now = session.last_heartbeat
+        if registration.role is Role.ENCODER:
+            for language in self.registry.sessions(Role.LANGUAGE):
+                session.outbox.put_nowait(InstanceJoined(language.info(now)))
+        else:
+            for encoder in self.registry.sessions(Role.ENCODER):
+                encoder.outbox.put_nowait(InstanceJoined(session.info(now)))
+        self._update_gauges()
+        logger.info(
+            "%s %s joined from %s",
+            registration.role.name.lower(),
+            registration.instance_id,
+            registration.grpc_address,
+        )
+        return session
+
+    def leave(self, session: Session, reason: str) -> None:
+        if not self.registry.remove(session):
+            return
+        session.outbox.put_nowait(None)
+        lost = self.rendezvous.on_instance_lost(session.instance_id)
+        self.metrics.aborts.labels("peer_lost").inc(
+            sum(len(m.request_ids) for _, m in lost if isinstance(m, PeerLost))
+        )
+        if session.registration.role is Role.LANGUAGE:
+            # Encoders drop what they keep for it (shm mappings, NIXL peers).
+            told = {target for target, _ in lost}
+            lost += [
+                (e.instance_id, PeerLost(session.instance_id, ()))
+                for e in self.registry.sessions(Role.ENCODER)
+                if e.instance_id not in told
+            ]
+        self._deliver(lost)
+        self._update_gauges()
+        logger.info("%s left: %s", session.instance_id, reason)
+
+    def handle(self, session: Session, message: PeerMessage) -> None:
+        sender = session.instance_id
+        self.metrics.messages.labels(type(message).__name__).inc()
+        deliveries: list[Delivery]
+        if isinstance(message, Load):
+            self.registry.heartbeat(session, message)
+            return
+        if isinstance(message, EmbeddingMeta):
+            target = message.language_instance_id
+            if self.registry.get(target) is None:
+                reason = f"language instance {target!r} is not registered"
+                deliveries = [(sender, Abort(message.request_id, reason))]
+            else:
+                deliveries = self.rendezvous.on_meta(sender, message)
+        elif isinstance(message, Prealloc):
+            deliveries = self.rendezvous.on_prealloc(sender, message)
+        elif isinstance(message, TransferDone):
+            deliveries = self.rendezvous.on_transfer_done(sender, message)
+        elif isinstance(message, Resume):
+            deliveries = self.rendezvous.on_resume(sender, message)
+        elif isinstance(message, Abort):
+            deliveries = self.rendezvous.on_abort(sender, message)
+        else:
+            raise ValueError(f"{type(message).__name__} is only valid as the first message")
+        self._deliver(deliveries)
+
+    def route(self, request_id: str, model: str, needs_encoder: bool) -> RouteChoice:
+        choice = self.registry.route(model, needs_encoder)
+        if request_id and choice.encoder is not None:
+            self.rendezvous.route(
+                request_id, choice.encoder.instance_id, choice.language.instance_id
+            )
+        return choice
+
+    def tick(self) -> None:
+        """Periodic work: expire stuck rendezvous entries, evict silent instances."""
+        expired = self.rendezvous.expire()
+        if expired:
+            aborted = {m.request_id for _, m in expired if isinstance(m, Abort)}
+            self.metrics.aborts.labels("expired").inc(len(aborted))
+        self._deliver(expired)
+        for session in self.registry.stale(self.heartbeat_timeout_s):
+            self.leave(session, f"no heartbeat for {self.heartbeat_timeout_s:.0f}s")

@@ -1,0 +1,237 @@
+"""Rendezvous: pairs an encoder's EmbeddingMeta with a language instance's
+Prealloc by request id, whichever arrives first, then relays the transfer's
+messages between the pair. Pure logic: every handler returns the deliveries
+(instance id, message) for the caller to send.
+
+    ROUTED --meta or prealloc--> WAITING --other half--> TRANSFERRING --last done--> DONE
+       \\__________________ abort / expiry / peer lost ______________________--> ABORTED
+
+Unmatched halves expire after `ttl_s`; an aborted request keeps a tombstone
+so that a late half is answered with Abort instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from services.broker.messages import (
+    Abort,
+    BrokerMessage,
+    EmbeddingMeta,
+    PeerLost,
+    Prealloc,
+    Resume,
+    TransferDone,
+)
+from services.proto import broker_pb2
+
+Delivery = tuple[str, BrokerMessage]
+
+
+class Phase(enum.IntEnum):
+    ROUTED = broker_pb2.RequestDescription.PHASE_ROUTED
+    WAITING = broker_pb2.RequestDescription.PHASE_WAITING
+    TRANSFERRING = broker_pb2.RequestDescription.PHASE_TRANSFERRING
+    DONE = broker_pb2.RequestDescription.PHASE_DONE
+    ABORTED = broker_pb2.RequestDescription.PHASE_ABORTED
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= Phase.DONE
+
+
+@dataclass(slots=True)
+class Pairing:
+    request_id: str
+    created: float
+    updated: float
+    phase: Phase = Phase.ROUTED
+    encoder_id: str = ""
+    language_id: str = ""
+    meta: EmbeddingMeta | None = None
+    prealloc: Prealloc | None = None
+    sent_tokens: int = 0
+    total_tokens: int = 0
+    num_resumes: int = 0
+    abort_reason: str = ""
+
+    def involves(self, instance_id: str) -> bool:
+        return instance_id in (self.encoder_id, self.language_id)
+
+
+class Rendezvous:
+    def __init__(
+        self,
+        ttl_s: float = 30.0,
+        history_s: float = 60.0,
+        max_history: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.history_s = history_s
+        self.max_history = max_history
+        self._clock = clock
+        self._pairings: dict[str, Pairing] = {}
+
+    def __len__(self) -> int:
+        return len(self._pairings)
+
+    @property
+    def num_active(self) -> int:
+        return sum(1 for p in self._pairings.values() if not p.phase.is_finished)
+
+    def describe(self, request_id: str) -> Pairing | None:
+        return self._pairings.get(request_id)
+
+    def active_requests(self, instance_id: str) -> list[str]:
+        return [
+            p.request_id
+            for p in self._pairings.values()
+            if not p.phase.is_finished and p.involves(instance_id)
+        ]
+
+    def _get(self, request_id: str) -> Pairing:
+        pairing = self._pairings.get(request_id)
+        if pairing is None:
+            now = self._clock()
+            pairing = self._pairings[request_id] = Pairing(request_id, now, now)
+        pairing.updated = self._clock()
+        return pairing
+
+    def route(self, request_id: str, encoder_id: str, language_id: str) -> None:
+        pairing = self._get(request_id)
+        pairing.encoder_id = pairing.encoder_id or encoder_id
+        pairing.language_id = pairing.language_id or language_id
+
+    def _abort(self, pairing: Pairing, reason: str, notify: tuple[str, ...]) -> list[Delivery]:
+        pairing.phase = Phase.ABORTED
+        pairing.abort_reason = reason
+        abort = Abort(pairing.request_id, reason)
+        return [(target, abort) for target in dict.fromkeys(notify) if target]
+
+    def _pair(self, pairing: Pairing) -> list[Delivery]:
+        """Both halves are in: each side gets the other's."""
+        assert pairing.meta is not None and pairing.prealloc is not None
+        pairing.phase = Phase.TRANSFERRING
+        pairing.total_tokens = pairing.meta.total_tokens
+        return [
+            (pairing.language_id, pairing.meta),
+            (pairing.encoder_id, pairing.prealloc),
+        ]
+
+    def on_meta(self, encoder_id: str, meta: EmbeddingMeta) -> list[Delivery]:
+        pairing = self._get(meta.request_id)
+        if pairing.phase is Phase.ABORTED:
+            return [(encoder_id, Abort(meta.request_id, pairing.abort_reason))]
+        if pairing.meta is not None or pairing.phase.is_finished:
+            return [(encoder_id, Abort(meta.request_id, "duplicate embedding metadata"))]
+        if pairing.language_id and pairing.language_id != meta.language_instance_id:
+            return self._abort(
+                pairing,
+                f"metadata targets {meta.language_instance_id}, "
+                f"but the request is on {pairing.language_id}",
+                (encoder_id, pairing.language_id),
+            )
+        pairing.encoder_id = encoder_id
+        pairing.language_id = meta.language_instance_id
+        pairing.meta = replace(meta, encoder_instance_id=encoder_id)
+        if pairing.prealloc is None:
+            pairing.phase = Phase.WAITING
+            return []
+        return self._pair(pairing)
+
+    def on_prealloc(self, language_id: str, prealloc: Prealloc) -> list[Delivery]:
+        pairing = self._get(prealloc.request_id)
+        if pairing.phase is Phase.ABORTED:
+            return [(language_id, Abort(prealloc.request_id, pairing.abort_reason))]
+        if pairing.prealloc is not None or pairing.phase.is_finished:
+            return [(language_id, Abort(prealloc.request_id, "duplicate preallocation"))]
+        if pairing.meta is not None and pairing.language_id != language_id:
+            return self._abort(
+                pairing,
+                f"preallocation from {language_id}, but the metadata targets {pairing.language_id}",
+                (language_id, pairing.encoder_id),
+            )
+        pairing.language_id = language_id
+        pairing.prealloc = replace(prealloc, language_instance_id=language_id)
+        if pairing.meta is None:
+            pairing.phase = Phase.WAITING
+            return []
+        return self._pair(pairing)
+
+    def _transferring(self, request_id: str, sender: str) -> Pairing | None:
+        pairing = self._pairings.get(request_id)
+        if (
+            pairing is None
+            or pairing.phase is not Phase.TRANSFERRING
+            or not pairing.involves(sender)
+        ):
+            return None
+        pairing.updated = self._clock()
+        return pairing
+
+    def on_transfer_done(self, encoder_id: str, done: TransferDone) -> list[Delivery]:
+        pairing = self._transferring(done.request_id, encoder_id)
+        if pairing is None:
+            return [
+                (encoder_id, Abort(done.request_id, "no transfer in progress for this request"))
+            ]
+        pairing.sent_tokens = done.sent_tokens
+        pairing.total_tokens = done.total_tokens
+        if done.is_last:
+            pairing.phase = Phase.DONE
+        return [(pairing.language_id, done)]
+
+    def on_resume(self, language_id: str, resume: Resume) -> list[Delivery]:
+        pairing = self._transferring(resume.request_id, language_id)
+        if pairing is None:
+            return [
+                (language_id, Abort(resume.request_id, "no transfer in progress for this request"))
+            ]
+        pairing.num_resumes += 1
+        return [(pairing.encoder_id, resume)]
+
+    def on_abort(self, sender: str, abort: Abort) -> list[Delivery]:
+        pairing = self._get(abort.request_id)
+        if pairing.phase.is_finished:
+            return []
+        others = tuple(i for i in (pairing.encoder_id, pairing.language_id) if i != sender)
+        return self._abort(pairing, abort.reason or f"aborted by {sender}", others)
+
+    def on_instance_lost(self, instance_id: str) -> list[Delivery]:
+        """Aborts the instance's unfinished requests; each peer hears PeerLost once."""
+        lost: dict[str, list[str]] = {}
+        for pairing in self._pairings.values():
+            if pairing.phase.is_finished or not pairing.involves(instance_id):
+                continue
+            self._abort(pairing, f"instance {instance_id} was lost", ())
+            peer = pairing.language_id if pairing.encoder_id == instance_id else pairing.encoder_id
+            if peer and peer != instance_id:
+                lost.setdefault(peer, []).append(pairing.request_id)
+        return [(peer, PeerLost(instance_id, tuple(ids))) for peer, ids in lost.items()]
+
+    def expire(self) -> list[Delivery]:
+        """Aborts pairings idle for ttl_s; forgets finished ones after history_s."""
+        now = self._clock()
+        deliveries: list[Delivery] = []
+        finished: list[tuple[float, str]] = []
+        for request_id, pairing in list(self._pairings.items()):
+            if pairing.phase.is_finished:
+                if now - pairing.updated > self.history_s:
+                    del self._pairings[request_id]
+                else:
+                    finished.append((pairing.updated, request_id))
+            elif now - pairing.updated > self.ttl_s:
+                pairing.updated = now
+                finished.append((now, request_id))
+                deliveries += self._abort(
+                    pairing,
+                    f"no progress for {self.ttl_s:.0f}s (phase {pairing.phase.name.lower()})",
+                    (pairing.encoder_id, pairing.language_id),
+                )
+        for _, request_id in sorted(finished)[: max(0, len(finished) - self.max_history)]:
+            del self._pairings[request_id]
+        return deliveries

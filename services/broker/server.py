@@ -1,0 +1,76 @@
+"""`epd broker`: the broker's gRPC server and its periodic upkeep."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from services.broker.broker import Broker
+from services.broker.metrics import BrokerMetrics
+from services.broker.rendezvous import Rendezvous
+from services.broker.servicer import BrokerServicer
+from services.grpc_server import GrpcServer
+from services.proto import broker_pb2, broker_pb2_grpc
+
+DEFAULT_PORT = 50051
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    metrics_port: int | None = 0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    rendezvous_ttl_s: float = 30.0
+    tick_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+
+
+class BrokerServer:
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        registry = CollectorRegistry()
+        self.broker = Broker(
+            BrokerMetrics(registry),
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            rendezvous=Rendezvous(ttl_s=config.rendezvous_ttl_s),
+        )
+        servicer = BrokerServicer(self.broker)
+        self.grpc = GrpcServer(
+            "broker",
+            [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
+            lambda server: broker_pb2_grpc.add_BrokerServicer_to_server(servicer, server),
+            registry,
+            host=config.host,
+            port=config.port,
+            metrics_port=config.metrics_port,
+        )
+        self._upkeep: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return self.grpc.address
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        self._upkeep = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            self.broker.tick()
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._upkeep
+        await self.grpc.stop(grace_s)

@@ -1,0 +1,123 @@
+"""The Broker gRPC servicer: protobuf in and out, the Broker does the work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.broker.broker import Broker
+from services.broker.messages import (
+    Registration,
+    Role,
+    broker_message_to_proto,
+    peer_message_from_proto,
+    transport_to_proto,
+)
+from services.broker.registry import NoRouteError, Session
+from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class BrokerServicer(broker_pb2_grpc.BrokerServicer):
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    async def Attach(
+        self,
+        request_iterator: AsyncIterator[broker_pb2.PeerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[broker_pb2.BrokerMessage]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "register":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Register"
+            )
+        try:
+            registration = Registration.from_proto(first.register)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        session = self.broker.join(registration)
+        reader = asyncio.create_task(self._read(session, request_iterator))
+        try:
+            while (message := await session.outbox.get()) is not None:
+                yield broker_message_to_proto(message)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self.broker.leave(session, "stream closed")
+
+    async def _read(
+        self, session: Session, request_iterator: AsyncIterator[broker_pb2.PeerMessage]
+    ) -> None:
+        try:
+            async for pb in request_iterator:
+                try:
+                    self.broker.handle(session, peer_message_from_proto(pb))
+                except ValueError as exc:
+                    logger.warning("%s sent a bad message: %s", session.instance_id, exc)
+        except grpc.aio.AioRpcError:
+            pass
+        finally:
+            session.outbox.put_nowait(None)
+
+    async def Route(
+        self, request: broker_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.RouteReply:
+        try:
+            choice = self.broker.route(request.request_id, request.model, request.needs_encoder)
+        except NoRouteError as exc:
+            self.broker.metrics.routes.labels("unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.broker.metrics.routes.labels("ok").inc()
+        reply = broker_pb2.RouteReply(
+            language_id=choice.language.instance_id,
+            language_address=choice.language.registration.grpc_address,
+        )
+        if choice.encoder is not None and choice.transport is not None:
+            reply.MergeFrom(
+                broker_pb2.RouteReply(
+                    encoder_id=choice.encoder.instance_id,
+                    encoder_address=choice.encoder.registration.grpc_address,
+                    transport=transport_to_proto(choice.transport),
+                )
+            )
+        return reply
+
+    async def ListInstances(
+        self, request: broker_pb2.ListInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ListInstancesReply:
+        role = Role(request.role) if request.role != common_pb2.ROLE_UNSPECIFIED else None
+        now = time.monotonic()
+        return broker_pb2.ListInstancesReply(
+            instances=[s.info(now).to_proto() for s in self.broker.registry.sessions(role)]
+        )
+
+    async def DescribeRequest(
+        self, request: broker_pb2.DescribeRequestRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.RequestDescription:
+        pairing = self.broker.rendezvous.describe(request.request_id)
+        if pairing is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"request {request.request_id!r} is not known to the broker",
+            )
+        return broker_pb2.RequestDescription(
+            request_id=pairing.request_id,
+            phase=broker_pb2.RequestDescription.Phase.Name(pairing.phase),
+            encoder_id=pairing.encoder_id,
+            language_id=pairing.language_id,
+            has_meta=pairing.meta is not None,
+            has_prealloc=pairing.prealloc is not None,
+            sent_tokens=pairing.sent_tokens,
+            total_tokens=pairing.total_tokens,
+            num_resumes=pairing.num_resumes,
+            abort_reason=pairing.abort_reason,
+            age_s=time.monotonic() - pairing.created,
+        )

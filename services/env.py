@@ -1,0 +1,49 @@
+"""EPD_* environment variables: declared once, typed, read through here only.
+
+Command-line options take their defaults from these, so a container or a
+test can configure a service without flags.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: Callable[[], T]
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default()
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}={raw!r}: {exc}") from None
+
+
+BROKER = EnvVar("EPD_BROKER", str, lambda: "127.0.0.1:50051", "broker gRPC address")
+TRITON_URL = EnvVar("EPD_TRITON_URL", str, lambda: "127.0.0.1:8011", "Triton gRPC address")
+CHECKPOINT = EnvVar("EPD_CHECKPOINT", str, lambda: "", "checkpoint folder")
+HOST_ID = EnvVar(
+    "EPD_HOST_ID", str, socket.gethostname, "instances with the same host id share memory"
+)
+API_KEY = EnvVar("EPD_API_KEY", str, lambda: "", "gateway API key (empty: none)")
+CACHE_DIR = EnvVar(
+    "EPD_CACHE_DIR",
+    str,
+    lambda: os.path.join(os.path.expanduser("~"), ".cache", "epd"),
+    "where `epd serve` keeps the demo checkpoint",
+)
+
+ALL = (BROKER, TRITON_URL, CHECKPOINT, HOST_ID, API_KEY, CACHE_DIR)

@@ -1,0 +1,97 @@
+"""The gRPC server every EPD service runs: its servicers plus the standard
+health service and server reflection (what grpcurl needs), and a Prometheus
+endpoint for its own metrics registry."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """An insecure channel with the project's message-size limits."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class GrpcServer:
+    """Start with start(); `port` and `metrics_port` are the bound ones (0 picks free ports)."""
+
+    def __init__(
+        self,
+        name: str,
+        service_names: Sequence[str],
+        add_servicers: Callable[[grpc.aio.Server], None],
+        registry: CollectorRegistry,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = 0,
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        add_servicers(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self._requested_port = port
+        self._registry = registry
+        self._requested_metrics_port = metrics_port
+        self._metrics_server: Any = None
+        self.port = 0
+        self.metrics_port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self.port = self.server.add_insecure_port(f"{self.host}:{self._requested_port}")
+        if self.port == 0:
+            raise OSError(f"{self.name}: cannot bind {self.host}:{self._requested_port}")
+        await self.server.start()
+        if self._requested_metrics_port is not None:
+            self._metrics_server, _ = start_http_server(
+                self._requested_metrics_port, addr=self.host, registry=self._registry
+            )
+            self.metrics_port = self._metrics_server.server_port
+        await self.set_serving(True)
+        logger.info(
+            "%s serving on %s (metrics on %s)", self.name, self.address, self.metrics_port or "-"
+        )
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ["", *self.service_names]:
+            await self.health.set(service, status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()

@@ -1,0 +1,252 @@
+"""The broker over real gRPC: attach streams, heartbeats, eviction, PeerLost,
+routing, reconnects after a restart, and the grpcurl view by reflection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from services.broker.client import BrokerLink
+from services.broker.messages import (
+    BrokerMessage,
+    EmbeddingMeta,
+    InstanceJoined,
+    Load,
+    PeerLost,
+    PoolInfo,
+    Prealloc,
+    Registration,
+    Role,
+    peer_message_to_proto,
+)
+from services.broker.server import BrokerServer
+from services.grpc_server import channel
+from services.model.processor import ImageGrid
+from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from services.transfer.transport import Endpoints, GrpcEndpoint, ShmEndpoint, Transport
+from tests.ports import free_port
+from tests.reflection import call_json, list_services
+from tests.stack import broker_stub, start_broker
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def language(
+    instance_id: str, host: str = "h1", shm: bool = True, model: str = "m"
+) -> Registration:
+    endpoints = Endpoints(
+        shm=ShmEndpoint("seg") if shm else None, grpc=GrpcEndpoint(f"{instance_id}:1")
+    )
+    pool = PoolInfo(16, 256, 8, 0, torch.float32, endpoints)
+    return Registration(
+        Role.LANGUAGE, instance_id, f"{instance_id}:1", host, endpoints.transports, model, pool
+    )
+
+
+def encoder(
+    instance_id: str,
+    host: str = "h1",
+    transports: tuple[Transport, ...] = (Transport.SHM, Transport.GRPC),
+    model: str = "m",
+) -> Registration:
+    return Registration(Role.ENCODER, instance_id, f"{instance_id}:1", host, transports, model)
+
+
+class Peer:
+    """A BrokerLink that records what it receives."""
+
+    def __init__(self, address: str, registration: Registration, load: int = 0) -> None:
+        self.received: list[BrokerMessage] = []
+        self.load = Load(num_requests=load)
+        self.link = BrokerLink(address, registration, self._on, lambda: self.load)
+
+    async def _on(self, message: BrokerMessage) -> None:
+        self.received.append(message)
+
+    def of(self, kind: type) -> list[Any]:
+        return [m for m in self.received if isinstance(m, kind)]
+
+
+async def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def broker() -> AsyncIterator[BrokerServer]:
+    server = await start_broker(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+    yield server
+    await server.stop()
+
+
+async def attach(broker: BrokerServer, registration: Registration, load: int = 0) -> Peer:
+    peer = Peer(broker.address, registration, load)
+    await peer.link.start()
+    return peer
+
+
+async def test_encoders_learn_about_language_instances(broker: BrokerServer) -> None:
+    lang = await attach(broker, language("L1"))
+    enc = await attach(broker, encoder("E1"))
+    lang2 = await attach(broker, language("L2"))
+    await wait_for(lambda: len(enc.of(InstanceJoined)) == 2)
+    joined = {m.instance.registration.instance_id for m in enc.of(InstanceJoined)}
+    assert joined == {"L1", "L2"}
+    assert enc.of(InstanceJoined)[0].instance.registration.pool.endpoints.shm == ShmEndpoint("seg")
+    for peer in (lang, enc, lang2):
+        await peer.link.close()
+
+
+async def test_rendezvous_relays_over_the_streams(broker: BrokerServer) -> None:
+    lang = await attach(broker, language("L"))
+    enc = await attach(broker, encoder("E"))
+    await wait_for(lambda: enc.of(InstanceJoined))
+    enc.link.send(EmbeddingMeta("r1", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32))
+    lang.link.send(Prealloc("r1", (3,), 256))
+    await wait_for(lambda: lang.of(EmbeddingMeta) and enc.of(Prealloc))
+    assert lang.of(EmbeddingMeta)[0].encoder_instance_id == "E"
+    assert enc.of(Prealloc)[0].language_instance_id == "L"
+    for peer in (lang, enc):
+        await peer.link.close()
+
+
+async def test_silent_instance_is_evicted_and_its_peers_hear_peer_lost(
+    broker: BrokerServer,
+) -> None:
+    lang = await attach(broker, language("L"))
+    # A raw stream that registers, announces a request, then never heartbeats.
+    outgoing: asyncio.Queue[broker_pb2.PeerMessage | None] = asyncio.Queue()
+    for message in (
+        encoder("silent"),
+        EmbeddingMeta("r2", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32),
+    ):
+        outgoing.put_nowait(peer_message_to_proto(message))
+
+    async def requests() -> AsyncIterator[broker_pb2.PeerMessage]:
+        while (m := await outgoing.get()) is not None:
+            yield m
+
+    stream = broker_stub(broker).Attach(requests())
+    await wait_for(lambda: broker.broker.registry.get("silent") is not None)
+    lang.link.send(Prealloc("r2", (1,), 256))
+    await wait_for(lambda: lang.of(EmbeddingMeta))
+    await wait_for(lambda: lang.of(PeerLost), timeout_s=3)
+    assert lang.of(PeerLost)[0].instance_id == "silent"
+    assert lang.of(PeerLost)[0].request_ids == ("r2",)
+    assert broker.broker.registry.get("silent") is None
+    stream.cancel()
+    await lang.link.close()
+
+
+async def test_route_picks_the_least_loaded_compatible_pair(broker: BrokerServer) -> None:
+    peers = [
+        await attach(broker, language("busy"), load=9),
+        await attach(broker, language("idle"), load=1),
+        await attach(broker, language("other-model", model="x"), load=0),
+        await attach(broker, encoder("far", host="h2", transports=(Transport.SHM,)), load=0),
+        await attach(broker, encoder("near"), load=5),
+    ]
+    await asyncio.sleep(0.3)  # heartbeats carry the loads
+    stub = broker_stub(broker)
+    reply = await stub.Route(broker_pb2.RouteRequest(request_id="q", model="m", needs_encoder=True))
+    assert (reply.language_id, reply.encoder_id) == ("idle", "near")
+    assert reply.transport == common_pb2.TRANSPORT_SHM
+    text_only = await stub.Route(broker_pb2.RouteRequest(model="m", needs_encoder=False))
+    assert text_only.encoder_id == "" and text_only.language_id in ("idle", "busy")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Route(broker_pb2.RouteRequest(model="nope", needs_encoder=True))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no language instance serves model 'nope'" in info.value.details()
+    for peer in peers:
+        await peer.link.close()
+
+
+async def test_route_needs_a_shared_transport(broker: BrokerServer) -> None:
+    peers = [
+        await attach(broker, language("shm-only-lang", host="h1", shm=True)),
+        await attach(broker, encoder("remote-enc", host="h9", transports=(Transport.SHM,))),
+    ]
+    await asyncio.sleep(0.2)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await broker_stub(broker).Route(broker_pb2.RouteRequest(model="m", needs_encoder=True))
+    assert "shares a transport" in info.value.details()
+    for peer in peers:
+        await peer.link.close()
+
+
+async def test_first_message_must_be_register(broker: BrokerServer) -> None:
+    async def requests() -> AsyncIterator[broker_pb2.PeerMessage]:
+        yield broker_pb2.PeerMessage(heartbeat=broker_pb2.Heartbeat())
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in broker_stub(broker).Attach(requests()):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_instances_reattach_after_a_broker_restart() -> None:
+    port = free_port()
+    first = await start_broker(port=port)
+    peer = Peer(first.address, language("survivor"))
+    await peer.link.start()
+    await first.stop()
+    await wait_for(lambda: not peer.link.attached.is_set())
+    second = await start_broker(port=port)
+    try:
+        await wait_for(lambda: peer.link.attached.is_set(), timeout_s=10)
+        assert peer.link.num_attachments == 2
+        assert second.broker.registry.get("survivor") is not None
+    finally:
+        await peer.link.close()
+        await second.stop()
+
+
+async def test_grpcurl_view_by_reflection(broker: BrokerServer) -> None:
+    peer = await attach(broker, language("L-json"))
+    services = await asyncio.to_thread(list_services, broker.address)
+    assert "epd.v1.Broker" in services
+    assert "grpc.health.v1.Health" in services
+    reply = await asyncio.to_thread(
+        call_json, broker.address, "epd.v1.Broker/ListInstances", {"role": "ROLE_LANGUAGE"}
+    )
+    ids = [i["registration"]["instanceId"] for i in reply["instances"]]
+    assert ids == ["L-json"]
+    assert reply["instances"][0]["registration"]["pool"]["blockSize"] == 256
+    health = await asyncio.to_thread(
+        call_json, broker.address, "grpc.health.v1.Health/Check", {"service": "epd.v1.Broker"}
+    )
+    assert health["status"] == "SERVING"
+    with pytest.raises(grpc.RpcError) as info:
+        await asyncio.to_thread(
+            call_json, broker.address, "epd.v1.Broker/DescribeRequest", {"requestId": "nope"}
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    await peer.link.close()
+
+
+async def test_describe_request_shows_the_phase(broker: BrokerServer) -> None:
+    lang = await attach(broker, language("L"))
+    enc = await attach(broker, encoder("E"))
+    await wait_for(lambda: enc.of(InstanceJoined))
+    lang.link.send(Prealloc("r9", (1,), 256))
+    await wait_for(lambda: broker.broker.rendezvous.describe("r9") is not None)
+    stub = broker_pb2_grpc.BrokerStub(channel(broker.address))
+    waiting = await stub.DescribeRequest(broker_pb2.DescribeRequestRequest(request_id="r9"))
+    assert waiting.phase == broker_pb2.RequestDescription.PHASE_WAITING
+    assert waiting.has_prealloc and not waiting.has_meta
+    enc.link.send(EmbeddingMeta("r9", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32))
+    await wait_for(lambda: lang.of(EmbeddingMeta))
+    paired = await stub.DescribeRequest(broker_pb2.DescribeRequestRequest(request_id="r9"))
+    assert paired.phase == broker_pb2.RequestDescription.PHASE_TRANSFERRING
+    assert paired.encoder_id == "E" and paired.language_id == "L" and paired.total_tokens == 64
+    for peer in (lang, enc):
+        await peer.link.close()

@@ -1,0 +1,157 @@
+"""The rendezvous as pure logic: both arrival orders, relays, aborts, expiry,
+and a property-based run over random interleavings."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.broker.messages import (
+    Abort,
+    EmbeddingMeta,
+    PeerLost,
+    Prealloc,
+    Resume,
+    TransferDone,
+)
+from services.broker.rendezvous import Phase, Rendezvous
+from services.model.processor import ImageGrid
+from services.transfer.transport import Transport
+
+E, L = "enc", "lang"
+
+
+def meta(rid: str = "r", total: int = 100) -> EmbeddingMeta:
+    return EmbeddingMeta(rid, L, total, (ImageGrid(1, 20, 20),), 8, torch.float32)
+
+
+def prealloc(rid: str = "r", tokens: int = 64) -> Prealloc:
+    return Prealloc(rid, (0, 1), tokens)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_meta_first_then_prealloc_pairs() -> None:
+    r = Rendezvous()
+    assert r.on_meta(E, meta()) == []
+    assert r.describe("r").phase is Phase.WAITING
+    out = r.on_prealloc(L, prealloc())
+    targets = {t: type(m) for t, m in out}
+    assert targets == {L: EmbeddingMeta, E: Prealloc}
+    relayed_meta = next(m for t, m in out if t == L)
+    assert isinstance(relayed_meta, EmbeddingMeta) and relayed_meta.encoder_instance_id == E
+    relayed_prealloc = next(m for t, m in out if t == E)
+    assert isinstance(relayed_prealloc, Prealloc) and relayed_prealloc.language_instance_id == L
+    assert r.describe("r").phase is Phase.TRANSFERRING
+
+
+def test_prealloc_first_then_meta_pairs() -> None:
+    r = Rendezvous()
+    assert r.on_prealloc(L, prealloc()) == []
+    out = r.on_meta(E, meta())
+    assert {t for t, _ in out} == {E, L}
+
+
+def test_parts_resume_and_done() -> None:
+    r = Rendezvous()
+    r.on_meta(E, meta(total=100))
+    r.on_prealloc(L, prealloc(tokens=64))
+    assert r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))[0][0] == L
+    assert r.on_resume(L, Resume("r", (3,), 64, 64))[0][0] == E
+    out = r.on_transfer_done(E, TransferDone("r", 100, 100, Transport.SHM))
+    assert out[0][0] == L
+    p = r.describe("r")
+    assert p.phase is Phase.DONE and p.num_resumes == 1 and p.sent_tokens == 100
+
+
+def test_abort_reaches_the_other_side_and_late_halves() -> None:
+    r = Rendezvous()
+    r.on_prealloc(L, prealloc())
+    assert r.on_abort(L, Abort("r", "client left")) == []  # no encoder known yet
+    out = r.on_meta(E, meta())
+    assert out == [(E, Abort("r", "client left"))]
+
+
+def test_unmatched_half_expires_and_is_aborted() -> None:
+    clock = Clock()
+    r = Rendezvous(ttl_s=5, history_s=10, clock=clock)
+    r.on_meta(E, meta())
+    clock.now = 6
+    out = r.expire()
+    # The metadata named its target, so both sides hear of it.
+    assert sorted((t, type(m)) for t, m in out) == [(E, Abort), (L, Abort)]
+    assert r.describe("r").phase is Phase.ABORTED
+    clock.now = 20
+    r.expire()
+    assert r.describe("r") is None
+
+
+def test_lost_instance_notifies_its_peers_once() -> None:
+    r = Rendezvous()
+    for rid in ("a", "b"):
+        r.on_meta(E, meta(rid))
+        r.on_prealloc(L, prealloc(rid))
+    out = r.on_instance_lost(E)
+    assert len(out) == 1
+    target, message = out[0]
+    assert target == L and isinstance(message, PeerLost) and set(message.request_ids) == {"a", "b"}
+    assert r.active_requests(L) == []
+
+
+def test_mismatched_target_aborts_both() -> None:
+    r = Rendezvous()
+    r.on_prealloc("other-lang", prealloc())
+    out = r.on_meta(E, meta())
+    assert {t for t, _ in out} == {E, "other-lang"}
+    assert all(isinstance(m, Abort) for _, m in out)
+
+
+EVENTS = st.sampled_from(
+    ["meta", "prealloc", "done", "resume", "abort_e", "abort_l", "lost_e", "lost_l", "tick"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), EVENTS), max_size=40))
+def test_random_interleavings_keep_the_invariants(events: list[tuple[int, str]]) -> None:
+    """Whatever the order: deliveries only go to the pair, a finished request
+    never comes back to life, and every request ends finished or still pending."""
+    clock = Clock()
+    r = Rendezvous(ttl_s=3, history_s=1000, clock=clock)
+    sent = {rid: 0 for rid in map(str, range(4))}
+    finished: set[str] = set()
+    for index, event in events:
+        rid = str(index)
+        if event == "meta":
+            out = r.on_meta(E, meta(rid, 100))
+        elif event == "prealloc":
+            out = r.on_prealloc(L, prealloc(rid, 64))
+        elif event == "done":
+            sent[rid] = min(100, sent[rid] + 64)
+            out = r.on_transfer_done(E, TransferDone(rid, sent[rid], 100, Transport.GRPC))
+        elif event == "resume":
+            out = r.on_resume(L, Resume(rid, (1,), sent[rid], 64))
+        elif event in ("abort_e", "abort_l"):
+            out = r.on_abort(E if event == "abort_e" else L, Abort(rid, "x"))
+        elif event in ("lost_e", "lost_l"):
+            out = r.on_instance_lost(E if event == "lost_e" else L)
+        else:
+            clock.now += 2
+            out = r.expire()
+        assert all(target in (E, L) for target, _ in out)
+        for rid_, pairing in ((k, r.describe(k)) for k in sent):
+            if pairing is None:
+                continue
+            if rid_ in finished:
+                assert pairing.phase.is_finished, f"{rid_} came back to life"
+            if pairing.phase.is_finished:
+                finished.add(rid_)
+            if pairing.phase is Phase.TRANSFERRING:
+                assert pairing.meta is not None and pairing.prealloc is not None

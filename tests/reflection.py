@@ -1,0 +1,57 @@
+"""What grpcurl does, with the grpcio-reflection client: list services, resolve
+descriptors from the server, call a method with a JSON request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+from google.protobuf import json_format, message_factory
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+
+def list_services(address: str) -> list[str]:
+    with grpc.insecure_channel(address) as channel:
+        return sorted(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+
+def call_json(address: str, method: str, request: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`grpcurl -d JSON address package.Service/Method`: unary calls only."""
+    service, name = method.rsplit("/", 1)
+    with grpc.insecure_channel(address) as channel:
+        pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        descriptor = pool.FindServiceByName(service).methods_by_name[name]
+        request_class = message_factory.GetMessageClass(descriptor.input_type)
+        reply_class = message_factory.GetMessageClass(descriptor.output_type)
+        call = channel.unary_unary(
+            f"/{service}/{name}",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=reply_class.FromString,
+        )
+        message = json_format.Parse(json.dumps(request or {}), request_class())
+        reply = call(message, timeout=10)
+        result: dict[str, Any] = json_format.MessageToDict(reply)
+        return result
+
+
+def server_streaming_json(
+    address: str, method: str, request: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """`grpcurl -d JSON address package.Service/Method` for a server-streaming method."""
+    service, name = method.rsplit("/", 1)
+    with grpc.insecure_channel(address) as channel:
+        pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        descriptor = pool.FindServiceByName(service).methods_by_name[name]
+        request_class = message_factory.GetMessageClass(descriptor.input_type)
+        reply_class = message_factory.GetMessageClass(descriptor.output_type)
+        call = channel.unary_stream(
+            f"/{service}/{name}",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=reply_class.FromString,
+        )
+        message = json_format.Parse(json.dumps(request), request_class())
+        return [json_format.MessageToDict(r) for r in call(message, timeout=60)]
