@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.model.demo import build_demo_checkpoint
+from services.triton.launcher import TritonConfig, TritonServer
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +20,16 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_checkpoint(tmp_path_factory.mktemp("small"), size="small", seed=0)
+
+
+@pytest.fixture(scope="session")
+def triton(tiny_checkpoint: Path) -> Iterator[TritonServer]:
+    """One real tritonserver (from the nvidia-pytriton wheel) for the whole run."""
+    config = TritonConfig(
+        checkpoint=tiny_checkpoint,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
+    with TritonServer(config) as server:
+        yield server

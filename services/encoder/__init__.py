@@ -1,0 +1,1 @@
+"""The encoder service: images in, embeddings out to a language instance."""

@@ -1,0 +1,56 @@
+"""EmbeddingCache: image embeddings by content hash, LRU within a byte budget."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from services.model.processor import ImageGrid
+
+
+@dataclass(frozen=True, slots=True)
+class ImageEmbedding:
+    embeddings: torch.Tensor  # [tokens, hidden]
+    deepstack: torch.Tensor | None  # [tokens, levels * hidden]
+    grid: ImageGrid
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        size = self.embeddings.numel() * self.embeddings.element_size()
+        if self.deepstack is not None:
+            size += self.deepstack.numel() * self.deepstack.element_size()
+        return size
+
+
+class EmbeddingCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes_used = 0
+        self._entries: OrderedDict[str, ImageEmbedding] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> ImageEmbedding | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: str, entry: ImageEmbedding) -> None:
+        if entry.nbytes > self.max_bytes:
+            return  # would evict everything and still not fit
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes_used -= old.nbytes
+        self._entries[key] = entry
+        self.bytes_used += entry.nbytes
+        while self.bytes_used > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes_used -= evicted.nbytes

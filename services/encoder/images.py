@@ -1,0 +1,85 @@
+"""Decoding untrusted image bytes within limits.
+
+The header is read before any pixel: an image whose declared size is over the
+pixel limit (a decompression bomb) is refused without being decoded.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    max_images: int = 16
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+
+    def __post_init__(self) -> None:
+        if min(self.max_images, self.max_image_bytes, self.max_image_pixels) <= 0:
+            raise ValueError(f"image limits must be positive: {self}")
+
+
+class BadImageError(ValueError):
+    """One image of a request cannot be used; the message names it and why."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"image {index}: {reason}")
+        self.index = index
+
+
+def check_count(num_images: int, limits: ImageLimits) -> None:
+    if num_images > limits.max_images:
+        raise BadImageError(
+            limits.max_images, f"too many images: {num_images} > limit of {limits.max_images}"
+        )
+
+
+def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
+    """The image as loaded RGB pixels, or BadImageError."""
+    if not data:
+        raise BadImageError(index, "empty image data")
+    if len(data) > limits.max_image_bytes:
+        raise BadImageError(
+            index, f"{len(data)} bytes exceeds the limit of {limits.max_image_bytes} bytes"
+        )
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        # PIL refuses absurd sizes itself, before our own (lower) limit is checked.
+        raise BadImageError(
+            index, f"declared size exceeds the limit of {limits.max_image_pixels} pixels"
+        ) from None
+    except UnidentifiedImageError:
+        raise BadImageError(
+            index, f"not a valid image (supported: {', '.join(ALLOWED_FORMATS)})"
+        ) from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise BadImageError(index, f"unreadable image header: {exc}") from None
+    if image.format not in ALLOWED_FORMATS:
+        raise BadImageError(
+            index,
+            f"format {image.format} is not supported (supported: {', '.join(ALLOWED_FORMATS)})",
+        )
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise BadImageError(index, f"zero-size image ({width}x{height})")
+    if width * height > limits.max_image_pixels:
+        raise BadImageError(
+            index,
+            f"{width}x{height} = {width * height} pixels exceeds the limit of "
+            f"{limits.max_image_pixels} pixels",
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as exc:
+        raise BadImageError(index, f"corrupt or truncated image: {exc}") from None

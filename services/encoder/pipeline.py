@@ -1,0 +1,100 @@
+"""EncodePipeline: image bytes -> per-image embeddings.
+
+Cached images (by content hash) skip everything; the rest are decoded and
+preprocessed in the worker pool, then sent to Triton as one request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.encoder.cache import EmbeddingCache, ImageEmbedding
+from services.encoder.images import ImageLimits, check_count
+from services.encoder.metrics import EncoderMetrics
+from services.encoder.preprocess import Preprocessor
+from services.encoder.triton_client import VitClient
+from services.model.processor import ImageGrid
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    images: list[ImageEmbedding]
+    num_cached: int
+
+    @property
+    def grids(self) -> list[ImageGrid]:
+        return [i.grid for i in self.images]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.images)
+
+    @property
+    def embeddings(self) -> torch.Tensor:
+        return torch.cat([i.embeddings for i in self.images])
+
+    @property
+    def deepstack(self) -> torch.Tensor | None:
+        if self.images[0].deepstack is None:
+            return None
+        return torch.cat([i.deepstack for i in self.images if i.deepstack is not None])
+
+
+class EncodePipeline:
+    def __init__(
+        self,
+        preprocessor: Preprocessor,
+        vit: VitClient,
+        cache: EmbeddingCache,
+        limits: ImageLimits,
+        metrics: EncoderMetrics,
+    ) -> None:
+        self.preprocessor = preprocessor
+        self.vit = vit
+        self.cache = cache
+        self.limits = limits
+        self.metrics = metrics
+        self.merge_size = preprocessor.rule.merge_size
+
+    async def encode(self, images: Sequence[bytes]) -> Encoded:
+        if not images:
+            raise ValueError("no images to encode")
+        check_count(len(images), self.limits)
+        keys = await self.preprocessor.keys(images)
+        found: dict[int, ImageEmbedding] = {}
+        missing: list[int] = []
+        for index, key in enumerate(keys):
+            entry = self.cache.get(key)
+            if entry is None:
+                missing.append(index)
+            else:
+                found[index] = entry
+        self.metrics.cache_hits.inc(len(found))
+        self.metrics.cache_misses.inc(len(missing))
+        if missing:
+            started = time.perf_counter()
+            pre = await self.preprocessor.preprocess([(i, images[i]) for i in missing])
+            self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
+            started = time.perf_counter()
+            out = await self.vit.infer(
+                np.concatenate([p.pixel_values for p in pre]),
+                np.array([[p.grid.t, p.grid.h, p.grid.w] for p in pre], dtype=np.int64),
+            )
+            self.metrics.triton_seconds.observe(time.perf_counter() - started)
+            sizes = [p.grid.num_tokens(self.merge_size) for p in pre]
+            embeds = torch.split(out.embeddings, sizes)
+            deep = torch.split(out.deepstack, sizes) if out.deepstack is not None else None
+            for j, (index, p) in enumerate(zip(missing, pre, strict=True)):
+                entry = ImageEmbedding(embeds[j].clone(), deep[j].clone() if deep else None, p.grid)
+                found[index] = entry
+                self.cache.put(keys[index], entry)
+            self.metrics.cache_bytes.set(self.cache.bytes_used)
+        encoded = Encoded([found[i] for i in range(len(images))], len(images) - len(missing))
+        self.metrics.images.inc(len(images))
+        self.metrics.tokens.inc(encoded.num_tokens)
+        return encoded

@@ -1,0 +1,70 @@
+"""Image bytes -> (pixel patches, grid) with the checkpoint's HF image processor.
+
+Decoding and preprocessing run in a thread pool (PIL and numpy release the
+GIL), so one slow image never stalls the event loop or other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.encoder.images import BadImageError, ImageLimits, decode_image
+from services.model.processor import ImageGrid, ImageTokenRule, load_image_processor
+
+
+@dataclass(frozen=True, slots=True)
+class PreprocessedImage:
+    pixel_values: np.ndarray  # [num_patches, 3 * temporal_patch * patch * patch] float32
+    grid: ImageGrid
+
+
+def content_key(data: bytes) -> str:
+    """The embedding cache key: a hash of the image bytes."""
+    return hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+class Preprocessor:
+    def __init__(self, checkpoint: str | Path, limits: ImageLimits, workers: int = 2) -> None:
+        self.limits = limits
+        self.rule = ImageTokenRule.from_checkpoint(checkpoint)
+        self._processor = load_image_processor(checkpoint)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preprocess")
+
+    def _run(self, data: bytes, index: int) -> PreprocessedImage:
+        image = decode_image(data, index, self.limits)
+        try:
+            self.rule.grid(image.height, image.width)  # aspect-ratio and size checks
+        except ValueError as exc:
+            raise BadImageError(index, str(exc)) from None
+        out = self._processor(images=[image], return_tensors="np")
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        return PreprocessedImage(pixels, ImageGrid(t, h, w))
+
+    async def keys(self, images: Sequence[bytes]) -> list[str]:
+        loop = asyncio.get_running_loop()
+        return list(
+            await asyncio.gather(
+                *(loop.run_in_executor(self._pool, content_key, d) for d in images)
+            )
+        )
+
+    async def preprocess(self, images: Sequence[tuple[int, bytes]]) -> list[PreprocessedImage]:
+        """(request index, bytes) pairs -> preprocessed images; BadImageError names the index."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self._pool, self._run, d, i) for i, d in images]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [r for r in results if isinstance(r, PreprocessedImage)]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

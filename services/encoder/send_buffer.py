@@ -1,0 +1,89 @@
+"""SendBuffer: encoded embeddings waiting for their transfer, in a fixed pool.
+
+The pool is allocated (and registered with NIXL) once; when it is full a new
+encode waits for space instead of growing memory (backpressure), up to a
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from services.transfer.embedding_pool import EmbeddingPool
+
+
+class SendBufferFullError(RuntimeError):
+    """No room for the embeddings within the wait allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A request's embeddings in the send buffer."""
+
+    request_id: str
+    blocks: list[int]
+    num_tokens: int
+
+
+class SendBuffer:
+    def __init__(self, pool: EmbeddingPool) -> None:
+        self.pool = pool
+        self._held: dict[str, Held] = {}
+        self._freed = asyncio.Condition()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.layout.num_rows
+
+    @property
+    def bytes_used(self) -> int:
+        return (
+            self.pool.allocator.num_used_blocks
+            * self.pool.layout.block_size
+            * self.pool.layout.token_bytes
+        )
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    async def hold(
+        self,
+        request_id: str,
+        embeddings: torch.Tensor,
+        deepstack: torch.Tensor | None,
+        wait_s: float,
+    ) -> Held:
+        num_tokens = int(embeddings.shape[0])
+        if num_tokens > self.capacity_tokens:
+            raise SendBufferFullError(
+                f"{num_tokens} embedding tokens exceed the whole send buffer "
+                f"({self.capacity_tokens} tokens)"
+            )
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} already holds embeddings")
+        allocator = self.pool.allocator
+        async with self._freed:
+            try:
+                await asyncio.wait_for(
+                    self._freed.wait_for(lambda: allocator.can_allocate(num_tokens)), wait_s
+                )
+            except TimeoutError:
+                raise SendBufferFullError(
+                    f"send buffer full: no room for {num_tokens} tokens within {wait_s:.0f}s"
+                ) from None
+            blocks = allocator.allocate(num_tokens)
+        assert blocks is not None
+        self.pool.write(blocks, 0, embeddings, deepstack)
+        held = self._held[request_id] = Held(request_id, blocks, num_tokens)
+        return held
+
+    async def release(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        self.pool.allocator.free(held.blocks)
+        async with self._freed:
+            self._freed.notify_all()

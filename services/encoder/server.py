@@ -1,0 +1,193 @@
+"""`epd encoder`: assembles the encoder service and runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from services import env
+from services.broker.client import BrokerLink
+from services.broker.messages import Load, Registration, Role
+from services.encoder.cache import EmbeddingCache
+from services.encoder.images import ImageLimits
+from services.encoder.metrics import EncoderMetrics
+from services.encoder.pipeline import EncodePipeline
+from services.encoder.preprocess import Preprocessor
+from services.encoder.send_buffer import SendBuffer
+from services.encoder.sender import Sender
+from services.encoder.servicer import EncoderServicer
+from services.encoder.triton_client import VitClient
+from services.grpc_server import GrpcServer
+from services.model.spec import load_spec
+from services.proto import encoder_pb2, encoder_pb2_grpc
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.layout import PoolLayout
+from services.transfer.transport import Transport
+from services.transfer.transports.base import Writer
+from services.transfer.transports.cuda_ipc import CudaIpcWriter, cuda_ipc_available
+from services.transfer.transports.grpc_stream import GrpcWriter
+from services.transfer.transports.nixl import NixlWriter, nixl_available
+from services.transfer.transports.shm import ShmWriter
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50061
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    checkpoint: Path
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    metrics_port: int | None = 0
+    instance_id: str = field(default_factory=lambda: f"encoder-{secrets.token_hex(3)}")
+    host_id: str = field(default_factory=env.HOST_ID.get)
+    broker: str | None = None
+    triton_url: str = "127.0.0.1:8011"
+    triton_shared_memory: bool = True
+    triton_timeout_s: float = 60.0
+    triton_max_in_flight: int = 8
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    preprocess_workers: int = 2
+    cache_bytes: int = 256 * 1024 * 1024
+    send_buffer_tokens: int = 65536
+    send_block_size: int = 256
+    buffer_wait_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    transports: tuple[Transport, ...] = (Transport.SHM, Transport.NIXL, Transport.GRPC)
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.send_buffer_tokens < self.send_block_size:
+            raise ValueError("send_buffer_tokens must hold at least one block")
+
+
+def _writers(config: EncoderConfig, source: EmbeddingPool) -> dict[Transport, Writer]:
+    writers: dict[Transport, Writer] = {}
+    for transport in config.transports:
+        if transport is Transport.SHM:
+            writers[transport] = ShmWriter()
+        elif transport is Transport.GRPC:
+            writers[transport] = GrpcWriter(config.transfer_timeout_s)
+        elif transport is Transport.NIXL and nixl_available():
+            writers[transport] = NixlWriter(
+                f"epd-{config.instance_id}", source, config.transfer_timeout_s
+            )
+        elif transport is Transport.CUDA_IPC and cuda_ipc_available():
+            writers[transport] = CudaIpcWriter()
+        else:
+            logger.warning("transport %s is not available here; skipped", transport.name.lower())
+    return writers
+
+
+class EncoderServer:
+    def __init__(self, config: EncoderConfig) -> None:
+        self.config = config
+        spec = load_spec(config.checkpoint)
+        registry = CollectorRegistry()
+        self.metrics = EncoderMetrics(registry)
+        self.vit = VitClient(
+            config.triton_url,
+            hidden_size=spec.vision.out_hidden_size,
+            deepstack_levels=spec.vision.deepstack_levels,
+            merge_size=spec.vision.spatial_merge_size,
+            shared_memory=config.triton_shared_memory,
+            timeout_s=config.triton_timeout_s,
+            max_in_flight=config.triton_max_in_flight,
+        )
+        self.preprocessor = Preprocessor(
+            config.checkpoint, config.limits, config.preprocess_workers
+        )
+        self.pipeline = EncodePipeline(
+            self.preprocessor,
+            self.vit,
+            EmbeddingCache(config.cache_bytes),
+            config.limits,
+            self.metrics,
+        )
+        layout = PoolLayout(
+            num_blocks=config.send_buffer_tokens // config.send_block_size,
+            block_size=config.send_block_size,
+            hidden_size=spec.vision.out_hidden_size,
+            deepstack_levels=spec.vision.deepstack_levels,
+            dtype=config.dtype,
+        )
+        self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout))
+        self.sender = Sender(
+            self.buffer,
+            _writers(config, self.buffer.pool),
+            config.host_id,
+            config.transfer_timeout_s,
+            on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
+        )
+        servicer = EncoderServicer(
+            self.pipeline, self.buffer, self.sender, self.metrics, config.buffer_wait_s
+        )
+        self.grpc = GrpcServer(
+            "encoder",
+            [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name],
+            lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
+            registry,
+            host=config.host,
+            port=config.port,
+            metrics_port=config.metrics_port,
+        )
+        self.link: BrokerLink | None = None
+        self._upkeep: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return self.grpc.address
+
+    def registration(self) -> Registration:
+        return Registration(
+            role=Role.ENCODER,
+            instance_id=self.config.instance_id,
+            grpc_address=self.grpc.address,
+            host_id=self.config.host_id,
+            transports=self.sender.transports,
+            model=self.config.model_name,
+        )
+
+    def load(self) -> Load:
+        return Load(num_requests=len(self.sender.transfers))
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        if self.config.broker:
+            self.link = BrokerLink(
+                self.config.broker,
+                self.registration(),
+                self.sender.on_message,
+                self.load,
+                on_detached=self.sender.detached,
+            )
+            self.sender.link = self.link
+            await self.link.start()
+        self._upkeep = asyncio.create_task(self._expire())
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await self.sender.expire()
+            self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
+
+    async def stop(self) -> None:
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._upkeep
+        await self.grpc.stop(2.0)
+        await self.sender.close()
+        if self.link is not None:
+            await self.link.close()
+        await self.vit.close()
+        self.preprocessor.close()

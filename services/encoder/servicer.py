@@ -1,0 +1,102 @@
+"""The Encoder gRPC servicer: protobuf at the edge, errors as gRPC statuses."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.broker.client import BrokerUnavailableError
+from services.broker.messages import dtype_to_proto, grids_to_proto
+from services.encoder.images import BadImageError
+from services.encoder.metrics import EncoderMetrics
+from services.encoder.pipeline import Encoded, EncodePipeline
+from services.encoder.send_buffer import SendBuffer, SendBufferFullError
+from services.encoder.sender import Sender, UnknownPeerError
+from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
+from services.proto import encoder_pb2, encoder_pb2_grpc
+from services.transfer.embedding_pool import tensor_bytes
+
+logger = logging.getLogger(__name__)
+
+_STATUS = (
+    (BadImageError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TritonUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (BrokerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (UnknownPeerError, grpc.StatusCode.NOT_FOUND),
+    (SendBufferFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TritonRequestError, grpc.StatusCode.INTERNAL),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def _status_for(exc: Exception) -> grpc.StatusCode | None:
+    return next((code for kind, code in _STATUS if isinstance(exc, kind)), None)
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+    def __init__(
+        self,
+        pipeline: EncodePipeline,
+        buffer: SendBuffer,
+        sender: Sender,
+        metrics: EncoderMetrics,
+        buffer_wait_s: float = 30.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.buffer = buffer
+        self.sender = sender
+        self.metrics = metrics
+        self.buffer_wait_s = buffer_wait_s
+
+    async def Encode(
+        self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EncodeReply:
+        self.metrics.in_flight.inc()
+        try:
+            reply = await self._encode(request)
+        except Exception as exc:
+            code = _status_for(exc)
+            if code is None:
+                raise
+            self.metrics.requests.labels(code.name.lower()).inc()
+            await context.abort(code, str(exc))
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
+        self.metrics.requests.labels("ok").inc()
+        return reply
+
+    async def _encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeReply:
+        target = request.language_instance_id
+        if target and not request.request_id:
+            raise ValueError("request_id is required to send embeddings to a language instance")
+        peer = await self.sender.peer(target) if target else None
+        encoded = await self.pipeline.encode(list(request.images))
+        reply = self._reply(request.request_id, encoded)
+        if peer is None:
+            reply.embeddings = tensor_bytes(encoded.embeddings.to(self.buffer.pool.layout.dtype))
+            if encoded.deepstack is not None:
+                reply.deepstack = tensor_bytes(encoded.deepstack.to(self.buffer.pool.layout.dtype))
+            return reply
+        held = await self.buffer.hold(
+            request.request_id, encoded.embeddings, encoded.deepstack, self.buffer_wait_s
+        )
+        try:
+            await self.sender.start(request.request_id, peer, held, encoded.grids)
+        except BaseException:
+            await self.buffer.release(request.request_id)
+            raise
+        return reply
+
+    def _reply(self, request_id: str, encoded: Encoded) -> encoder_pb2.EncodeReply:
+        layout = self.buffer.pool.layout
+        return encoder_pb2.EncodeReply(
+            request_id=request_id,
+            total_tokens=encoded.num_tokens,
+            grids=grids_to_proto(encoded.grids),
+            hidden_size=layout.hidden_size,
+            dtype=dtype_to_proto(layout.dtype),
+            deepstack_levels=layout.deepstack_levels,
+            cached_images=encoded.num_cached,
+        )

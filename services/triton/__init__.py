@@ -1,0 +1,1 @@
+"""Running Triton Inference Server locally from the nvidia-pytriton wheel."""

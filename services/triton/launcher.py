@@ -1,0 +1,259 @@
+"""Starts, watches and stops a local `tritonserver` for the model repository.
+
+The binary, the Python backend and its stubs ship inside the nvidia-pytriton
+wheel. The launcher assembles a backend folder with the stub for this Python,
+points the stub at this environment's site-packages (it runs in isolated mode),
+names the backend's shared-memory regions with a unique prefix so they can be
+removed however the server ends, and waits for the server and the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+SHM_DIR = Path("/dev/shm")
+
+
+class TritonError(RuntimeError):
+    """Triton could not be found, started, or did not become ready."""
+
+
+@dataclass(frozen=True, slots=True)
+class TritonConfig:
+    checkpoint: Path
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    model_name: str = "vit"
+    host: str = "127.0.0.1"
+    http_port: int = 8010
+    grpc_port: int = 8011
+    metrics_port: int = 8012
+    model_config_name: str | None = None  # e.g. "gpu" selects configs/gpu.pbtxt
+    startup_timeout_s: float = 180.0
+    log_verbose: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.model_repository / self.model_name / "config.pbtxt").is_file():
+            raise TritonError(
+                f"no {self.model_name}/config.pbtxt in model repository {self.model_repository}"
+            )
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+@dataclass(frozen=True, slots=True)
+class TritonInstall:
+    """Where the wheel keeps the server binary, its libraries and the backend."""
+
+    binary: Path
+    libs: Path
+    python_backend: Path
+    stub: Path
+
+    @classmethod
+    def find(cls) -> TritonInstall:
+        # Located, not imported: importing pytriton pulls in its own client's deps.
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or not spec.submodule_search_locations:
+            raise TritonError(
+                "tritonserver not found: install the nvidia-pytriton wheel "
+                "(pip install --no-deps nvidia-pytriton==0.7.0)"
+            )
+        root = Path(next(iter(spec.submodule_search_locations))).resolve() / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        install = cls(
+            binary=root / "bin" / "tritonserver",
+            libs=root.parent.parent / "nvidia_pytriton.libs",
+            python_backend=root / "backends" / "python",
+            stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+        )
+        for path in (install.binary, install.python_backend, install.stub):
+            if not path.exists():
+                raise TritonError(f"tritonserver install is incomplete: {path} is missing")
+        return install
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver child process. Use as a context manager, or start()/stop()."""
+
+    config: TritonConfig
+    _process: subprocess.Popen[bytes] | None = None
+    _workdir: Path | None = None
+    _shm_prefix: str = field(default_factory=lambda: f"epd_triton_{secrets.token_hex(4)}_")
+    _log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=60))
+    _log_thread: threading.Thread | None = None
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def log_tail(self) -> str:
+        return "\n".join(self._log_tail)
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def start(self) -> None:
+        install = TritonInstall.find()
+        self._workdir = Path(tempfile.mkdtemp(prefix="epd-triton-"))
+        backends = self._prepare_backends(install, self._workdir)
+        cfg = self.config
+        cmd = [
+            str(install.binary),
+            f"--model-repository={cfg.model_repository}",
+            f"--backend-directory={backends}",
+            "--model-control-mode=explicit",
+            f"--load-model={cfg.model_name}",
+            f"--http-address={cfg.host}",
+            f"--grpc-address={cfg.host}",
+            f"--metrics-address={cfg.host}",
+            f"--http-port={cfg.http_port}",
+            f"--grpc-port={cfg.grpc_port}",
+            f"--metrics-port={cfg.metrics_port}",
+            "--exit-on-error=true",
+            "--strict-readiness=true",
+            f"--log-verbose={cfg.log_verbose}",
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
+            # The backend's stub exchange region grows by this much at a time
+            # (1 MiB by default: hundreds of remaps for one large batch).
+            f"--backend-config=python,shm-growth-byte-size={64 * 1024 * 1024}",
+        ]
+        if cfg.model_config_name:
+            cmd.append(f"--model-config-name={cfg.model_config_name}")
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            filter(None, [str(install.libs), env.get("LD_LIBRARY_PATH")])
+        )
+        env["EPD_VIT_CHECKPOINT"] = str(Path(cfg.checkpoint).resolve())
+        env["EPD_SITE_PACKAGES"] = os.pathsep.join(site.getsitepackages())
+        logger.info("starting tritonserver (grpc %s, http %s)", cfg.grpc_url, cfg.http_url)
+        self._process = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._log_thread = threading.Thread(target=self._forward_log, daemon=True)
+        self._log_thread.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _prepare_backends(self, install: TritonInstall, workdir: Path) -> Path:
+        """A backend folder holding the wheel's Python backend plus the stub for this Python."""
+        python = workdir / "backends" / "python"
+        python.mkdir(parents=True)
+        for item in install.python_backend.iterdir():
+            if item.is_file():
+                (python / item.name).symlink_to(item)
+        shutil.copy2(install.stub, python / install.stub.name)
+        return python.parent
+
+    def _forward_log(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for raw in self._process.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._log_tail.append(line)
+            logger.debug("tritonserver: %s", line)
+
+    def _get(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(self.config.http_url + path, timeout=2) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def wait_ready(self) -> None:
+        """Returns once the server and the model are ready; raises with the log tail otherwise."""
+        assert self._process is not None
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        model_path = f"/v2/models/{self.config.model_name}/ready"
+        while time.monotonic() < deadline:
+            code = self._process.poll()
+            if code is not None:
+                time.sleep(0.2)  # let the log thread drain
+                raise TritonError(
+                    f"tritonserver exited with code {code} before it was ready:\n"
+                    f"{self._failure_summary()}"
+                )
+            if self._get("/v2/health/ready") == 200 and self._get(model_path) == 200:
+                logger.info("tritonserver ready, model %r loaded", self.config.model_name)
+                return
+            time.sleep(0.25)
+        raise TritonError(
+            f"tritonserver not ready after {self.config.startup_timeout_s:.0f}s:\n"
+            f"{self._failure_summary()}"
+        )
+
+    def _failure_summary(self) -> str:
+        errors = [
+            line
+            for line in self._log_tail
+            if line.startswith("E") or "failed to load" in line or "Error" in line
+        ]
+        return "\n".join(errors[-12:] or list(self._log_tail)[-20:])
+
+    def statistics(self) -> dict[str, object]:
+        """Triton's per-model inference statistics (execution and inference counts)."""
+        url = f"{self.config.http_url}/v2/models/{self.config.model_name}/stats"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            stats: dict[str, object] = json.loads(reply.read())["model_stats"][0]
+            return stats
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=2)
+        for region in SHM_DIR.glob(self._shm_prefix + "*"):
+            with contextlib.suppress(FileNotFoundError):
+                region.unlink()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None

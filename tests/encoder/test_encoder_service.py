@@ -1,0 +1,198 @@
+"""The encoder service against a real tritonserver, over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.encoder.images import ImageLimits
+from services.encoder.server import EncoderServer
+from services.grpc_server import channel
+from services.model.checkpoint import load_vision_tower
+from services.model.processor import load_image_processor
+from services.model.spec import load_spec
+from services.proto import encoder_pb2
+from services.transfer.embedding_pool import tensor_from_bytes
+from services.triton.launcher import TritonServer
+from tests.bad_images import gif, png_header_only, truncated_png
+from tests.images import encode_image, random_image
+from tests.ports import free_port
+from tests.stack import encoder_stub, start_encoder
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+LIMITS = ImageLimits(max_images=8, max_image_bytes=2_000_000, max_image_pixels=2000 * 2000)
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def encoder(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[EncoderServer]:
+    server = await start_encoder(tiny_checkpoint, triton, limits=LIMITS)
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def encoder_without_shm(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> AsyncIterator[EncoderServer]:
+    server = await start_encoder(tiny_checkpoint, triton, limits=LIMITS, triton_shared_memory=False)
+    yield server
+    await server.stop()
+
+
+def reference_embeddings(checkpoint: Path, images: list[bytes]) -> torch.Tensor:
+    """The in-process vision tower on the same images, in one call."""
+    import io
+
+    from PIL import Image
+
+    spec = load_spec(checkpoint)
+    pixels = load_image_processor(checkpoint)(
+        images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt"
+    )
+    with torch.no_grad():
+        tower = load_vision_tower(checkpoint, spec)
+        return tower(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]).pooler_output
+
+
+def images(n: int, seed: int) -> list[bytes]:
+    sizes = [
+        (224, 224),
+        (300, 200),
+        (150, 420),
+        (64, 64),
+        (500, 333),
+        (96, 700),
+        (333, 500),
+        (128, 256),
+    ]
+    return [
+        encode_image(random_image(w, h, seed=seed * 100 + i)) for i, (w, h) in enumerate(sizes[:n])
+    ]
+
+
+@pytest.mark.parametrize("num_images", [1, 3, 8])
+@pytest.mark.parametrize("shm", [True, False], ids=["triton-shm", "triton-grpc"])
+async def test_embeddings_equal_the_vision_tower(
+    tiny_checkpoint: Path,
+    encoder: EncoderServer,
+    encoder_without_shm: EncoderServer,
+    num_images: int,
+    shm: bool,
+) -> None:
+    data = images(num_images, seed=num_images + (10 if shm else 20))
+    reply = await encoder_stub(encoder if shm else encoder_without_shm).Encode(
+        encoder_pb2.EncodeRequest(request_id="r", images=data)
+    )
+    expected = reference_embeddings(tiny_checkpoint, data)
+    got = tensor_from_bytes(reply.embeddings, torch.float32, reply.hidden_size)
+    assert reply.total_tokens == expected.shape[0] == got.shape[0]
+    assert len(reply.grids) == num_images
+    assert torch.equal(got, expected)
+
+
+async def test_concurrent_requests_are_batched_by_triton(
+    encoder: EncoderServer, triton: TritonServer
+) -> None:
+    before = triton.statistics()
+    stub = encoder_stub(encoder)
+    replies = await asyncio.gather(
+        *(stub.Encode(encoder_pb2.EncodeRequest(images=images(1, seed=300 + i))) for i in range(8))
+    )
+    after = triton.statistics()
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert all(r.total_tokens > 0 for r in replies)
+    assert inferences == 8
+    assert executions < inferences
+
+
+async def test_repeated_image_is_served_from_the_cache(
+    encoder: EncoderServer, triton: TritonServer
+) -> None:
+    stub = encoder_stub(encoder)
+    data = images(2, seed=400)
+    first = await stub.Encode(encoder_pb2.EncodeRequest(images=data))
+    before = triton.statistics()["inference_count"]
+    again = await stub.Encode(encoder_pb2.EncodeRequest(images=data[::-1]))
+    assert triton.statistics()["inference_count"] == before
+    assert first.cached_images == 0
+    assert again.cached_images == 2
+    # The same embeddings, in the new order.
+    hidden = first.hidden_size
+    a = tensor_from_bytes(first.embeddings, torch.float32, hidden)
+    b = tensor_from_bytes(again.embeddings, torch.float32, hidden)
+    n0 = first.grids[0].t * first.grids[0].h * first.grids[0].w // 4
+    assert torch.equal(a[:n0], b[b.shape[0] - n0 :])
+
+
+BAD_REQUESTS = [
+    ([b"garbage"], "image 0: not a valid image"),
+    ([images(1, 1)[0], truncated_png()], "image 1: corrupt or truncated image"),
+    ([gif()], "image 0: format GIF is not supported"),
+    ([png_header_only(0, 16)], "image 0: not a valid image"),
+    (
+        [png_header_only(3000, 3000)],
+        "image 0: 3000x3000 = 9000000 pixels exceeds the limit of 4000000",
+    ),
+    ([png_header_only(60000, 60000)], "image 0: declared size exceeds the limit of 4000000 pixels"),
+    ([b"\x89PNG" + bytes(2_100_000)], "image 0: 2100004 bytes exceeds the limit of 2000000 bytes"),
+    ([encode_image(random_image(1000, 2))], "image 0: image aspect ratio 1000x2 exceeds 200:1"),
+    (images(1, 2) * 9, "too many images: 9 > limit of 8"),
+    ([], "no images to encode"),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), BAD_REQUESTS)
+async def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(
+    encoder: EncoderServer, data: list[bytes], message: str
+) -> None:
+    stub = encoder_stub(encoder)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Encode(encoder_pb2.EncodeRequest(images=data))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    ok = await stub.Encode(encoder_pb2.EncodeRequest(images=images(1, seed=500)))
+    assert ok.total_tokens > 0
+
+
+async def test_triton_down_is_unavailable_within_a_bounded_time(tiny_checkpoint: Path) -> None:
+    server = await start_encoder(
+        tiny_checkpoint, None, triton_url=f"127.0.0.1:{free_port()}", triton_timeout_s=5.0
+    )
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await encoder_stub(server).Encode(encoder_pb2.EncodeRequest(images=images(1, seed=600)))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Triton" in info.value.details()
+        assert time.monotonic() - started < 6.0
+    finally:
+        await server.stop()
+
+
+async def test_health_and_metrics(encoder: EncoderServer) -> None:
+    import urllib.request
+
+    health = health_pb2_grpc.HealthStub(channel(encoder.address))
+    reply = await health.Check(health_pb2.HealthCheckRequest(service="epd.v1.Encoder"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    url = f"http://127.0.0.1:{encoder.grpc.metrics_port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    for name in (
+        "epd_encoder_requests_total",
+        "epd_encoder_images_total",
+        "epd_encoder_image_tokens_total",
+        "epd_encoder_cache_hits_total",
+        "epd_encoder_triton_seconds_bucket",
+        "epd_encoder_send_buffer_bytes",
+    ):
+        assert name in text
