@@ -3,10 +3,62 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
+
+from services import env
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def run_until_signalled(make: Callable[[], Service]) -> int:
+    """Starts a service, runs it until SIGINT/SIGTERM, stops it cleanly."""
+
+    async def main() -> None:
+        service = make()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await service.start()
+        try:
+            await stop.wait()
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def _transports(value: str) -> tuple[Any, ...]:
+    from services.transfer.transport import Transport
+
+    try:
+        return tuple(Transport.parse(name) for name in value.split(",") if name.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _dtype(value: str) -> Any:
+    from services.transfer.layout import DTYPES_BY_NAME
+
+    if value not in DTYPES_BY_NAME:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPES_BY_NAME)}")
+    return DTYPES_BY_NAME[value]
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    return str(args.model_name or Path(args.checkpoint).resolve().name)
 
 
 def _protos(args: argparse.Namespace) -> int:
@@ -33,20 +85,189 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _broker(args: argparse.Namespace) -> int:
+    from services.broker.server import BrokerConfig, BrokerServer
+
+    config = BrokerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        rendezvous_ttl_s=args.rendezvous_ttl,
+    )
+    return run_until_signalled(lambda: BrokerServer(config))
+
+
+def _triton(args: argparse.Namespace) -> int:
+    from services.triton.launcher import TritonConfig, TritonServer
+
+    config = TritonConfig(
+        checkpoint=Path(args.checkpoint),
+        model_repository=Path(args.model_repository),
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        model_config_name=args.model_config_name,
+    )
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    with TritonServer(config) as server:
+        print(f"tritonserver ready: grpc {config.grpc_url}, http {config.http_url}", flush=True)
+        while not stopped.wait(0.5):
+            if not server.running:
+                print(f"tritonserver exited:\n{server.log_tail}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def _encoder(args: argparse.Namespace) -> int:
+    from services.encoder.images import ImageLimits
+    from services.encoder.server import EncoderConfig, EncoderServer
+
+    config = EncoderConfig(
+        checkpoint=Path(args.checkpoint),
+        model_name=_model_name(args),
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        host_id=args.host_id,
+        broker=args.broker or None,
+        triton_url=args.triton,
+        triton_shared_memory=not args.no_triton_shm,
+        limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
+        cache_bytes=args.cache_mb * 1024 * 1024,
+        send_buffer_tokens=args.send_buffer_tokens,
+        transports=args.transports,
+        dtype=args.dtype,
+        **({"instance_id": args.instance_id} if args.instance_id else {}),
+    )
+    return run_until_signalled(lambda: EncoderServer(config))
+
+
+def _language(args: argparse.Namespace) -> int:
+    from services.language.engine.engine import EngineConfig
+    from services.language.engine.scheduler import SchedulerConfig
+    from services.language.server import LanguageConfig, LanguageServer
+
+    config = LanguageConfig(
+        checkpoint=Path(args.checkpoint),
+        model_name=_model_name(args),
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        host_id=args.host_id,
+        broker=args.broker or None,
+        transports=args.transports,
+        embedding_pool_tokens=args.embedding_pool_tokens,
+        default_allocate_tokens=args.default_allocate_tokens,
+        engine=EngineConfig(
+            max_model_len=args.max_model_len,
+            kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+            page_size=args.page_size,
+            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+            dtype=args.dtype,
+            device=args.device,
+        ),
+        **({"instance_id": args.instance_id} if args.instance_id else {}),
+    )
+    return run_until_signalled(lambda: LanguageServer(config))
+
+
+def _add_instance_options(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument(
+        "--checkpoint",
+        default=env.CHECKPOINT.get(),
+        required=not env.CHECKPOINT.get(),
+        help="checkpoint folder ($EPD_CHECKPOINT)",
+    )
+    p.add_argument("--model-name", help="served model name (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free)")
+    p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
+    p.add_argument(
+        "--host-id", default=env.HOST_ID.get(), help="same id = shared memory ($EPD_HOST_ID)"
+    )
+    p.add_argument("--instance-id", help="default: role plus a random suffix")
+    p.add_argument(
+        "--transports",
+        type=_transports,
+        default=_transports("shm,nixl,grpc"),
+        help="comma-separated: cuda_ipc, nixl, shm, grpc",
+    )
+    p.add_argument("--dtype", type=_dtype, default=_dtype("float32"))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from services.broker.server import DEFAULT_PORT as BROKER_PORT
+    from services.encoder.server import DEFAULT_PORT as ENCODER_PORT
+    from services.language.server import DEFAULT_PORT as LANGUAGE_PORT
+
     parser = argparse.ArgumentParser(prog="epd", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    protos = sub.add_parser("protos", help="generate services/proto/ from protos/")
-    protos.add_argument("--check", action="store_true", help="fail if the generated code is stale")
-    protos.set_defaults(handler=_protos)
+    p = sub.add_parser("protos", help="generate services/proto/ from protos/")
+    p.add_argument("--check", action="store_true", help="fail if the generated code is stale")
+    p.set_defaults(handler=_protos)
 
-    demo = sub.add_parser("demo-model", help="build a small Qwen2.5-VL checkpoint locally")
-    demo.add_argument("dir", help="output folder")
-    demo.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(handler=_demo_model)
+    p = sub.add_parser("demo-model", help="build a small Qwen2.5-VL checkpoint locally")
+    p.add_argument("dir", help="output folder")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_demo_model)
+
+    p = sub.add_parser("broker", help="run the broker")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=BROKER_PORT)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--rendezvous-ttl", type=float, default=30.0)
+    p.set_defaults(handler=_broker)
+
+    p = sub.add_parser(
+        "triton", help="run tritonserver (from the nvidia-pytriton wheel) with the vit model"
+    )
+    p.add_argument("--checkpoint", default=env.CHECKPOINT.get(), required=not env.CHECKPOINT.get())
+    p.add_argument(
+        "--model-repository",
+        default=str(Path(__file__).resolve().parent.parent / "model_repository"),
+    )
+    p.add_argument("--model-config-name", help="e.g. gpu: use configs/gpu.pbtxt")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8010)
+    p.add_argument("--grpc-port", type=int, default=8011)
+    p.add_argument("--metrics-port", type=int, default=8012)
+    p.set_defaults(handler=_triton)
+
+    p = sub.add_parser("encoder", help="run an encoder instance")
+    _add_instance_options(p, ENCODER_PORT)
+    p.add_argument(
+        "--triton", default=env.TRITON_URL.get(), help="Triton gRPC address ($EPD_TRITON_URL)"
+    )
+    p.add_argument("--no-triton-shm", action="store_true", help="send tensors to Triton over gRPC")
+    p.add_argument("--max-images", type=int, default=16)
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
+    p.add_argument("--cache-mb", type=int, default=256)
+    p.add_argument("--send-buffer-tokens", type=int, default=65536)
+    p.set_defaults(handler=_encoder)
+
+    p = sub.add_parser("language", help="run a language instance")
+    _add_instance_options(p, LANGUAGE_PORT)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--embedding-pool-tokens", type=int, default=32768)
+    p.add_argument("--default-allocate-tokens", type=int, default=4096)
+    p.set_defaults(handler=_language)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The language service: receives embeddings, runs prefill/decode, streams tokens."""

@@ -1,0 +1,222 @@
+"""Attention over the paged KV cache, behind one interface.
+
+A step's batch is ordered prefills first (query length > 1), then decodes
+(query length 1); `plan()` runs once per step, `forward()` once per layer.
+
+    tokens:  [ p0 p0 p0 | p1 p1 | d2 | d3 ]   query_start_loc = [0, 3, 5, 6, 7]
+    seq_lens: KV length of each sequence after this step's tokens are appended
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]
+    block_tables: list[list[int]]  # [num_seqs][pages]
+    slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
+    num_prefills: int  # sequences [0, num_prefills) are prefills
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.query_start_loc[self.num_prefills]
+
+
+class AttentionBackend(Protocol):
+    def plan(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads, dim]; appends k/v to cache."""
+        ...
+
+
+def write_kv(
+    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    pages = torch.div(meta.slot_mapping, meta.page_size, rounding_mode="floor")
+    offsets = meta.slot_mapping % meta.page_size
+    cache[pages, 0, offsets] = k
+    cache[pages, 1, offsets] = v
+
+
+class TorchAttention:
+    """Reference backend (CPU): SDPA per prefill, one padded SDPA for all decodes."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+        self._decode_pages: torch.Tensor | None = None
+        self._decode_mask: torch.Tensor | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        decodes = range(meta.num_prefills, meta.num_seqs)
+        if not decodes:
+            self._decode_pages = self._decode_mask = None
+            return
+        device = meta.slot_mapping.device
+        max_pages = max(len(meta.block_tables[i]) for i in decodes)
+        pages = torch.zeros(len(decodes), max_pages, dtype=torch.long)
+        for row, i in enumerate(decodes):
+            pages[row, : len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i])
+        lens = torch.tensor([meta.seq_lens[i] for i in decodes])
+        self._decode_pages = pages.to(device)
+        # [decodes, 1, 1, max_pages * page_size]: True where a key exists
+        self._decode_mask = (torch.arange(max_pages * meta.page_size) < lens[:, None]).to(device)[
+            :, None, None, :
+        ]
+
+    def _gather(self, cache: torch.Tensor, kv: int, pages: list[int], length: int) -> torch.Tensor:
+        """[kv_heads, length, dim] of one sequence."""
+        index = torch.tensor(pages, device=cache.device)
+        return cache[index, kv].flatten(0, 1)[:length].transpose(0, 1)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None, "plan() first"
+        write_kv(cache, k, v, meta)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc
+        for i in range(meta.num_prefills):
+            s, e, length = starts[i], starts[i + 1], meta.seq_lens[i]
+            n = e - s
+            keys = self._gather(cache, 0, meta.block_tables[i], length)
+            values = self._gather(cache, 1, meta.block_tables[i], length)
+            query = q[s:e].transpose(0, 1)  # [heads, n, dim]
+            if n == length:
+                o = F.scaled_dot_product_attention(
+                    query, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                # query j sits at position length - n + j and sees keys [0, that position]
+                mask = torch.arange(length, device=q.device)[None, :] <= (
+                    torch.arange(n, device=q.device)[:, None] + (length - n)
+                )
+                o = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
+            out[s:e] = o.transpose(0, 1)
+        if self._decode_pages is not None:
+            d0 = meta.num_prefill_tokens
+            num, max_pages = self._decode_pages.shape
+            keys = cache[self._decode_pages, 0].view(
+                num, max_pages * meta.page_size, *cache.shape[3:]
+            )
+            values = cache[self._decode_pages, 1].view(
+                num, max_pages * meta.page_size, *cache.shape[3:]
+            )
+            o = F.scaled_dot_product_attention(
+                q[d0:][:, :, None, :],  # [decodes, heads, 1, dim]
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=self._decode_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[d0:] = o[:, :, 0, :]
+        return out
+
+
+class FlashInferAttention:
+    """GPU backend: FlashInfer's paged prefill and decode wrappers, planned once per step.
+
+    Written against FlashInfer's documented API; needs CUDA (see the gpu-marked tests).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        workspace_bytes: int = 128 * 1024 * 1024,
+    ) -> None:
+        import flashinfer
+
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.dtype, self.device = scale, dtype, device
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+        self.meta: AttentionMetadata | None = None
+
+    def _paging(self, meta: AttentionMetadata, seqs: range) -> tuple[torch.Tensor, ...]:
+        indptr, indices, last = [0], [], []
+        for i in seqs:
+            pages = -(-meta.seq_lens[i] // meta.page_size)
+            indices += meta.block_tables[i][:pages]
+            indptr.append(len(indices))
+            last.append(meta.seq_lens[i] - (pages - 1) * meta.page_size)
+
+        def as_int32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        return as_int32(indptr), as_int32(indices), as_int32(last)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        if meta.num_prefills:
+            indptr, indices, last = self._paging(meta, range(meta.num_prefills))
+            qo_indptr = torch.tensor(
+                meta.query_start_loc[: meta.num_prefills + 1], dtype=torch.int32, device=self.device
+            )
+            self.prefill.plan(
+                qo_indptr,
+                indptr,
+                indices,
+                last,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.page_size,
+                causal=True,
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+        if meta.num_prefills < meta.num_seqs:
+            indptr, indices, last = self._paging(meta, range(meta.num_prefills, meta.num_seqs))
+            self.decode.plan(
+                indptr,
+                indices,
+                last,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.page_size,
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None, "plan() first"
+        write_kv(cache, k, v, meta)
+        split = meta.num_prefill_tokens
+        parts = []
+        if meta.num_prefills:
+            parts.append(self.prefill.run(q[:split], cache))
+        if meta.num_prefills < meta.num_seqs:
+            parts.append(self.decode.run(q[split:], cache))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]

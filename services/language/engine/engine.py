@@ -1,0 +1,346 @@
+"""LLMEngine: the loop `schedule() -> run() -> postprocess()`, and AsyncEngine,
+which runs that loop on its own thread for the asyncio servicer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.language.engine.attention import AttentionBackend, FlashInferAttention, TorchAttention
+from services.language.engine.detokenizer import IncrementalDetokenizer
+from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
+from services.language.engine.model import LanguageModel
+from services.language.engine.request import Request, RequestStatus
+from services.language.engine.runner import ModelRunner, Scheduled
+from services.language.engine.sampler import Sample, Sampler
+from services.language.engine.scheduler import Scheduler, SchedulerConfig
+from services.model.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    page_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    attention: str = "auto"  # "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    num_tokens: int  # tokens computed this step
+    num_generated: int
+    ttfts: list[float]  # seconds, for requests that got their first token this step
+    tpots: list[float]  # seconds per output token, for requests that finished this step
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        tokenizer: Any,
+        config: EngineConfig,
+    ) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.config = config
+        device = torch.device(config.device)
+        kv_config = KVCacheConfig.from_budget(
+            spec.text, config.kv_cache_bytes, config.page_size, config.dtype
+        )
+        if kv_config.num_tokens < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {kv_config.num_tokens} tokens, less than max_model_len "
+                f"{config.max_model_len}: raise kv_cache_bytes or lower max_model_len"
+            )
+        model = LanguageModel.from_weights(
+            spec.text, {k: v.to(config.dtype) for k, v in weights.items()}, device
+        )
+        self.runner = ModelRunner(
+            model,
+            KVCache(spec.text, kv_config, device),
+            self._attention(device),
+            device,
+            config.dtype,
+        )
+        self.blocks = KVBlockManager(kv_config)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.eos = set(spec.eos_token_ids)
+
+    def _attention(self, device: torch.device) -> AttentionBackend:
+        t = self.spec.text
+        scale = t.head_dim**-0.5
+        use_flashinfer = self.config.attention == "flashinfer" or (
+            self.config.attention == "auto" and device.type == "cuda"
+        )
+        if use_flashinfer:
+            return FlashInferAttention(
+                t.num_heads, t.num_kv_heads, t.head_dim, scale, self.config.dtype, device
+            )
+        return TorchAttention(scale)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.blocks.allocator.num_blocks * self.blocks.page_size
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError unless the request fits the context (and so the cache, alone)."""
+        if num_prompt_tokens + max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length of {self.config.max_model_len} tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.sampling.stop
+        )
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request, [], [], final=True)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        batch = ModelRunner.order(self.scheduler.schedule())
+        if not batch:
+            return [], self._stats([], [], [])
+        logits = self.runner.execute(batch)
+        sampling = [s.request for s in batch if s.samples]
+        samples = self.sampler.sample(logits, sampling)
+        return self.postprocess(batch, samples)
+
+    def postprocess(
+        self, batch: list[Scheduled], samples: list[Sample]
+    ) -> tuple[list[RequestOutput], StepStats]:
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        ttfts: list[float] = []
+        tpots: list[float] = []
+        sample_iter = iter(samples)
+        for s in batch:
+            request = s.request
+            sampled = s.samples  # read before the counter moves
+            request.num_computed_tokens += s.num_tokens
+            if not sampled:
+                continue
+            sample = next(sample_iter)
+            request.output_token_ids.append(sample.token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                ttfts.append(now - request.arrival_time)
+            detok = self.detokenizers[request.request_id]
+            detok.push(sample.token_id)
+            status = self._stop_status(request, sample.token_id, detok)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                if request.num_output_tokens > 1 and request.first_token_time is not None:
+                    tpots.append((now - request.first_token_time) / (request.num_output_tokens - 1))
+            outputs.append(
+                self._output(request, [sample.token_id], [sample], final=status is not None)
+            )
+        return outputs, self._stats(batch, ttfts, tpots)
+
+    def _stop_status(
+        self, request: Request, token: int, detok: IncrementalDetokenizer
+    ) -> RequestStatus | None:
+        params = request.sampling
+        if (
+            (token in self.eos and not params.ignore_eos)
+            or token in params.stop_token_ids
+            or detok.stopped
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(
+        self, request: Request, token_ids: list[int], samples: list[Sample], final: bool
+    ) -> RequestOutput:
+        detok = self.detokenizers[request.request_id]
+        logprobs = [
+            TokenLogprob(
+                s.token_id,
+                detok.token_text(s.token_id),
+                s.logprob,
+                [(t, detok.token_text(t), lp) for t, lp in s.top],
+            )
+            for s in samples
+            if s.logprob is not None
+        ]
+        text = detok.take(final)
+        if final:
+            del self.requests[request.request_id]
+            del self.detokenizers[request.request_id]
+        return RequestOutput(
+            request.request_id,
+            token_ids,
+            text,
+            logprobs,
+            request.status.finish_reason if final else None,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+        )
+
+    def _stats(self, batch: list[Scheduled], ttfts: list[float], tpots: list[float]) -> StepStats:
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=self.blocks.num_used_pages,
+            num_tokens=sum(s.num_tokens for s in batch),
+            num_generated=sum(1 for s in batch if s.samples),
+            ttfts=ttfts,
+            tpots=tpots,
+        )
+
+
+class AsyncEngine:
+    """Runs LLMEngine.step() on a dedicated thread; the event loop talks to it
+    through a thread-safe inbox and gets outputs on per-request asyncio queues."""
+
+    def __init__(
+        self, engine: LLMEngine, on_step: Callable[[StepStats], None] = lambda stats: None
+    ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(item)
+
+    def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs, stats = self.engine.step()
+            except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
+                logger.exception("engine step failed")
+                for request_id in list(self.engine.requests):
+                    self.engine.abort_request(request_id)
+                    self._send(request_id, exc)
+                continue
+            for output in outputs:
+                self._send(output.request_id, output)
+            self._on_step(stats)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(payload)
+                except ValueError as exc:
+                    self._send(payload.request_id, exc)
+            else:
+                output = self.engine.abort_request(payload)
+                if output is not None:
+                    self._send(payload, output)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; leaving early aborts it."""
+        self.engine.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request.request_id] = q
+        self._inbox.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            del self._queues[request.request_id]
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()

@@ -1,0 +1,148 @@
+"""Request: one generation's state through the engine."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.model.mrope import mrope_positions
+from services.model.processor import ImageGrid
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered by lifecycle: everything from FINISHED_STOPPED on is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    positions: torch.Tensor  # [3, num_prompt_tokens] M-RoPE positions of the prompt
+    mrope_delta: int = 0  # decode position = sequence index + delta
+    image_embeds: torch.Tensor | None = None  # [num_image_tokens, hidden], in prompt order
+    image_positions: torch.Tensor | None = None  # [num_image_tokens] prompt indices
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)  # KV pages
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt = self.num_prompt_tokens
+        head = self.prompt_token_ids[start : min(end, prompt)]
+        tail = self.output_token_ids[max(start, prompt) - prompt : max(end, prompt) - prompt]
+        return head + tail
+
+
+def new_request(
+    request_id: str,
+    token_ids: list[int],
+    sampling: SamplingParams,
+    image_token_id: int,
+    grids: Sequence[ImageGrid] = (),
+    spatial_merge_size: int = 2,
+    image_embeds: torch.Tensor | None = None,
+) -> Request:
+    """A request with its M-RoPE positions and image placeholder positions computed."""
+    positions, delta = mrope_positions(token_ids, image_token_id, grids, spatial_merge_size)
+    image_positions = None
+    if grids:
+        image_positions = (torch.tensor(token_ids) == image_token_id).nonzero().flatten()
+        if image_embeds is None or image_embeds.shape[0] != image_positions.numel():
+            raise ValueError(
+                f"{image_positions.numel()} image placeholders but "
+                f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings"
+            )
+    return Request(
+        request_id,
+        list(token_ids),
+        sampling,
+        positions,
+        delta,
+        image_embeds,
+        image_positions,
+    )

@@ -1,0 +1,127 @@
+"""ModelRunner: one batched forward for a scheduled step.
+
+Builds the flat token batch (prefills first, then decodes), splices image
+embeddings at the placeholder positions, computes M-RoPE positions (from the
+prompt's precomputed 3-D positions; sequence index + delta past the prompt),
+runs the model and returns the logits of the requests that sample this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.language.engine.attention import AttentionBackend, AttentionMetadata
+from services.language.engine.kv_cache import KVCache
+from services.language.engine.model import LanguageModel, MRotaryEmbedding
+from services.language.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    request: Request
+    num_tokens: int  # new tokens computed this step
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens > 1
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens: a new token follows."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+def _positions(request: Request, start: int, end: int) -> torch.Tensor:
+    """[3, end - start] positions of tokens [start, end) of a request."""
+    prompt = request.num_prompt_tokens
+    parts = []
+    if start < prompt:
+        parts.append(request.positions[:, start : min(end, prompt)])
+    if end > prompt:
+        beyond = torch.arange(max(start, prompt), end) + request.mrope_delta
+        parts.append(beyond.expand(3, -1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LanguageModel,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.device = device
+        self.dtype = dtype
+        self.rotary = MRotaryEmbedding(model.spec, device)
+        self.page_size = kv_cache.config.page_size
+
+    @staticmethod
+    def order(batch: list[Scheduled]) -> list[Scheduled]:
+        """Prefills first, then decodes: the attention backends split there."""
+        return [s for s in batch if s.is_prefill] + [s for s in batch if not s.is_prefill]
+
+    def _metadata(self, batch: list[Scheduled]) -> AttentionMetadata:
+        starts, lens, tables, slots = [0], [], [], []
+        for s in batch:
+            r = s.request
+            begin, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            starts.append(starts[-1] + s.num_tokens)
+            lens.append(end)
+            tables.append(r.block_table)
+            slots += [
+                r.block_table[i // self.page_size] * self.page_size + i % self.page_size
+                for i in range(begin, end)
+            ]
+        return AttentionMetadata(
+            query_start_loc=starts,
+            seq_lens=lens,
+            block_tables=tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_prefills=sum(1 for s in batch if s.is_prefill),
+            page_size=self.page_size,
+        )
+
+    def _embeds(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings [T, hidden] and positions [3, T]."""
+        ids: list[int] = []
+        positions = []
+        splices: list[tuple[int, torch.Tensor]] = []  # (flat offset, embeddings) per image run
+        for s in batch:
+            r = s.request
+            begin, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            if (
+                r.image_positions is not None
+                and r.image_embeds is not None
+                and begin < r.num_prompt_tokens
+            ):
+                lo = int(torch.searchsorted(r.image_positions, begin))
+                hi = int(torch.searchsorted(r.image_positions, end))
+                for row in range(lo, hi):
+                    splices.append(
+                        (len(ids) + int(r.image_positions[row]) - begin, r.image_embeds[row])
+                    )
+            ids += r.token_ids(begin, end)
+            positions.append(_positions(r, begin, end))
+        embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
+        if splices:
+            index = torch.tensor([o for o, _ in splices], device=self.device)
+            embeds[index] = torch.stack([e for _, e in splices]).to(self.device, embeds.dtype)
+        return embeds, torch.cat(positions, dim=1).to(self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[Scheduled]) -> torch.Tensor:
+        """Runs an order()ed batch; logits [sampling requests, vocab] in batch order."""
+        meta = self._metadata(batch)
+        self.attention.plan(meta)
+        embeds, positions = self._embeds(batch)
+        cos, sin = self.rotary(positions, embeds.dtype)
+        hidden = self.model(embeds, cos, sin, self.kv_cache.layers, self.attention)
+        last = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
+        return self.model.lm_head(hidden[last]).float()

@@ -1,0 +1,65 @@
+"""Sampler: greedy, temperature, top-k, top-p; logprobs of the raw distribution.
+
+A request with a seed draws from its own generator, so its samples do not
+depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.language.engine.request import Request, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [vocab] after temperature, top-k and top-p."""
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop = cumulative - sorted_probs > params.top_p  # keeps the token that crosses top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs / probs.sum()
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
+        """logits [N, vocab] float32, one row per request."""
+        greedy = logits.argmax(dim=-1).tolist()
+        logprobs = (
+            torch.log_softmax(logits, dim=-1)
+            if any(r.sampling.logprobs for r in requests)
+            else None
+        )
+        samples = []
+        for i, request in enumerate(requests):
+            params = request.sampling
+            if params.is_greedy:
+                token = greedy[i]
+            else:
+                probs = _filtered_probs(logits[i], params)
+                token = int(torch.multinomial(probs, 1, generator=request.generator))
+            if logprobs is None or not params.logprobs:
+                samples.append(Sample(token))
+                continue
+            row = logprobs[i]
+            top: list[tuple[int, float]] = []
+            if params.top_logprobs:
+                values, ids = torch.topk(row, params.top_logprobs)
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            samples.append(Sample(token, float(row[token]), top))
+        return samples

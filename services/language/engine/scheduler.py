@@ -1,0 +1,103 @@
+"""Scheduler: continuous batching with a token budget and recompute preemption.
+
+Each step, running requests come first (a decode is one token, an unfinished
+prefill continues in chunks), then waiting ones are admitted in arrival order
+while the token budget, the sequence limit and free KV pages allow. When a
+running request cannot get pages, the newest running request is preempted:
+its pages are freed and it goes back to the front of the queue to be
+recomputed later. Admission checks that every request fits the cache alone,
+so the oldest one always makes progress: no deadlock however small the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.language.engine.kv_cache import KVBlockManager
+from services.language.engine.request import Request, RequestStatus
+from services.language.engine.runner import Scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Scheduled] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            while not self.blocks.allocate_slots(request, num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(Scheduled(request, num_tokens))
+                budget -= num_tokens
+                index += 1
+                continue
+            break  # the request itself was preempted: everything after it is too
+        # Newly freed pages go to the preempted first, so nothing new is admitted
+        # in a step that had to preempt.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            if not self.blocks.allocate_slots(request, num_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(Scheduled(request, num_tokens))
+            budget -= num_tokens
+        return scheduled
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Removes a request wherever it is and frees its pages."""
+        assert status.is_finished
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.block_table:
+            self.blocks.free(request)
+        request.status = status

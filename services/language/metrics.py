@@ -1,0 +1,68 @@
+"""The language service's Prometheus metrics (one registry per instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.language.engine.engine import StepStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class LanguageMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=registry)
+
+        self.running = gauge("epd_language_running_requests", "Requests in the running batch")
+        self.waiting = gauge("epd_language_waiting_requests", "Requests queued for the engine")
+        self.receiving = gauge("epd_language_receiving_requests", "Requests waiting for embeddings")
+        self.kv_pages_used = gauge("epd_language_kv_blocks_used", "KV cache pages in use")
+        self.kv_pages_total = gauge("epd_language_kv_blocks_total", "KV cache pages")
+        self.embedding_blocks_used = gauge(
+            "epd_language_embedding_blocks_used", "Embedding pool blocks in use"
+        )
+        self.embedding_blocks_total = gauge(
+            "epd_language_embedding_blocks_total", "Embedding pool blocks"
+        )
+        self.generated_tokens = Counter(
+            "epd_language_generated_tokens", "Output tokens generated", registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "epd_language_prompt_tokens",
+            "Prompt tokens computed (recomputation included)",
+            registry=registry,
+        )
+        self.requests = Counter(
+            "epd_language_requests", "Finished requests by reason", ["reason"], registry=registry
+        )
+        self.transfers = Counter(
+            "epd_language_transfers",
+            "Finished embedding transfers by outcome",
+            ["outcome"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "epd_language_ttft_seconds",
+            "Time to first token (engine arrival to first token)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "epd_language_tpot_seconds",
+            "Time per output token after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def on_step(self, stats: StepStats) -> None:
+        """Called from the engine thread after every step."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_pages_used.set(stats.kv_pages_used)
+        self.generated_tokens.inc(stats.num_generated)
+        self.prompt_tokens.inc(stats.num_tokens - stats.num_generated)
+        for value in stats.ttfts:
+            self.ttft.observe(value)
+        for value in stats.tpots:
+            self.tpot.observe(value)

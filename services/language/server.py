@@ -1,0 +1,202 @@
+"""`epd language`: assembles the language service and runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from services import env
+from services.broker.client import BrokerLink
+from services.broker.messages import Load, PoolInfo, Registration, Role
+from services.grpc_server import GrpcServer
+from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
+from services.language.metrics import LanguageMetrics
+from services.language.receiver import Receiver
+from services.language.servicer import LanguageServicer
+from services.model.checkpoint import load_language_weights
+from services.model.spec import load_spec
+from services.model.tokenizer import load_tokenizer
+from services.proto import language_pb2, language_pb2_grpc
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.layout import PoolLayout
+from services.transfer.transport import Endpoints, GrpcEndpoint, ShmEndpoint, Transport
+from services.transfer.transports.cuda_ipc import CudaIpcPool, cuda_ipc_available
+from services.transfer.transports.nixl import NixlReceiver, nixl_available
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50071
+
+
+@dataclass(frozen=True, slots=True)
+class LanguageConfig:
+    checkpoint: Path
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    metrics_port: int | None = 0
+    instance_id: str = field(default_factory=lambda: f"language-{secrets.token_hex(3)}")
+    host_id: str = field(default_factory=env.HOST_ID.get)
+    broker: str | None = None
+    transports: tuple[Transport, ...] = (Transport.SHM, Transport.NIXL, Transport.GRPC)
+    embedding_pool_tokens: int = 32768
+    embedding_block_size: int = 256
+    default_allocate_tokens: int = 4096
+    transfer_timeout_s: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.embedding_pool_tokens < self.embedding_block_size:
+            raise ValueError("embedding_pool_tokens must hold at least one block")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+
+class LanguageServer:
+    def __init__(self, config: LanguageConfig) -> None:
+        self.config = config
+        self.spec = load_spec(config.checkpoint)
+        self.tokenizer = load_tokenizer(config.checkpoint)
+        registry = CollectorRegistry()
+        self.metrics = LanguageMetrics(registry)
+        weights = load_language_weights(config.checkpoint, self.spec, config.dtype)
+        self.engine = AsyncEngine(
+            LLMEngine(self.spec, weights, self.tokenizer, config.engine), self.metrics.on_step
+        )
+        self.metrics.kv_pages_total.set(self.engine.engine.blocks.allocator.num_blocks)
+        self._cuda_ipc: CudaIpcPool | None = None
+        self.pool = self._pool()
+        self.metrics.embedding_blocks_total.set(self.pool.layout.num_blocks)
+        self.nixl: NixlReceiver | None = None
+        if Transport.NIXL in config.transports and nixl_available():
+            self.nixl = NixlReceiver(f"epd-{config.instance_id}", self.pool)
+        self.receiver = Receiver(
+            self.pool,
+            config.default_allocate_tokens,
+            config.transfer_timeout_s,
+            self.nixl,
+            on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
+        )
+        servicer = LanguageServicer(
+            self.engine, self.receiver, self.tokenizer, self.spec, self.metrics
+        )
+        self.grpc = GrpcServer(
+            "language",
+            [language_pb2.DESCRIPTOR.services_by_name["Language"].full_name],
+            lambda server: language_pb2_grpc.add_LanguageServicer_to_server(servicer, server),
+            registry,
+            host=config.host,
+            port=config.port,
+            metrics_port=config.metrics_port,
+        )
+        self.link: BrokerLink | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _pool(self) -> EmbeddingPool:
+        """The receive pool, where the offered transports can reach it."""
+        config = self.config
+        layout = PoolLayout(
+            num_blocks=config.embedding_pool_tokens // config.embedding_block_size,
+            block_size=config.embedding_block_size,
+            hidden_size=self.spec.text.hidden_size,
+            deepstack_levels=self.spec.vision.deepstack_levels,
+            dtype=config.dtype,
+        )
+        device = torch.device(config.engine.device)
+        if device.type == "cuda":
+            if Transport.CUDA_IPC in config.transports and cuda_ipc_available():
+                self._cuda_ipc = CudaIpcPool(layout, device)
+                return self._cuda_ipc.pool
+            return EmbeddingPool.on_cuda(layout, device)
+        if Transport.SHM in config.transports:
+            return EmbeddingPool.in_shared_memory(layout)
+        return EmbeddingPool.in_host_memory(layout)
+
+    @property
+    def address(self) -> str:
+        return self.grpc.address
+
+    def registration(self) -> Registration:
+        endpoints = Endpoints(
+            shm=ShmEndpoint(*self.pool.shm_names) if self.pool.segments else None,
+            nixl=self.nixl.endpoint() if self.nixl is not None else None,
+            cuda_ipc=self._cuda_ipc.endpoint if self._cuda_ipc is not None else None,
+            grpc=GrpcEndpoint(self.grpc.address)
+            if Transport.GRPC in self.config.transports
+            else None,
+        )
+        layout = self.pool.layout
+        return Registration(
+            role=Role.LANGUAGE,
+            instance_id=self.config.instance_id,
+            grpc_address=self.grpc.address,
+            host_id=self.config.host_id,
+            transports=endpoints.transports,
+            model=self.config.model_name,
+            pool=PoolInfo(
+                layout.num_blocks,
+                layout.block_size,
+                layout.hidden_size,
+                layout.deepstack_levels,
+                layout.dtype,
+                endpoints,
+            ),
+        )
+
+    def load(self) -> Load:
+        return Load(
+            num_requests=len(self.engine.engine.requests) + len(self.receiver.transfers),
+            free_blocks=self.pool.allocator.num_free_blocks,
+        )
+
+    async def start(self) -> None:
+        self.engine.start()
+        await self.grpc.start()
+        if self.config.broker:
+            self.link = BrokerLink(
+                self.config.broker,
+                self.registration(),
+                self.receiver.on_message,
+                self.load,
+                on_detached=self.receiver.detached,
+            )
+            self.receiver.link = self.link
+            await self.link.start()
+        self._tasks.append(asyncio.create_task(self._expire()))
+        if self.nixl is not None:
+            receiver = self.receiver
+            self._tasks.append(
+                asyncio.create_task(self.nixl.progress(lambda: bool(receiver.transfers)))
+            )
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await self.receiver.expire()
+            self.metrics.embedding_blocks_used.set(self.pool.allocator.num_used_blocks)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.grpc.stop(2.0)
+        await self.receiver.close()
+        if self.link is not None:
+            await self.link.close()
+        await self.engine.stop()
+        if self.nixl is not None:
+            self.nixl.close()
+        if self._cuda_ipc is not None:
+            self._cuda_ipc.close()
+        else:
+            self.pool.close()

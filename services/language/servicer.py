@@ -1,0 +1,212 @@
+"""The Language gRPC servicer: Generate, PushEmbeddings (the gRPC data plane), Abort."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from services.language.engine.engine import AsyncEngine, RequestOutput
+from services.language.engine.request import SamplingParams, new_request
+from services.language.metrics import LanguageMetrics
+from services.language.receiver import Receiver
+from services.model.spec import ModelSpec
+from services.model.tokenizer import ChatMessages, build_prompt, count_images
+from services.proto import common_pb2, language_pb2, language_pb2_grpc
+from services.transfer.state import TransferFailedError
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+FINISH_REASONS = {
+    "stop": language_pb2.FINISH_REASON_STOP,
+    "length": language_pb2.FINISH_REASON_LENGTH,
+    "abort": language_pb2.FINISH_REASON_ABORT,
+}
+
+
+def messages_from_proto(
+    messages: Sequence[language_pb2.ChatMessage],
+) -> tuple[ChatMessages, list[int]]:
+    """Chat-template messages and the token hint of each image, in order."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    out: list[dict[str, Any]] = []
+    hints: list[int] = []
+    for message in messages:
+        if message.role not in ROLES:
+            raise ValueError(f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}")
+        parts: list[dict[str, Any]] = []
+        for part in message.content:
+            if part.WhichOneof("kind") == "image":
+                parts.append({"type": "image"})
+                hints.append(part.image.token_hint)
+            else:
+                parts.append({"type": "text", "text": part.text})
+        out.append({"role": message.role, "content": parts})
+    return out, hints
+
+
+def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_p=pb.top_p if pb.top_p > 0 else 1.0,
+        top_k=pb.top_k,
+        max_tokens=pb.max_tokens or max(1, default_max_tokens),
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop=tuple(pb.stop),
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs or pb.top_logprobs > 0,
+        top_logprobs=pb.top_logprobs,
+    )
+
+
+def chunk_to_proto(output: RequestOutput) -> language_pb2.GenerateResponse:
+    chunk = language_pb2.GenerateChunk(
+        token_ids=output.token_ids,
+        text=output.text,
+        logprobs=[
+            language_pb2.TokenLogprob(
+                token_id=lp.token_id,
+                token=lp.token,
+                logprob=lp.logprob,
+                top=[language_pb2.TopLogprob(token_id=t, token=s, logprob=v) for t, s, v in lp.top],
+            )
+            for lp in output.logprobs
+        ],
+    )
+    return language_pb2.GenerateResponse(request_id=output.request_id, chunk=chunk)
+
+
+class LanguageServicer(language_pb2_grpc.LanguageServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        receiver: Receiver,
+        tokenizer: Any,
+        spec: ModelSpec,
+        metrics: LanguageMetrics,
+    ) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.metrics = metrics
+        self.max_model_len = engine.engine.config.max_model_len
+
+    async def Generate(
+        self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[language_pb2.GenerateResponse]:
+        request_id = request.request_id
+        if not request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            messages, hints = messages_from_proto(request.messages)
+            if count_images(messages) != len(hints):
+                raise ValueError("image parts and hints disagree")
+            known = all(h > 0 for h in hints)
+            prompt = build_prompt(
+                self.tokenizer, self.spec, messages, hints if known else [1] * len(hints)
+            )
+            sampling = sampling_from_proto(
+                request.sampling, self.max_model_len - len(prompt.token_ids)
+            )
+            if known:
+                self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        grids: list = []
+        embeds = None
+        if hints:
+            try:
+                grids, embeds = await self._receive(request_id, sum(hints))
+            except TransferFailedError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"image embeddings: {exc}")
+            if len(grids) != len(hints):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the encoder sent {len(grids)} images, the prompt has {len(hints)}",
+                )
+            merge = self.spec.vision.spatial_merge_size
+            try:
+                prompt = build_prompt(
+                    self.tokenizer, self.spec, messages, [g.num_tokens(merge) for g in grids]
+                )
+                self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        engine_request = new_request(
+            request_id,
+            prompt.token_ids,
+            sampling,
+            self.spec.image_token_id,
+            grids,
+            self.spec.vision.spatial_merge_size,
+            embeds,
+        )
+        num_image_tokens = prompt.num_image_tokens
+        async for output in self.engine.generate(engine_request):
+            if output.token_ids or output.text:
+                yield chunk_to_proto(output)
+            if output.finished:
+                assert output.finish_reason is not None
+                self.metrics.requests.labels(output.finish_reason).inc()
+                yield language_pb2.GenerateResponse(
+                    request_id=request_id,
+                    complete=language_pb2.GenerateComplete(
+                        finish_reason=FINISH_REASONS[output.finish_reason],
+                        prompt_tokens=output.num_prompt_tokens,
+                        completion_tokens=output.num_output_tokens,
+                        image_tokens=num_image_tokens,
+                    ),
+                )
+
+    async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, Any]:
+        """Preallocates, waits for the embeddings, takes them out of the pool."""
+        self.metrics.receiving.inc()
+        try:
+            await self.receiver.expect(request_id, hint_tokens)
+            meta = await self.receiver.wait(request_id)
+            embeds, _deepstack = await self.receiver.take(request_id)
+            return list(meta.grids), embeds
+        finally:
+            self.metrics.receiving.dec()
+            await self.receiver.release(
+                request_id, "the request ended before its embeddings arrived"
+            )
+
+    async def PushEmbeddings(
+        self,
+        request_iterator: AsyncIterator[language_pb2.EmbeddingChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> language_pb2.PushEmbeddingsReply:
+        received = 0
+        async for chunk in request_iterator:
+            try:
+                self.receiver.write_chunk(
+                    chunk.request_id,
+                    chunk.start_token,
+                    chunk.num_tokens,
+                    chunk.embeddings,
+                    chunk.deepstack,
+                )
+            except TransferFailedError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            received += chunk.num_tokens
+        return language_pb2.PushEmbeddingsReply(received_tokens=received)
+
+    async def Abort(
+        self, request: language_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> language_pb2.AbortReply:
+        reason = request.reason or "aborted by the caller"
+        receiving = request.request_id in self.receiver.transfers
+        await self.receiver.release(request.request_id, reason)
+        generating = request.request_id in self.engine.engine.requests
+        self.engine.abort(request.request_id)
+        return language_pb2.AbortReply(found=receiving or generating)

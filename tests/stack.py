@@ -1,0 +1,89 @@
+"""Real services in the test process, on free ports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.broker.server import BrokerConfig, BrokerServer
+from services.encoder.server import EncoderConfig, EncoderServer
+from services.grpc_server import channel
+from services.language.engine.engine import EngineConfig
+from services.language.server import LanguageConfig, LanguageServer
+from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
+from services.triton.launcher import TritonServer
+
+MODEL = "demo-tiny"
+
+
+async def start_broker(**overrides: Any) -> BrokerServer:
+    settings: dict[str, Any] = {"port": 0, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}
+    config = BrokerConfig(**{**settings, **overrides})
+    server = BrokerServer(config)
+    await server.start()
+    return server
+
+
+async def start_encoder(
+    checkpoint: Path,
+    triton: TritonServer | None,
+    broker: BrokerServer | None = None,
+    **overrides: Any,
+) -> EncoderServer:
+    triton_url = triton.config.grpc_url if triton is not None else overrides.pop("triton_url")
+    config = EncoderConfig(
+        checkpoint=checkpoint,
+        model_name=MODEL,
+        port=0,
+        triton_url=triton_url,
+        broker=broker.address if broker else None,
+        **overrides,
+    )
+    server = EncoderServer(config)
+    await server.start()
+    return server
+
+
+async def start_language(
+    checkpoint: Path,
+    broker: BrokerServer | None = None,
+    engine: EngineConfig | None = None,
+    **overrides: Any,
+) -> LanguageServer:
+    config = LanguageConfig(
+        checkpoint=checkpoint,
+        model_name=MODEL,
+        port=0,
+        broker=broker.address if broker else None,
+        engine=engine or EngineConfig(max_model_len=2048, kv_cache_bytes=64 * 1024 * 1024),
+        **overrides,
+    )
+    server = LanguageServer(config)
+    await server.start()
+    return server
+
+
+def encoder_stub(server: EncoderServer) -> encoder_pb2_grpc.EncoderStub:
+    return encoder_stub_at(server.address)
+
+
+def encoder_stub_at(address: str) -> encoder_pb2_grpc.EncoderStub:
+    return encoder_pb2_grpc.EncoderStub(channel(address))
+
+
+def language_stub(server: LanguageServer) -> language_pb2_grpc.LanguageStub:
+    return language_pb2_grpc.LanguageStub(channel(server.address))
+
+
+def broker_stub(server: BrokerServer) -> broker_pb2_grpc.BrokerStub:
+    return broker_pb2_grpc.BrokerStub(channel(server.address))
+
+
+async def status_of(call: Any) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK

@@ -1,0 +1,464 @@
+"""Embeddings from the encoder into the language pool, with every real part:
+tritonserver, the broker, the encoder and language gRPC servers, shared
+memory, NIXL agents, gRPC streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from services.broker.server import BrokerServer
+from services.encoder.server import EncoderServer
+from services.language.server import LanguageServer
+from services.model.checkpoint import load_vision_tower
+from services.model.processor import load_image_processor
+from services.model.spec import load_spec
+from services.proto import encoder_pb2
+from services.transfer.state import TransferFailedError
+from services.transfer.transport import Transport
+from services.triton.launcher import TritonServer
+from tests.images import encode_image, random_image
+from tests.processes import epd_process
+from tests.stack import encoder_stub, encoder_stub_at, start_broker, start_encoder, start_language
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def broker() -> AsyncIterator[BrokerServer]:
+    server = await start_broker()
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def encoder(
+    tiny_checkpoint: Path, triton: TritonServer, broker: BrokerServer
+) -> AsyncIterator[EncoderServer]:
+    server = await start_encoder(tiny_checkpoint, triton, broker, send_buffer_tokens=32768)
+    yield server
+    await server.stop()
+
+
+async def language_with(
+    checkpoint: Path, broker: BrokerServer, transports: tuple[Transport, ...], **overrides: object
+) -> LanguageServer:
+    return await start_language(checkpoint, broker, transports=transports, **overrides)
+
+
+def images(n: int, seed: int, size: tuple[int, int] | None = None, fmt: str = "PNG") -> list[bytes]:
+    sizes = [size or (224 + 28 * i, 196 + 14 * i) for i in range(n)]
+    return [
+        encode_image(random_image(w, h, seed=seed * 10 + i), fmt) for i, (w, h) in enumerate(sizes)
+    ]
+
+
+def tower_output(checkpoint: Path, data: list[bytes]) -> torch.Tensor:
+    spec = load_spec(checkpoint)
+    pixels = load_image_processor(checkpoint)(
+        images=[Image.open(io.BytesIO(d)).convert("RGB") for d in data], return_tensors="pt"
+    )
+    with torch.no_grad():
+        return load_vision_tower(checkpoint, spec)(
+            pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]
+        ).pooler_output
+
+
+async def receive(
+    language: LanguageServer,
+    encoder: EncoderServer,
+    request_id: str,
+    data: list[bytes],
+    hint: int,
+    meta_first: bool = False,
+    broker: BrokerServer | None = None,
+) -> torch.Tensor:
+    """Preallocates on L and encodes on E (in either order); returns what landed in L."""
+    encode = encoder_stub(encoder).Encode(
+        encoder_pb2.EncodeRequest(
+            request_id=request_id, images=data, language_instance_id=language.config.instance_id
+        )
+    )
+    if meta_first:
+        await encode
+        assert broker is not None
+
+        def meta_waiting() -> bool:
+            pairing = broker.broker.rendezvous.describe(request_id)
+            return pairing is not None and pairing.meta is not None and pairing.prealloc is None
+
+        await _wait_until(meta_waiting, 5)
+        await language.receiver.expect(request_id, hint)
+    else:
+        await language.receiver.expect(request_id, hint)
+        await encode
+    await language.receiver.wait(request_id)
+    embeddings, _ = await language.receiver.take(request_id)
+    return embeddings
+
+
+def assert_pools_full(language: LanguageServer, encoder: EncoderServer) -> None:
+    language.pool.allocator.check_integrity()
+    encoder.buffer.pool.allocator.check_integrity()
+    assert language.pool.allocator.num_used_blocks == 0
+    assert encoder.buffer.pool.allocator.num_used_blocks == 0
+    assert not language.receiver.transfers
+    assert not encoder.sender.transfers
+
+
+@pytest.mark.parametrize(
+    "transport", [Transport.SHM, Transport.NIXL, Transport.GRPC], ids=lambda t: t.name.lower()
+)
+@pytest.mark.parametrize("num_images", [1, 3])
+async def test_embeddings_arrive_bit_exact(
+    tiny_checkpoint: Path,
+    broker: BrokerServer,
+    encoder: EncoderServer,
+    transport: Transport,
+    num_images: int,
+) -> None:
+    language = await language_with(tiny_checkpoint, broker, (transport,))
+    try:
+        data = images(num_images, seed=int(transport) * 7 + num_images)
+        got = await receive(language, encoder, f"exact-{transport.name}-{num_images}", data, hint=0)
+        assert torch.equal(got, tower_output(tiny_checkpoint, data))
+        pairing = broker.broker.rendezvous.describe(f"exact-{transport.name}-{num_images}")
+        assert pairing is not None and pairing.phase.name == "DONE"
+        await asyncio.sleep(0.05)  # the encoder frees its buffer on its own TransferDone
+        assert_pools_full(language, encoder)
+    finally:
+        await language.stop()
+
+
+@pytest.mark.parametrize("meta_first", [False, True], ids=["prealloc-first", "meta-first"])
+async def test_both_arrival_orders(
+    tiny_checkpoint: Path, broker: BrokerServer, encoder: EncoderServer, meta_first: bool
+) -> None:
+    language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
+    try:
+        data = images(2, seed=40 + meta_first)
+        got = await receive(language, encoder, f"order-{meta_first}", data, 0, meta_first, broker)
+        assert torch.equal(got, tower_output(tiny_checkpoint, data))
+    finally:
+        await language.stop()
+
+
+@pytest.fixture(scope="module")
+def big_request(tiny_checkpoint: Path) -> tuple[list[bytes], torch.Tensor]:
+    """Eight 980x980 images: 8 x 35 x 35 = 9800 embedding tokens, and their embeddings."""
+    data = images(8, seed=77, size=(980, 980), fmt="JPEG")
+    return data, tower_output(tiny_checkpoint, data)
+
+
+@pytest.mark.parametrize(
+    ("transport", "pool_tokens", "allocate", "num_resumes"),
+    [
+        # 9800 tokens into a 4096-token preallocation: one resume for the rest...
+        (Transport.SHM, 32768, 4096, 1),
+        (Transport.NIXL, 32768, 4096, 1),
+        # ...and with a 1024-token pool, ten parts of at most 1024 tokens.
+        (Transport.SHM, 1024, 4096, 9),
+        (Transport.GRPC, 2048, 4096, 4),
+    ],
+    ids=["shm-4096", "nixl-4096", "shm-tight-pool", "grpc-tight-pool"],
+)
+async def test_large_embedding_completes_through_resume(
+    tiny_checkpoint: Path,
+    broker: BrokerServer,
+    encoder: EncoderServer,
+    big_request: tuple[list[bytes], torch.Tensor],
+    transport: Transport,
+    pool_tokens: int,
+    allocate: int,
+    num_resumes: int,
+) -> None:
+    language = await language_with(
+        tiny_checkpoint,
+        broker,
+        (transport,),
+        embedding_pool_tokens=pool_tokens,
+        default_allocate_tokens=allocate,
+    )
+    try:
+        request_id = f"big-{transport.name}-{pool_tokens}"
+        data, expected = big_request
+        got = await receive(language, encoder, request_id, data, hint=0)
+        assert got.shape[0] == 9800
+        assert torch.equal(got, expected)
+        pairing = broker.broker.rendezvous.describe(request_id)
+        assert pairing is not None and pairing.num_resumes == num_resumes
+        await asyncio.sleep(0.05)
+        assert_pools_full(language, encoder)
+    finally:
+        await language.stop()
+
+
+async def test_unknown_target_is_not_found(encoder: EncoderServer) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await encoder_stub(encoder).Encode(
+            encoder_pb2.EncodeRequest(
+                request_id="x", images=images(1, 5), language_instance_id="nobody"
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_abort_from_the_language_side_frees_the_encoder(
+    tiny_checkpoint: Path, broker: BrokerServer, encoder: EncoderServer
+) -> None:
+    language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
+    try:
+        await encoder_stub(encoder).Encode(
+            encoder_pb2.EncodeRequest(
+                request_id="aborted",
+                images=images(1, 9),
+                language_instance_id=language.config.instance_id,
+            )
+        )
+        assert "aborted" in encoder.sender.transfers
+        await language.receiver.expect("aborted", 0)
+        await language.receiver.release("aborted", "client went away")
+        for _ in range(100):
+            if not encoder.sender.transfers:
+                break
+            await asyncio.sleep(0.02)
+        assert_pools_full(language, encoder)
+    finally:
+        await language.stop()
+
+
+def has_meta(broker: BrokerServer, request_id: str) -> bool:
+    pairing = broker.broker.rendezvous.describe(request_id)
+    return pairing is not None and pairing.meta is not None
+
+
+async def _wait_until(condition: object, timeout_s: float) -> None:
+    assert callable(condition)
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def test_killed_encoder_frees_the_language_blocks(
+    tiny_checkpoint: Path, triton: TritonServer, broker: BrokerServer, tmp_path: Path
+) -> None:
+    language = await language_with(
+        tiny_checkpoint, broker, (Transport.SHM,), transfer_timeout_s=30.0
+    )
+    args = [
+        "encoder",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--model-name",
+        "demo-tiny",
+        "--port",
+        "0",
+        "--broker",
+        broker.address,
+        "--triton",
+        triton.config.grpc_url,
+        "--instance-id",
+        "doomed-encoder",
+    ]
+    try:
+        with epd_process(args, tmp_path / "encoder.log") as process:
+            await _wait_until(lambda: broker.broker.registry.get("doomed-encoder") is not None, 60)
+            address = broker.broker.registry.get("doomed-encoder").registration.grpc_address
+            stub = encoder_stub_at(address)
+            # The encoder announces the embeddings, then dies before any data moves.
+            await stub.Encode(
+                encoder_pb2.EncodeRequest(
+                    request_id="orphan",
+                    images=images(1, 11),
+                    language_instance_id=language.config.instance_id,
+                )
+            )
+            await _wait_until(lambda: has_meta(broker, "orphan"), 5)
+            os.killpg(process.pid, signal.SIGKILL)
+            await _wait_until(lambda: broker.broker.registry.get("doomed-encoder") is None, 10)
+        await language.receiver.expect("orphan", 0)
+        assert language.pool.allocator.num_used_blocks > 0
+        with pytest.raises(TransferFailedError, match="doomed-encoder was lost"):
+            await asyncio.wait_for(language.receiver.wait("orphan"), 5)
+        await _wait_until(lambda: language.pool.allocator.num_used_blocks == 0, 5)
+        language.pool.allocator.check_integrity()
+    finally:
+        await language.stop()
+
+
+async def test_killed_language_frees_the_encoder_buffer(
+    tiny_checkpoint: Path, broker: BrokerServer, encoder: EncoderServer, tmp_path: Path
+) -> None:
+    args = [
+        "language",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--model-name",
+        "demo-tiny",
+        "--port",
+        "0",
+        "--broker",
+        broker.address,
+        "--instance-id",
+        "doomed-language",
+        "--kv-cache-mb",
+        "64",
+        "--max-model-len",
+        "2048",
+    ]
+    with epd_process(args, tmp_path / "language.log") as process:
+        await _wait_until(lambda: "doomed-language" in encoder.sender.peers, 60)
+        await encoder_stub(encoder).Encode(
+            encoder_pb2.EncodeRequest(
+                request_id="stranded", images=images(1, 12), language_instance_id="doomed-language"
+            )
+        )
+        assert encoder.buffer.pool.allocator.num_used_blocks > 0
+        await _wait_until(lambda: has_meta(broker, "stranded"), 5)
+        os.killpg(process.pid, signal.SIGKILL)
+        await _wait_until(lambda: encoder.buffer.pool.allocator.num_used_blocks == 0, 10)
+    assert "stranded" not in encoder.sender.transfers
+    assert "doomed-language" not in encoder.sender.peers
+    encoder.buffer.pool.allocator.check_integrity()
+
+
+async def test_hung_encoder_times_out_on_the_language_side(
+    tiny_checkpoint: Path, triton: TritonServer, broker: BrokerServer, tmp_path: Path
+) -> None:
+    language = await language_with(
+        # Shorter than the broker's heartbeat timeout: the language side gives up first.
+        tiny_checkpoint,
+        broker,
+        (Transport.SHM,),
+        transfer_timeout_s=0.8,
+    )
+    args = [
+        "encoder",
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--model-name",
+        "demo-tiny",
+        "--port",
+        "0",
+        "--broker",
+        broker.address,
+        "--triton",
+        triton.config.grpc_url,
+        "--instance-id",
+        "frozen-encoder",
+    ]
+    try:
+        with epd_process(args, tmp_path / "encoder.log") as process:
+            await _wait_until(lambda: broker.broker.registry.get("frozen-encoder") is not None, 60)
+            address = broker.broker.registry.get("frozen-encoder").registration.grpc_address
+            await encoder_stub_at(address).Encode(
+                encoder_pb2.EncodeRequest(
+                    request_id="hung",
+                    images=images(1, 13),
+                    language_instance_id=language.config.instance_id,
+                )
+            )
+            os.killpg(process.pid, signal.SIGSTOP)  # alive, but answers nothing
+            await language.receiver.expect("hung", 0)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(TransferFailedError, match="did not arrive within"):
+                await asyncio.wait_for(language.receiver.wait("hung"), 10)
+            assert asyncio.get_running_loop().time() - started < 5
+            assert language.pool.allocator.num_used_blocks == 0
+    finally:
+        await language.stop()
+
+
+SCENARIOS = st.lists(
+    st.tuples(
+        st.integers(1, 3),  # images
+        st.sampled_from(["exact", "low", "none", "high"]),  # the hint
+        st.sampled_from(["never", "early", "late"]),  # when the request is abandoned
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+async def test_random_load_returns_every_block(
+    tiny_checkpoint: Path, broker: BrokerServer, encoder: EncoderServer
+) -> None:
+    """Property-based: concurrent requests with wrong hints and abandoned at random
+    points, on a pool small enough to force contention and resumes; afterwards
+    both pools are whole and consistent."""
+    language = await language_with(
+        tiny_checkpoint,
+        broker,
+        (Transport.SHM,),
+        embedding_pool_tokens=1024,
+        default_allocate_tokens=256,
+        transfer_timeout_s=10.0,
+    )
+    data = images(3, seed=99)
+    reply = await encoder_stub(encoder).Encode(encoder_pb2.EncodeRequest(images=data))
+    tokens = [g.t * g.h * g.w // 4 for g in reply.grids]
+    loop = asyncio.get_running_loop()
+    counter = iter(range(1_000_000))
+
+    async def one(num_images: int, hint_mode: str, abandon: str) -> None:
+        request_id = f"stress-{next(counter)}"
+        exact = sum(tokens[:num_images])
+        hint = {"exact": exact, "low": max(1, exact // 3), "none": 0, "high": exact * 2}[hint_mode]
+        encode = asyncio.ensure_future(
+            encoder_stub(encoder).Encode(
+                encoder_pb2.EncodeRequest(
+                    request_id=request_id,
+                    images=data[:num_images],
+                    language_instance_id=language.config.instance_id,
+                )
+            )
+        )
+        try:
+            await language.receiver.expect(request_id, hint)
+            if abandon == "early":
+                return
+            await encode
+            if abandon == "late":
+                await asyncio.sleep(0.001 * num_images)
+                return
+            await language.receiver.wait(request_id)
+            got, _ = await language.receiver.take(request_id)
+            assert got.shape[0] == exact
+        finally:
+            await language.receiver.release(request_id, "the test abandoned it")
+            encode.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await encode
+
+    async def scenario(requests: list[tuple[int, str, str]]) -> None:
+        await asyncio.gather(*(one(*r) for r in requests))
+        await _wait_until(
+            lambda: not encoder.sender.transfers and language.pool.allocator.num_used_blocks == 0,
+            10,
+        )
+        assert_pools_full(language, encoder)
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(SCENARIOS)
+    def check(requests: list[tuple[int, str, str]]) -> None:
+        asyncio.run_coroutine_threadsafe(scenario(requests), loop).result(timeout=120)
+
+    try:
+        await asyncio.to_thread(check)  # hypothesis drives the loop from a thread
+    finally:
+        await language.stop()
