@@ -132,11 +132,15 @@ def _quiet_transformers() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def vision_tower_class(model_type: str) -> type[torch.nn.Module]:
