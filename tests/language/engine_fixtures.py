@@ -1,0 +1,82 @@
+"""Building engine requests the way the language service does, for engine-level tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from services.language.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from services.language.engine.request import Request, SamplingParams, new_request
+from services.language.engine.scheduler import SchedulerConfig
+from services.model.checkpoint import load_language_weights, load_vision_tower
+from services.model.processor import ImageGrid, load_image_processor
+from services.model.spec import load_spec
+from services.model.tokenizer import build_prompt, load_tokenizer
+
+
+def make_engine(
+    checkpoint: Path,
+    kv_cache_bytes: int = 64 << 20,
+    max_model_len: int = 1024,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+) -> LLMEngine:
+    spec = load_spec(checkpoint)
+    return LLMEngine(
+        spec,
+        load_language_weights(checkpoint, spec),
+        load_tokenizer(checkpoint),
+        EngineConfig(
+            max_model_len=max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        ),
+    )
+
+
+def make_request(
+    checkpoint: Path,
+    request_id: str,
+    messages: list[dict[str, Any]],
+    images: list[Image.Image],
+    sampling: SamplingParams,
+) -> Request:
+    spec = load_spec(checkpoint)
+    grids: list[ImageGrid] = []
+    embeds = None
+    if images:
+        pixels = load_image_processor(checkpoint)(images=images, return_tensors="pt")
+        grids = [ImageGrid(*map(int, g)) for g in pixels["image_grid_thw"]]
+        with torch.no_grad():
+            embeds = load_vision_tower(checkpoint, spec)(
+                pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]
+            ).pooler_output
+    merge = spec.vision.spatial_merge_size
+    prompt = build_prompt(
+        load_tokenizer(checkpoint), spec, messages, [g.num_tokens(merge) for g in grids]
+    )
+    return new_request(
+        request_id, prompt.token_ids, sampling, spec.image_token_id, grids, merge, embeds
+    )
+
+
+def run_to_completion(engine: LLMEngine, requests: list[Request]) -> dict[str, list[RequestOutput]]:
+    for request in requests:
+        engine.add_request(request)
+    outputs: dict[str, list[RequestOutput]] = {}
+    while engine.has_work():
+        step_outputs, _ = engine.step()
+        for output in step_outputs:
+            outputs.setdefault(output.request_id, []).append(output)
+    return outputs
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def text(outputs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outputs)

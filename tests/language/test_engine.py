@@ -1,0 +1,208 @@
+"""The engine against Hugging Face generate(), token for token."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from services.language.engine.request import SamplingParams
+from tests.images import random_image
+from tests.language.engine_fixtures import (
+    make_engine,
+    make_request,
+    run_to_completion,
+    text,
+    tokens,
+)
+from tests.reference import chat, hf_greedy
+
+MIXED = [
+    (0, "Hello there", 8),
+    (1, "Describe this image.", 13),
+    (0, "Tell me a long story about the sea, the boats and the fish in it.", 30),
+    (3, "Compare the three pictures.", 23),
+    (0, "Count to ten", 5),
+    (1, "What color is it?", 40),
+    (2, "Which one is brighter?", 17),
+    (0, "a", 1),
+]
+
+
+def _case(i: int) -> tuple[list[dict[str, object]], list[object], int]:
+    num_images, prompt, max_tokens = MIXED[i]
+    images = [
+        random_image(120 + 40 * j + 10 * i, 100 + 30 * j, seed=10 * i + j)
+        for j in range(num_images)
+    ]
+    return chat(prompt, num_images), images, max_tokens
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint: Path) -> list[list[int]]:
+    return [hf_greedy(tiny_checkpoint, *_case(i)) for i in range(len(MIXED))]
+
+
+def _requests(checkpoint: Path, indices: list[int]) -> list[object]:
+    return [
+        make_request(checkpoint, f"r{i}", messages, images, SamplingParams(max_tokens=n))  # type: ignore[arg-type]
+        for i in indices
+        for messages, images, n in [_case(i)]
+    ]
+
+
+@pytest.mark.parametrize("index", [0, 1, 3], ids=["text", "one-image", "three-images"])
+def test_single_requests_equal_hf(
+    tiny_checkpoint: Path, expected: list[list[int]], index: int
+) -> None:
+    engine = make_engine(tiny_checkpoint)
+    out = run_to_completion(engine, _requests(tiny_checkpoint, [index]))  # type: ignore[arg-type]
+    assert tokens(out[f"r{index}"]) == expected[index]
+
+
+@pytest.mark.parametrize(
+    ("kv_bytes", "max_model_len", "budget", "preempts"),
+    [
+        (64 << 20, 1024, 2048, False),  # roomy: one batch
+        (64 << 20, 1024, 48, False),  # chunked prefill, 48 tokens a step
+        (16384 * 12, 192, 40, True),  # 12 pages of 16 tokens: preemption
+    ],
+    ids=["batch", "chunked-prefill", "preemption"],
+)
+def test_batch_of_eight_mixed_requests_equals_hf(
+    tiny_checkpoint: Path,
+    expected: list[list[int]],
+    kv_bytes: int,
+    max_model_len: int,
+    budget: int,
+    preempts: bool,
+) -> None:
+    engine = make_engine(tiny_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
+    out = run_to_completion(engine, _requests(tiny_checkpoint, list(range(8))))  # type: ignore[arg-type]
+    for i in range(8):
+        assert tokens(out[f"r{i}"]) == expected[i], f"request {i}"
+    assert (engine.scheduler.num_preemptions > 0) == preempts
+    engine.blocks.allocator.check_integrity()
+    assert engine.blocks.num_used_pages == 0
+
+
+def test_text_equals_hf_decode(tiny_checkpoint: Path, expected: list[list[int]]) -> None:
+    from services.model.tokenizer import load_tokenizer
+
+    engine = make_engine(tiny_checkpoint)
+    out = run_to_completion(engine, _requests(tiny_checkpoint, [2, 5]))  # type: ignore[arg-type]
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    for i in (2, 5):
+        assert text(out[f"r{i}"]) == tokenizer.decode(expected[i], skip_special_tokens=True)
+
+
+def _sampled(checkpoint: Path, companions: int, seed: int) -> list[int]:
+    engine = make_engine(checkpoint)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=24, seed=seed)
+    subject = make_request(checkpoint, "subject", chat("Write a poem about cats."), [], params)
+    others = [
+        make_request(
+            checkpoint,
+            f"o{i}",
+            chat(f"Other request {i} " * (i + 1)),
+            [],
+            SamplingParams(temperature=1.0, max_tokens=10 + i, seed=100 + i),
+        )
+        for i in range(companions)
+    ]
+    return tokens(run_to_completion(engine, [*others, subject])["subject"])
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(
+    tiny_checkpoint: Path,
+) -> None:
+    alone = _sampled(tiny_checkpoint, 0, seed=7)
+    assert alone == _sampled(tiny_checkpoint, 0, seed=7)
+    assert alone == _sampled(tiny_checkpoint, 5, seed=7)
+    assert alone != _sampled(tiny_checkpoint, 0, seed=8)
+
+
+def test_stop_strings_never_reach_the_output(
+    tiny_checkpoint: Path, expected: list[list[int]]
+) -> None:
+    from services.model.tokenizer import load_tokenizer
+
+    full = load_tokenizer(tiny_checkpoint).decode(expected[5], skip_special_tokens=True)
+    stop = full[10:13]
+    engine = make_engine(tiny_checkpoint)
+    messages, images, _ = _case(5)
+    request = make_request(
+        tiny_checkpoint,
+        "s",
+        messages,
+        images,
+        SamplingParams(max_tokens=40, stop=(stop,)),  # type: ignore[arg-type]
+    )
+    out = run_to_completion(engine, [request])["s"]
+    assert text(out) == full[: full.index(stop)]
+    assert out[-1].finish_reason == "stop"
+
+
+def test_stop_token_ids_and_max_tokens(tiny_checkpoint: Path, expected: list[list[int]]) -> None:
+    engine = make_engine(tiny_checkpoint)
+    messages, images, _ = _case(2)
+    stop_id = expected[2][4]
+    out = run_to_completion(
+        engine,
+        [
+            make_request(
+                tiny_checkpoint,
+                "ids",
+                messages,
+                images,
+                SamplingParams(max_tokens=30, stop_token_ids=(stop_id,)),
+            ),  # type: ignore[arg-type]
+            make_request(tiny_checkpoint, "len", messages, images, SamplingParams(max_tokens=3)),  # type: ignore[arg-type]
+        ],
+    )
+    assert tokens(out["ids"]) == expected[2][: expected[2].index(stop_id) + 1]
+    assert out["ids"][-1].finish_reason == "stop"
+    assert tokens(out["len"]) == expected[2][:3]
+    assert out["len"][-1].finish_reason == "length"
+
+
+def test_context_length_is_enforced(tiny_checkpoint: Path) -> None:
+    engine = make_engine(tiny_checkpoint, max_model_len=64)
+    request = make_request(
+        tiny_checkpoint, "long", chat("word " * 80), [], SamplingParams(max_tokens=4)
+    )
+    with pytest.raises(ValueError, match="exceeds the context length of 64 tokens"):
+        engine.add_request(request)
+
+
+def test_logprobs(tiny_checkpoint: Path, expected: list[list[int]]) -> None:
+    engine = make_engine(tiny_checkpoint)
+    messages, images, _ = _case(0)
+    request = make_request(
+        tiny_checkpoint,
+        "lp",
+        messages,
+        images,
+        SamplingParams(max_tokens=5, logprobs=True, top_logprobs=3),  # type: ignore[arg-type]
+    )
+    outputs = run_to_completion(engine, [request])["lp"]
+    logprobs = [lp for o in outputs for lp in o.logprobs]
+    assert [lp.token_id for lp in logprobs] == expected[0][:5]
+    for lp in logprobs:
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == lp.token_id  # greedy: the sampled token is the most likely
+        assert lp.logprob == pytest.approx(lp.top[0][2])
+        assert all(a[2] >= b[2] for a, b in itertools.pairwise(lp.top))
+
+
+def test_abort_frees_the_pages(tiny_checkpoint: Path) -> None:
+    engine = make_engine(tiny_checkpoint)
+    request = make_request(tiny_checkpoint, "x", chat("Hello"), [], SamplingParams(max_tokens=50))
+    engine.add_request(request)
+    engine.step()
+    assert engine.blocks.num_used_pages > 0
+    final = engine.abort_request("x")
+    assert final is not None and final.finish_reason == "abort"
+    assert engine.blocks.num_used_pages == 0
+    assert not engine.has_work()

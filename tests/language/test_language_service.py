@@ -1,0 +1,331 @@
+"""The language service over gRPC with the whole back end: tritonserver, the
+broker, the encoder; embeddings reach the engine through the real receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from services.broker.server import BrokerServer
+from services.encoder.server import EncoderServer
+from services.language.engine.engine import EngineConfig
+from services.language.server import LanguageServer
+from services.model.processor import ImageTokenRule
+from services.proto import common_pb2, encoder_pb2, language_pb2
+from services.transfer.transport import Transport
+from services.triton.launcher import TritonServer
+from tests.images import encode_image, random_image
+from tests.reference import chat, hf_greedy
+from tests.reflection import list_services, server_streaming_json
+from tests.stack import encoder_stub, language_stub, start_broker, start_encoder, start_language
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def stack(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> AsyncIterator[tuple[BrokerServer, EncoderServer, LanguageServer]]:
+    broker = await start_broker()
+    encoder = await start_encoder(tiny_checkpoint, triton, broker)
+    language = await start_language(tiny_checkpoint, broker, transports=(Transport.SHM,))
+    yield broker, encoder, language
+    for server in (language, encoder, broker):
+        await server.stop()
+
+
+def proto_messages(text: str, hints: list[int]) -> list[language_pb2.ChatMessage]:
+    parts = [language_pb2.ContentPart(image=language_pb2.ImagePart(token_hint=h)) for h in hints]
+    parts.append(language_pb2.ContentPart(text=text))
+    return [language_pb2.ChatMessage(role="user", content=parts)]
+
+
+def hints_for(checkpoint: Path, images: list[bytes]) -> list[int]:
+    from PIL import Image
+
+    rule = ImageTokenRule.from_checkpoint(checkpoint)
+    return [rule.num_tokens(*Image.open(io.BytesIO(d)).size[::-1]) for d in images]
+
+
+async def generate(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+    checkpoint: Path,
+    request_id: str,
+    text: str,
+    images: list[bytes],
+    sampling: common_pb2.SamplingParams,
+    language: LanguageServer | None = None,
+) -> list[language_pb2.GenerateResponse]:
+    """What the gateway does: Encode and Generate concurrently."""
+    _, encoder, default_language = stack
+    language = language or default_language
+    hints = hints_for(checkpoint, images)
+    calls: list[Any] = []
+    if images:
+        calls.append(
+            encoder_stub(encoder).Encode(
+                encoder_pb2.EncodeRequest(
+                    request_id=request_id,
+                    images=images,
+                    language_instance_id=language.config.instance_id,
+                )
+            )
+        )
+
+    async def stream() -> list[language_pb2.GenerateResponse]:
+        call = language_stub(language).Generate(
+            language_pb2.GenerateRequest(
+                request_id=request_id, messages=proto_messages(text, hints), sampling=sampling
+            )
+        )
+        return [r async for r in call]
+
+    results = await asyncio.gather(stream(), *calls)
+    return results[0]
+
+
+def token_ids(responses: list[language_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
+
+
+def pil(data: list[bytes]) -> list[Any]:
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(d)).convert("RGB") for d in data]
+
+
+CASES = [
+    ("Hello! How are you?", 0, 12),
+    ("Describe this image.", 1, 16),
+    ("Compare the three pictures.", 3, 10),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "num_images", "max_tokens"), CASES, ids=["text", "1-image", "3-images"]
+)
+async def test_generate_equals_hf(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+    tiny_checkpoint: Path,
+    text: str,
+    num_images: int,
+    max_tokens: int,
+) -> None:
+    images = [
+        encode_image(random_image(200 + 30 * i, 180 + 20 * i, seed=i + 50))
+        for i in range(num_images)
+    ]
+    responses = await generate(
+        stack,
+        tiny_checkpoint,
+        f"gen-{num_images}",
+        text,
+        images,
+        common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
+    expected = hf_greedy(tiny_checkpoint, chat(text, num_images), pil(images), max_tokens)
+    assert token_ids(responses) == expected
+    complete = responses[-1].complete
+    assert complete.completion_tokens == len(expected)
+    assert complete.finish_reason in (
+        language_pb2.FINISH_REASON_STOP,
+        language_pb2.FINISH_REASON_LENGTH,
+    )
+    assert complete.image_tokens == sum(hints_for(tiny_checkpoint, images))
+
+
+async def test_eight_concurrent_mixed_requests_on_a_small_kv_cache(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer], tiny_checkpoint: Path
+) -> None:
+    broker, _, _ = stack
+    # 14 pages of 16 tokens: the eight requests cannot all fit, so some are preempted.
+    small = await start_language(
+        tiny_checkpoint,
+        broker,
+        transports=(Transport.SHM,),
+        engine=EngineConfig(max_model_len=224, kv_cache_bytes=16384 * 14),
+    )
+    try:
+        cases = [
+            (f"Request number {i}: " + "tell me more " * (i % 3), i % 3, 6 + 3 * i)
+            for i in range(8)
+        ]
+        all_images = [
+            [encode_image(random_image(84 + 28 * j, 84, seed=100 * i + j)) for j in range(n)]
+            for i, (_, n, _) in enumerate(cases)
+        ]
+        results = await asyncio.gather(
+            *(
+                generate(
+                    stack,
+                    tiny_checkpoint,
+                    f"mix-{i}",
+                    text,
+                    all_images[i],
+                    common_pb2.SamplingParams(max_tokens=m),
+                    language=small,
+                )
+                for i, (text, _, m) in enumerate(cases)
+            )
+        )
+        for i, (text, n, m) in enumerate(cases):
+            assert token_ids(results[i]) == hf_greedy(
+                tiny_checkpoint, chat(text, n), pil(all_images[i]), m
+            )
+        assert small.engine.engine.scheduler.num_preemptions > 0
+        assert small.engine.engine.blocks.num_used_pages == 0
+        assert small.pool.allocator.num_used_blocks == 0
+    finally:
+        await small.stop()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        (common_pb2.SamplingParams(max_tokens=5000), "exceeds the context length"),
+        (common_pb2.SamplingParams(temperature=-1), "temperature must be >= 0"),
+        (common_pb2.SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
+        (common_pb2.SamplingParams(top_logprobs=50), "top_logprobs must be in [0, 20]"),
+    ],
+)
+async def test_bad_requests_are_invalid_argument(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+    sampling: common_pb2.SamplingParams,
+    message: str,
+) -> None:
+    _, _, language = stack
+    call = language_stub(language).Generate(
+        language_pb2.GenerateRequest(
+            request_id="bad", messages=proto_messages("hi", []), sampling=sampling
+        )
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+
+
+async def test_prompt_over_the_context_length(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+) -> None:
+    _, _, language = stack
+    call = language_stub(language).Generate(
+        language_pb2.GenerateRequest(
+            request_id="long",
+            messages=proto_messages("word " * 3000, []),
+            sampling=common_pb2.SamplingParams(max_tokens=1),
+        )
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context length of 2048 tokens" in info.value.details()
+
+
+async def test_cancelled_generate_frees_everything(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+) -> None:
+    _, _, language = stack
+    # A request with an image whose encoder call never comes: cancelled while receiving.
+    waiting = language_stub(language).Generate(
+        language_pb2.GenerateRequest(
+            request_id="cancel-receiving",
+            messages=proto_messages("hi", [64]),
+            sampling=common_pb2.SamplingParams(max_tokens=5),
+        )
+    )
+    await _until(lambda: "cancel-receiving" in language.receiver.transfers)
+    assert language.pool.allocator.num_used_blocks > 0
+    waiting.cancel()
+    # A long text-only request, cancelled mid-stream.
+    streaming = language_stub(language).Generate(
+        language_pb2.GenerateRequest(
+            request_id="cancel-decoding",
+            messages=proto_messages("Tell me everything.", []),
+            sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
+        )
+    )
+    async for response in streaming:
+        if response.HasField("chunk"):
+            break
+    streaming.cancel()
+    await _until(
+        lambda: (
+            language.pool.allocator.num_used_blocks == 0
+            and language.engine.engine.blocks.num_used_pages == 0
+            and not language.engine.engine.requests
+        )
+    )
+    language.pool.allocator.check_integrity()
+    language.engine.engine.blocks.allocator.check_integrity()
+
+
+async def test_abort_rpc_ends_the_stream(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+) -> None:
+    _, _, language = stack
+    stub = language_stub(language)
+    call = stub.Generate(
+        language_pb2.GenerateRequest(
+            request_id="to-abort",
+            messages=proto_messages("Go on forever.", []),
+            sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
+        )
+    )
+    responses = []
+    async for response in call:
+        responses.append(response)
+        if len(responses) == 2:
+            reply = await stub.Abort(language_pb2.AbortRequest(request_id="to-abort"))
+            assert reply.found
+    assert responses[-1].complete.finish_reason == language_pb2.FINISH_REASON_ABORT
+    assert language.engine.engine.blocks.num_used_pages == 0
+
+
+async def test_grpcurl_generate_and_metrics(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+) -> None:
+    import urllib.request
+
+    _, _, language = stack
+    assert "epd.v1.Language" in await asyncio.to_thread(list_services, language.address)
+    replies = await asyncio.to_thread(
+        server_streaming_json,
+        language.address,
+        "epd.v1.Language/Generate",
+        {
+            "requestId": "json",
+            "messages": [{"role": "user", "content": [{"text": "Hello"}]}],
+            "sampling": {"maxTokens": 4},
+        },
+    )
+    assert "complete" in replies[-1]
+    assert replies[-1]["complete"]["completionTokens"] == 4
+    url = f"http://127.0.0.1:{language.grpc.metrics_port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    for name in (
+        "epd_language_running_requests",
+        "epd_language_waiting_requests",
+        "epd_language_kv_blocks_used",
+        "epd_language_generated_tokens_total",
+        "epd_language_ttft_seconds_bucket",
+        "epd_language_tpot_seconds_bucket",
+    ):
+        assert name in text
+
+
+async def _until(condition: Any, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")

@@ -1,0 +1,62 @@
+"""CUDA IPC: a pool exported by one process, written by another (GPU only)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from services.broker.messages import PoolInfo, Registration, Role
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.layout import PoolLayout
+from services.transfer.transport import Endpoints
+from services.transfer.transports.base import Part
+from services.transfer.transports.cuda_ipc import CudaIpcPool, CudaIpcWriter
+
+pytestmark = pytest.mark.gpu
+
+LAYOUT = PoolLayout(num_blocks=8, block_size=16, hidden_size=32, dtype=torch.bfloat16)
+
+
+def _receiver(queue: mp.Queue, done: mp.Event) -> None:  # type: ignore[type-arg]
+    exported = CudaIpcPool(LAYOUT, torch.device("cuda", 0))
+    queue.put(exported.endpoint)
+    done.wait(60)
+    queue.put(exported.pool.read([5, 2], 0, 20)[0].cpu())
+    exported.close()
+
+
+def test_cuda_ipc_write_is_bit_exact() -> None:
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_receiver, args=(queue, done))
+    child.start()
+    endpoint = queue.get(timeout=60)
+    peer = Registration(
+        Role.LANGUAGE,
+        "gpu-lang",
+        "",
+        "h",
+        (),
+        "m",
+        PoolInfo(
+            LAYOUT.num_blocks,
+            LAYOUT.block_size,
+            LAYOUT.hidden_size,
+            0,
+            LAYOUT.dtype,
+            Endpoints(cuda_ipc=endpoint),
+        ),
+    )
+    source = EmbeddingPool.on_cuda(LAYOUT, torch.device("cuda", 0))
+    values = torch.randn(20, LAYOUT.hidden_size, dtype=LAYOUT.dtype, device="cuda")
+    source.write([1, 3], 0, values)
+    writer = CudaIpcWriter()
+    asyncio.run(writer.write(peer, source, Part("r", [1, 3], 0, 20, [5, 2])))
+    done.set()
+    received = queue.get(timeout=60)
+    child.join(60)
+    assert torch.equal(received, values.cpu())
+    asyncio.run(writer.close())

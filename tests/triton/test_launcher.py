@@ -1,0 +1,94 @@
+"""The Triton launcher and the vit model repository."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from services.triton.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    SHM_DIR,
+    TritonConfig,
+    TritonError,
+    TritonInstall,
+    TritonServer,
+)
+from tests.ports import free_port
+
+
+def _config(checkpoint: Path, **overrides: object) -> TritonConfig:
+    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+    return TritonConfig(checkpoint=checkpoint, **{**ports, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["config.pbtxt", "configs/gpu.pbtxt"])
+def test_model_configs_parse_as_triton_model_configs(name: str) -> None:
+    config = text_format.Parse(
+        (DEFAULT_MODEL_REPOSITORY / "vit" / name).read_text(), model_config_pb2.ModelConfig()
+    )
+    assert config.backend == "python"
+    assert [i.name for i in config.input] == ["pixel_values", "image_grid_thw"]
+    assert all(i.allow_ragged_batch for i in config.input)
+    assert config.dynamic_batching.max_queue_delay_microseconds > 0
+    kind = config.instance_group[0].kind
+    expected = (
+        model_config_pb2.ModelInstanceGroup.KIND_GPU
+        if "gpu" in name
+        else model_config_pb2.ModelInstanceGroup.KIND_CPU
+    )
+    assert kind == expected
+
+
+def test_missing_model_repository_is_named(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(TritonError, match=r"no vit/config\.pbtxt in model repository"):
+        TritonConfig(checkpoint=tiny_checkpoint, model_repository=tmp_path)
+
+
+def test_missing_wheel_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The only way to lose the wheel inside a test: hide it from the import system.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pytriton" else real(name, *a)
+    )
+    with pytest.raises(TritonError, match="install the nvidia-pytriton wheel"):
+        TritonInstall.find()
+
+
+def test_a_model_that_fails_to_load_is_a_clear_error(tmp_path: Path) -> None:
+    """A checkpoint folder that does not exist: Triton exits, the error names the cause."""
+    server = TritonServer(_config(tmp_path / "no-such-checkpoint", startup_timeout_s=120))
+    started = time.monotonic()
+    with pytest.raises(TritonError) as info:
+        server.start()
+    assert "exited" in str(info.value)
+    assert "no-such-checkpoint" in str(info.value)
+    assert time.monotonic() - started < 60
+    assert not server.running
+
+
+def test_stop_removes_the_backend_shared_memory(tiny_checkpoint: Path) -> None:
+    import tritonclient.grpc as triton_grpc
+
+    server = TritonServer(_config(tiny_checkpoint))
+    with server:
+        prefix = server._shm_prefix
+        assert list(SHM_DIR.glob(prefix + "*")), "the Python backend keeps its regions in /dev/shm"
+        client = triton_grpc.InferenceServerClient(server.config.grpc_url)
+        pixels = triton_grpc.InferInput("pixel_values", [1, 16, 1176], "FP32")
+        pixels.set_data_from_numpy(np.zeros((1, 16, 1176), np.float32))
+        grids = triton_grpc.InferInput("image_grid_thw", [1, 1, 3], "INT64")
+        grids.set_data_from_numpy(np.array([[[1, 4, 4]]], np.int64))
+        result = client.infer("vit", [pixels, grids])
+        assert result.as_numpy("image_embeds").shape == (1, 4, 128)
+        bad = triton_grpc.InferInput("image_grid_thw", [1, 1, 3], "INT64")
+        bad.set_data_from_numpy(np.array([[[1, 4, 6]]], np.int64))
+        with pytest.raises(Exception, match="covers 24 patches, pixel_values has 16"):
+            client.infer("vit", [pixels, bad])
+        client.close()
+    assert not list(SHM_DIR.glob(prefix + "*"))
