@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.model.demo import build_demo_checkpoint
+from services.ports import free_port
 from services.triton.launcher import TritonConfig, TritonServer
-from tests.ports import free_port
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -68,7 +68,7 @@ class Sender:
         writers: Mapping[Transport, Writer],
         host_id: str,
         timeout_s: float = 30.0,
-        on_finished: Callable[[TransferState], None] = lambda state: None,
+        on_finished: Callable[[str, TransferState], None] = lambda request_id, state: None,
     ) -> None:
         self.buffer = buffer
         self.writers = dict(writers)
@@ -230,7 +230,7 @@ class Sender:
         if self.transfers.pop(outbound.request_id, None) is None:
             return
         outbound.state = state
-        self._on_finished(state)
+        self._on_finished(outbound.request_id, state)
         if state is TransferState.FAILED:
             logger.info("%s: transfer failed: %s", outbound.request_id, reason)
             if notify:

@@ -126,7 +126,7 @@ class EncoderServer:
             _writers(config, self.buffer.pool),
             config.host_id,
             config.transfer_timeout_s,
-            on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
+            on_finished=lambda _, state: self.metrics.transfers.labels(state.name.lower()).inc(),
         )
         servicer = EncoderServicer(
             self.pipeline, self.buffer, self.sender, self.metrics, config.buffer_wait_s

@@ -123,6 +123,8 @@ class Receiver:
         try:
             inbound.blocks = await self._allocate(want)
             inbound.allocated_tokens = len(inbound.blocks) * self.pool.layout.block_size
+            if self.nixl is not None:
+                self.nixl.wake()
             self._send(Prealloc(request_id, tuple(inbound.blocks), inbound.allocated_tokens))
         except BaseException:
             await self.release(request_id, "preallocation failed", notify=False)

@@ -174,9 +174,7 @@ class LanguageServer:
         self._tasks.append(asyncio.create_task(self._expire()))
         if self.nixl is not None:
             receiver = self.receiver
-            self._tasks.append(
-                asyncio.create_task(self.nixl.progress(lambda: bool(receiver.transfers)))
-            )
+            self.nixl.start(busy=lambda: bool(receiver.transfers))
 
     async def _expire(self) -> None:
         while True:

@@ -28,9 +28,9 @@ from services.broker.messages import (
 from services.broker.server import BrokerServer
 from services.grpc_server import channel
 from services.model.processor import ImageGrid
+from services.ports import free_port
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 from services.transfer.transport import Endpoints, GrpcEndpoint, ShmEndpoint, Transport
-from tests.ports import free_port
 from tests.reflection import call_json, list_services
 from tests.stack import broker_stub, start_broker
 

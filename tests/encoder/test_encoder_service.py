@@ -13,18 +13,18 @@ import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.bench.images import encode_image, random_image
 from services.encoder.images import ImageLimits
 from services.encoder.server import EncoderServer
 from services.grpc_server import channel
 from services.model.checkpoint import load_vision_tower
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
+from services.ports import free_port
 from services.proto import encoder_pb2
 from services.transfer.embedding_pool import tensor_from_bytes
 from services.triton.launcher import TritonServer
 from tests.bad_images import gif, png_header_only, truncated_png
-from tests.images import encode_image, random_image
-from tests.ports import free_port
 from tests.stack import encoder_stub, start_encoder
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

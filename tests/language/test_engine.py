@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from services.bench.images import random_image
 from services.language.engine.request import SamplingParams
-from tests.images import random_image
 from tests.language.engine_fixtures import (
     make_engine,
     make_request,
@@ -206,3 +206,24 @@ def test_abort_frees_the_pages(tiny_checkpoint: Path) -> None:
     assert final is not None and final.finish_reason == "abort"
     assert engine.blocks.num_used_pages == 0
     assert not engine.has_work()
+
+
+def test_step_stats_count_every_generated_token(tiny_checkpoint: Path) -> None:
+    engine = make_engine(tiny_checkpoint, max_num_batched_tokens=16)  # chunked prefills too
+    for i in range(3):
+        engine.add_request(
+            make_request(
+                tiny_checkpoint,
+                f"s{i}",
+                chat("count " * (5 + 9 * i)),
+                [],
+                SamplingParams(max_tokens=7, ignore_eos=True),
+            )
+        )
+    generated = prefilled = 0
+    while engine.has_work():
+        _, stats = engine.step()
+        generated += stats.num_generated
+        prefilled += stats.num_tokens - stats.num_generated
+    assert generated == 3 * 7
+    assert stats.num_running == 0 and stats.kv_pages_used == 0

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
 from services.language.engine.engine import EngineConfig
@@ -21,7 +22,6 @@ from services.model.processor import ImageTokenRule
 from services.proto import common_pb2, encoder_pb2, language_pb2
 from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
-from tests.images import encode_image, random_image
 from tests.reference import chat, hf_greedy
 from tests.reflection import list_services, server_streaming_json
 from tests.stack import encoder_stub, language_stub, start_broker, start_encoder, start_language
@@ -145,7 +145,9 @@ async def test_eight_concurrent_mixed_requests_on_a_small_kv_cache(
     stack: tuple[BrokerServer, EncoderServer, LanguageServer], tiny_checkpoint: Path
 ) -> None:
     broker, _, _ = stack
-    # 14 pages of 16 tokens: the eight requests cannot all fit, so some are preempted.
+    # 14 pages of 16 tokens: the eight cannot all fit at once. Whether they overlap
+    # enough to preempt depends on arrival timing; test_engine forces preemption
+    # deterministically.
     small = await start_language(
         tiny_checkpoint,
         broker,
@@ -179,7 +181,6 @@ async def test_eight_concurrent_mixed_requests_on_a_small_kv_cache(
             assert token_ids(results[i]) == hf_greedy(
                 tiny_checkpoint, chat(text, n), pil(all_images[i]), m
             )
-        assert small.engine.engine.scheduler.num_preemptions > 0
         assert small.engine.engine.blocks.num_used_pages == 0
         assert small.pool.allocator.num_used_blocks == 0
     finally:

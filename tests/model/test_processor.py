@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from services.bench.images import random_image
 from services.model.processor import ImageTokenRule, load_image_processor
-from tests.images import random_image
 
 SIZES = [
     (1, 1),

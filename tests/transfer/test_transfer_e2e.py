@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
 from services.language.server import LanguageServer
@@ -30,7 +31,6 @@ from services.proto import encoder_pb2
 from services.transfer.state import TransferFailedError
 from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
-from tests.images import encode_image, random_image
 from tests.processes import epd_process
 from tests.stack import encoder_stub, encoder_stub_at, start_broker, start_encoder, start_language
 

@@ -11,6 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from services.ports import free_port
 from services.triton.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     SHM_DIR,
@@ -19,7 +20,6 @@ from services.triton.launcher import (
     TritonInstall,
     TritonServer,
 )
-from tests.ports import free_port
 
 
 def _config(checkpoint: Path, **overrides: object) -> TritonConfig:

@@ -172,9 +172,8 @@ class LLMEngine:
         sample_iter = iter(samples)
         for s in batch:
             request = s.request
-            sampled = s.samples  # read before the counter moves
             request.num_computed_tokens += s.num_tokens
-            if not sampled:
+            if not s.samples:
                 continue
             sample = next(sample_iter)
             request.output_token_ids.append(sample.token_id)

@@ -22,15 +22,16 @@ from services.language.engine.request import Request
 class Scheduled:
     request: Request
     num_tokens: int  # new tokens computed this step
+    samples: bool  # the step reaches the end of the known tokens: a new token follows
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> Scheduled:
+        reaches_end = request.num_computed_tokens + num_tokens == request.num_tokens
+        return cls(request, num_tokens, reaches_end)
 
     @property
     def is_prefill(self) -> bool:
         return self.num_tokens > 1
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens: a new token follows."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
 
 def _positions(request: Request, start: int, end: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(Scheduled(request, num_tokens))
+                scheduled.append(Scheduled.of(request, num_tokens))
                 budget -= num_tokens
                 index += 1
                 continue
@@ -87,7 +87,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(Scheduled(request, num_tokens))
+            scheduled.append(Scheduled.of(request, num_tokens))
             budget -= num_tokens
         return scheduled
 

@@ -1,4 +1,4 @@
-"""Deterministic test images."""
+"""Synthetic images: deterministic for a seed, with structure (a noisy gradient)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The serving benchmark (`epd bench`) and what the bench scripts share."""
