@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 serve: setup
-	$(EPD) demo-model $${EPD_DEMO_DIR:-$$HOME/.cache/epd/demo-tiny}
+	$(EPD) serve $(SERVE_ARGS)
 
 test: setup
 	$(EPD) protos --check

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from bench.common import demo_checkpoint
 from services.bench.images import encode_image, random_image
 from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
 from services.model.checkpoint import load_vision_tower
+from services.model.demo import cached_demo_checkpoint
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.ports import free_port
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
 
-    folder = demo_checkpoint(args.size)
+    folder = cached_demo_checkpoint(args.size)
     config = TritonConfig(
         checkpoint=folder, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
     )

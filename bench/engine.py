@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from bench.common import demo_checkpoint
 from services.language.engine.engine import EngineConfig, LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.checkpoint import load_language_weights
+from services.model.demo import cached_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
 
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
 
-    folder = demo_checkpoint(args.size)
+    folder = cached_demo_checkpoint(args.size)
     spec = load_spec(folder)
     tokenizer = load_tokenizer(folder)
     engine = LLMEngine(

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from bench.common import demo_checkpoint, percentile
+from services.bench.stats import percentile
 from services.broker.client import BrokerLink
 from services.broker.messages import Load, Registration, Role
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender import Sender
 from services.grpc_server import channel
+from services.model.demo import cached_demo_checkpoint
 from services.model.processor import ImageGrid
 from services.ports import free_port
 from services.proto import common_pb2, language_pb2, language_pb2_grpc
@@ -194,7 +195,7 @@ async def _drain(call: object) -> None:
 
 
 async def run(args: argparse.Namespace) -> None:
-    folder = demo_checkpoint("tiny")
+    folder = cached_demo_checkpoint("tiny")
     tokens = args.mib * 1024 * 1024 // (HIDDEN * 4)
     broker_port, language_port = free_port(), free_port()
     broker = f"127.0.0.1:{broker_port}"

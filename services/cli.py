@@ -131,6 +131,7 @@ def _encoder(args: argparse.Namespace) -> int:
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
         host=args.host,
+        advertise_host=args.advertise_host,
         port=args.port,
         metrics_port=args.metrics_port,
         host_id=args.host_id,
@@ -156,6 +157,7 @@ def _language(args: argparse.Namespace) -> int:
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
         host=args.host,
+        advertise_host=args.advertise_host,
         port=args.port,
         metrics_port=args.metrics_port,
         host_id=args.host_id,
@@ -176,6 +178,110 @@ def _language(args: argparse.Namespace) -> int:
     return run_until_signalled(lambda: LanguageServer(config))
 
 
+def _gateway_config(args: argparse.Namespace) -> Any:
+    from services.encoder.images import ImageLimits
+    from services.gateway.images import FetchPolicy
+    from services.gateway.server import GatewayConfig
+
+    return GatewayConfig(
+        broker=getattr(args, "broker", ""),
+        checkpoint=Path(args.checkpoint) if args.checkpoint else None,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
+        fetch=FetchPolicy(timeout_s=args.fetch_timeout, allow_private=args.allow_private_urls),
+    )
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from services.gateway.server import GatewayServer
+
+    return run_until_signalled(lambda: GatewayServer(_gateway_config(args)))
+
+
+def _health(args: argparse.Namespace) -> int:
+    from services.serve import grpc_serving, http_ok
+
+    healthy = (
+        http_ok(args.target)
+        if args.target.startswith("http")
+        else grpc_serving(args.target, args.service)
+    )
+    print("SERVING" if healthy else "NOT_SERVING")
+    return 0 if healthy else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.model.demo import cached_demo_checkpoint
+    from services.serve import StackConfig, run
+
+    if args.model:
+        checkpoint = Path(args.model).resolve()
+        name = args.model_name or checkpoint.name
+    else:
+        print(
+            f"no --model: using the {args.demo_size} demo checkpoint (built on first use)",
+            flush=True,
+        )
+        checkpoint = cached_demo_checkpoint(args.demo_size)
+        name = args.model_name or f"demo-{args.demo_size}"
+    language = [
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-mb",
+        str(args.kv_cache_mb),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
+    gateway = ["--allow-private-urls"] if args.allow_private_urls else []
+    return run(
+        StackConfig(
+            checkpoint=checkpoint,
+            model_name=name,
+            log_dir=Path(args.log_dir or Path(env.CACHE_DIR.get()) / "logs"),
+            host=args.host,
+            port=args.port,
+            broker_port=args.broker_port,
+            encoder_port=args.encoder_port,
+            language_port=args.language_port,
+            triton_ports=(args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port),
+            num_encoders=args.encoders,
+            num_languages=args.languages,
+            api_key=args.api_key,
+            language_args=tuple(language),
+            gateway_args=tuple(gateway),
+            monolithic=args.monolithic,
+        )
+    )
+
+
+def _add_gateway_options(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument(
+        "--checkpoint",
+        default=env.CHECKPOINT.get() or None,
+        help="the model folder, for image token hints ($EPD_CHECKPOINT)",
+    )
+    p.add_argument(
+        "--api-key", default=env.API_KEY.get(), help="require this bearer key ($EPD_API_KEY)"
+    )
+    p.add_argument("--max-images", type=int, default=16)
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
+    p.add_argument(
+        "--fetch-timeout", type=float, default=10.0, help="seconds for a remote image URL"
+    )
+    p.add_argument(
+        "--allow-private-urls",
+        action="store_true",
+        help="let image URLs reach loopback/private/link-local addresses",
+    )
+
+
 def _add_instance_options(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument(
         "--checkpoint",
@@ -184,8 +290,12 @@ def _add_instance_options(p: argparse.ArgumentParser, port: int) -> None:
         help="checkpoint folder ($EPD_CHECKPOINT)",
     )
     p.add_argument("--model-name", help="served model name (default: the folder's name)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=port)
+    p.add_argument(
+        "--advertise-host",
+        help="the host peers dial (default: --host, or this machine's name when binding 0.0.0.0)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free)")
     p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
     p.add_argument(
@@ -204,6 +314,7 @@ def _add_instance_options(p: argparse.ArgumentParser, port: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from services.broker.server import DEFAULT_PORT as BROKER_PORT
     from services.encoder.server import DEFAULT_PORT as ENCODER_PORT
+    from services.gateway.server import DEFAULT_PORT as GATEWAY_PORT
     from services.language.server import DEFAULT_PORT as LANGUAGE_PORT
 
     parser = argparse.ArgumentParser(prog="epd", description=__doc__)
@@ -268,6 +379,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding-pool-tokens", type=int, default=32768)
     p.add_argument("--default-allocate-tokens", type=int, default=4096)
     p.set_defaults(handler=_language)
+
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    _add_gateway_options(p, GATEWAY_PORT)
+    p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
+    p.set_defaults(handler=_gateway)
+
+    p = sub.add_parser("health", help="check a gRPC service (host:port) or an HTTP URL")
+    p.add_argument("target", help="host:port of a gRPC server, or http(s)://... for an HTTP check")
+    p.add_argument("--service", default="", help="gRPC service name (default: the server)")
+    p.set_defaults(handler=_health)
+
+    p = sub.add_parser("serve", help="run the whole stack on this machine")
+    p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
+    p.add_argument("--model-name", help="served model name (default: the folder's name)")
+    p.add_argument("--demo-size", choices=("tiny", "small"), default="tiny")
+    p.add_argument(
+        "--monolithic",
+        action="store_true",
+        help="one process, no Triton and no broker: the baseline to compare with",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=GATEWAY_PORT, help="the gateway's port")
+    p.add_argument("--api-key", default=env.API_KEY.get())
+    p.add_argument("--allow-private-urls", action="store_true")
+    p.add_argument("--encoders", type=int, default=1, help="encoder instances")
+    p.add_argument("--languages", type=int, default=1, help="language instances")
+    p.add_argument("--broker-port", type=int, default=BROKER_PORT)
+    p.add_argument(
+        "--encoder-port", type=int, default=ENCODER_PORT, help="the first encoder's port"
+    )
+    p.add_argument(
+        "--language-port", type=int, default=LANGUAGE_PORT, help="the first language port"
+    )
+    p.add_argument("--triton-http-port", type=int, default=8010)
+    p.add_argument("--triton-grpc-port", type=int, default=8011)
+    p.add_argument("--triton-metrics-port", type=int, default=8012)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
+    p.set_defaults(handler=_serve)
     return parser
 
 

@@ -5,6 +5,7 @@ endpoint for its own metrics registry."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,9 +40,14 @@ class GrpcServer:
         host: str = "127.0.0.1",
         port: int = 0,
         metrics_port: int | None = 0,
+        advertise_host: str | None = None,
     ) -> None:
         self.name = name
         self.host = host
+        # What peers dial: a wildcard bind is reachable under this host's name.
+        self.advertise_host = advertise_host or (
+            socket.gethostname() if host in ("0.0.0.0", "::", "[::]") else host
+        )
         self.service_names = list(service_names)
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
         add_servicers(self.server)
@@ -59,7 +65,8 @@ class GrpcServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """The address peers use (registered with the broker)."""
+        return f"{self.advertise_host}:{self.port}"
 
     async def start(self) -> None:
         self.port = self.server.add_insecure_port(f"{self.host}:{self._requested_port}")
@@ -73,7 +80,12 @@ class GrpcServer:
             self.metrics_port = self._metrics_server.server_port
         await self.set_serving(True)
         logger.info(
-            "%s serving on %s (metrics on %s)", self.name, self.address, self.metrics_port or "-"
+            "%s serving on %s:%s as %s (metrics on %s)",
+            self.name,
+            self.host,
+            self.port,
+            self.address,
+            self.metrics_port or "-",
         )
 
     async def set_serving(self, serving: bool) -> None:

@@ -41,8 +41,8 @@ def check_count(num_images: int, limits: ImageLimits) -> None:
         )
 
 
-def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
-    """The image as loaded RGB pixels, or BadImageError."""
+def _open(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
+    """Reads the header only; refuses what is too big or not an allowed format."""
     if not data:
         raise BadImageError(index, "empty image data")
     if len(data) > limits.max_image_bytes:
@@ -63,9 +63,9 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
     except (OSError, ValueError, SyntaxError) as exc:
         raise BadImageError(index, f"unreadable image header: {exc}") from None
     if image.format not in ALLOWED_FORMATS:
+        supported = ", ".join(ALLOWED_FORMATS)
         raise BadImageError(
-            index,
-            f"format {image.format} is not supported (supported: {', '.join(ALLOWED_FORMATS)})",
+            index, f"format {image.format} is not supported (supported: {supported})"
         )
     width, height = image.size
     if width <= 0 or height <= 0:
@@ -76,6 +76,18 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
             f"{width}x{height} = {width * height} pixels exceeds the limit of "
             f"{limits.max_image_pixels} pixels",
         )
+    return image
+
+
+def inspect_image(data: bytes, index: int, limits: ImageLimits) -> tuple[int, int]:
+    """(width, height) from the header alone, after the same checks as decode_image."""
+    size: tuple[int, int] = _open(data, index, limits).size
+    return size
+
+
+def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
+    """The image as loaded RGB pixels, or BadImageError."""
+    image = _open(data, index, limits)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

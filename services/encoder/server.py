@@ -48,6 +48,7 @@ class EncoderConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     metrics_port: int | None = 0
+    advertise_host: str | None = None  # default: host, or this machine's name for 0.0.0.0
     instance_id: str = field(default_factory=lambda: f"encoder-{secrets.token_hex(3)}")
     host_id: str = field(default_factory=env.HOST_ID.get)
     broker: str | None = None
@@ -139,6 +140,7 @@ class EncoderServer:
             host=config.host,
             port=config.port,
             metrics_port=config.metrics_port,
+            advertise_host=config.advertise_host,
         )
         self.link: BrokerLink | None = None
         self._upkeep: asyncio.Task[None] | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.language.engine.engine import StepStats
@@ -55,11 +57,24 @@ class LanguageMetrics:
             registry=registry,
         )
 
+    def observe(
+        self,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        receiving: Callable[[], int],
+        kv_pages_used: Callable[[], int],
+        embedding_blocks_used: Callable[[], int],
+    ) -> None:
+        """Pool and queue gauges read the live state at scrape time, so they are
+        right after an abort too (no step runs then)."""
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.receiving.set_function(receiving)
+        self.kv_pages_used.set_function(kv_pages_used)
+        self.embedding_blocks_used.set_function(embedding_blocks_used)
+
     def on_step(self, stats: StepStats) -> None:
         """Called from the engine thread after every step."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_pages_used.set(stats.kv_pages_used)
         self.generated_tokens.inc(stats.num_generated)
         self.prompt_tokens.inc(stats.num_tokens - stats.num_generated)
         for value in stats.ttfts:

@@ -42,6 +42,7 @@ class LanguageConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     metrics_port: int | None = 0
+    advertise_host: str | None = None  # default: host, or this machine's name for 0.0.0.0
     instance_id: str = field(default_factory=lambda: f"language-{secrets.token_hex(3)}")
     host_id: str = field(default_factory=env.HOST_ID.get)
     broker: str | None = None
@@ -76,6 +77,14 @@ class LanguageServer:
         self._cuda_ipc: CudaIpcPool | None = None
         self.pool = self._pool()
         self.metrics.embedding_blocks_total.set(self.pool.layout.num_blocks)
+        engine, pool = self.engine.engine, self.pool
+        self.metrics.observe(
+            running=lambda: len(engine.scheduler.running),
+            waiting=lambda: len(engine.scheduler.waiting),
+            receiving=lambda: len(self.receiver.transfers),
+            kv_pages_used=lambda: engine.blocks.num_used_pages,
+            embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
+        )
         self.nixl: NixlReceiver | None = None
         if Transport.NIXL in config.transports and nixl_available():
             self.nixl = NixlReceiver(f"epd-{config.instance_id}", self.pool)
@@ -97,6 +106,7 @@ class LanguageServer:
             host=config.host,
             port=config.port,
             metrics_port=config.metrics_port,
+            advertise_host=config.advertise_host,
         )
         self.link: BrokerLink | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -180,7 +190,6 @@ class LanguageServer:
         while True:
             await asyncio.sleep(0.5)
             await self.receiver.expire()
-            self.metrics.embedding_blocks_used.set(self.pool.allocator.num_used_blocks)
 
     async def stop(self) -> None:
         for task in self._tasks:

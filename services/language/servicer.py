@@ -167,14 +167,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
 
     async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, Any]:
         """Preallocates, waits for the embeddings, takes them out of the pool."""
-        self.metrics.receiving.inc()
         try:
             await self.receiver.expect(request_id, hint_tokens)
             meta = await self.receiver.wait(request_id)
             embeds, _deepstack = await self.receiver.take(request_id)
             return list(meta.grids), embeds
         finally:
-            self.metrics.receiving.dec()
             await self.receiver.release(
                 request_id, "the request ended before its embeddings arrived"
             )

@@ -125,6 +125,16 @@ def build_image_processor_config(out_dir: Path) -> None:
     (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def cached_demo_checkpoint(size: str) -> Path:
+    """The demo checkpoint of a size (seed 0), built once into $EPD_CACHE_DIR."""
+    from services import env
+
+    folder = Path(env.CACHE_DIR.get()) / f"demo-{size}"
+    if not (folder / "model.safetensors").is_file():
+        build_demo_checkpoint(folder, size=size, seed=0)
+    return folder
+
+
 def build_demo_checkpoint(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     """Writes a complete checkpoint folder and returns it."""
     from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration

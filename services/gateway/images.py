@@ -1,0 +1,164 @@
+"""Loading the images of a chat request: data: URLs and remote http(s) URLs.
+
+Remote fetches have a timeout and a byte cap, follow redirects only after
+checking each target, and refuse loopback, private, link-local and other
+non-global addresses unless explicitly allowed. The connection goes to the
+address that was checked (Host header and TLS SNI keep the name), so DNS
+cannot swap in a private address after the check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit, urlunsplit
+
+import httpx
+
+from services.encoder.images import BadImageError, ImageLimits, inspect_image
+from services.gateway.errors import ApiError
+from services.model.processor import ImageTokenRule
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPolicy:
+    timeout_s: float = 10.0
+    allow_private: bool = False
+    max_redirects: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedImage:
+    data: bytes
+    width: int
+    height: int
+    token_hint: int  # 0 when no rule is known
+
+
+def _bad(index: int, reason: str) -> ApiError:
+    return ApiError(400, f"image {index}: {reason}", param="messages")
+
+
+class ImageLoader:
+    def __init__(
+        self, limits: ImageLimits, policy: FetchPolicy, rule: ImageTokenRule | None
+    ) -> None:
+        self.limits = limits
+        self.policy = policy
+        self.rule = rule
+        self._client = httpx.AsyncClient(follow_redirects=False, timeout=policy.timeout_s)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def load_all(self, urls: list[str]) -> list[LoadedImage]:
+        if len(urls) > self.limits.max_images:
+            raise ApiError(
+                400,
+                f"too many images: {len(urls)} > limit of {self.limits.max_images}",
+                param="messages",
+            )
+        return list(await asyncio.gather(*(self.load(u, i) for i, u in enumerate(urls))))
+
+    async def load(self, url: str, index: int) -> LoadedImage:
+        if url.startswith("data:"):
+            data = self._decode_data_url(url, index)
+        else:
+            try:
+                data = await asyncio.wait_for(self._fetch(url, index), self.policy.timeout_s)
+            except TimeoutError:
+                raise _bad(
+                    index, f"fetching {url} took longer than {self.policy.timeout_s:.0f}s"
+                ) from None
+        try:
+            width, height = inspect_image(data, index, self.limits)
+            hint = self.rule.num_tokens(height, width) if self.rule else 0
+        except BadImageError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        except ValueError as exc:  # the resize rule's aspect-ratio check
+            raise _bad(index, str(exc)) from None
+        return LoadedImage(data, width, height, hint)
+
+    def _decode_data_url(self, url: str, index: int) -> bytes:
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise _bad(index, "data URLs must be base64 (data:image/...;base64,...)")
+        if len(payload) * 3 // 4 > self.limits.max_image_bytes:
+            raise _bad(index, f"more than the limit of {self.limits.max_image_bytes} bytes")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad(index, "invalid base64 in data URL") from None
+
+    async def _checked_address(self, host: str, port: int, index: int) -> str:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )
+        except socket.gaierror:
+            raise _bad(index, f"cannot resolve host {host!r}") from None
+        addresses = [str(info[4][0]) for info in infos]
+        if not self.policy.allow_private:
+            for address in addresses:
+                ip = ipaddress.ip_address(address)
+                if not ip.is_global or ip.is_multicast:
+                    raise _bad(
+                        index,
+                        f"URL host {host!r} resolves to a non-public address ({address}); "
+                        "fetching it is not allowed",
+                    )
+        return addresses[0]
+
+    async def _fetch(self, url: str, index: int) -> bytes:
+        for _ in range(self.policy.max_redirects + 1):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise _bad(index, "image URLs must be data:, http: or https: URLs")
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            address = await self._checked_address(parts.hostname, port, index)
+            literal = f"[{address}]" if ":" in address else address
+            pinned = urlunsplit(
+                (parts.scheme, f"{literal}:{port}", parts.path or "/", parts.query, "")
+            )
+            request = self._client.build_request(
+                "GET",
+                pinned,
+                headers={"Host": parts.netloc},
+                extensions={"sni_hostname": parts.hostname} if parts.scheme == "https" else {},
+            )
+            try:
+                response = await self._client.send(request, stream=True)
+            except httpx.TimeoutException:
+                raise _bad(
+                    index, f"fetching {url} timed out after {self.policy.timeout_s:.0f}s"
+                ) from None
+            except httpx.HTTPError as exc:
+                raise _bad(index, f"cannot fetch {url}: {exc}") from None
+            try:
+                if response.is_redirect:
+                    url = urljoin(url, response.headers.get("location", ""))
+                    continue
+                if response.status_code != 200:
+                    raise _bad(index, f"fetching {url} returned HTTP {response.status_code}")
+                return await self._read_capped(response, index)
+            finally:
+                await response.aclose()
+        raise _bad(index, f"more than {self.policy.max_redirects} redirects")
+
+    async def _read_capped(self, response: httpx.Response, index: int) -> bytes:
+        cap = self.limits.max_image_bytes
+        if int(response.headers.get("content-length") or 0) > cap:
+            raise _bad(index, f"more than the limit of {cap} bytes")
+        body = bytearray()
+        try:
+            async for piece in response.aiter_bytes():
+                body += piece
+                if len(body) > cap:
+                    raise _bad(index, f"more than the limit of {cap} bytes")
+        except httpx.TimeoutException:
+            raise _bad(index, f"fetching timed out after {self.policy.timeout_s:.0f}s") from None
+        return bytes(body)

@@ -1,0 +1,82 @@
+"""`epd gateway`: the app under uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from services.encoder.images import ImageLimits
+from services.gateway.app import Gateway, create_app
+from services.gateway.backend import Backend
+from services.gateway.images import FetchPolicy, ImageLoader
+from services.gateway.metrics import GatewayMetrics
+from services.model.processor import ImageTokenRule
+
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    broker: str
+    checkpoint: Path | None = None  # for token hints: its preprocessor_config.json
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_key: str = ""
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    fetch: FetchPolicy = field(default_factory=FetchPolicy)
+    generate_timeout_s: float = 900.0
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        registry = CollectorRegistry()
+        rule = ImageTokenRule.from_checkpoint(config.checkpoint) if config.checkpoint else None
+        self.gateway = Gateway(
+            backend=Backend(config.broker, generate_timeout_s=config.generate_timeout_s),
+            images=ImageLoader(config.limits, config.fetch, rule),
+            metrics=GatewayMetrics(registry),
+            registry=registry,
+            api_key=config.api_key,
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self.gateway),
+                host=config.host,
+                port=config.port,
+                log_level="warning",
+                lifespan="off",
+            )
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        servers = getattr(self._server, "servers", [])
+        if servers and servers[0].sockets:
+            return int(servers[0].sockets[0].getsockname()[1])
+        return self.config.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.gateway.backend.close()
+        await self.gateway.images.close()

@@ -1,0 +1,345 @@
+"""`epd serve`: the whole stack on this machine, as child processes.
+
+Starts tritonserver, the broker, the encoder and language instances and the
+gateway, waits for every health check while showing progress, prints the
+endpoints, and on Ctrl-C / SIGTERM stops everything in reverse order. If a
+component dies or never becomes healthy, it stops the rest and shows that
+component's log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services import env
+from services.transfer.shared_memory import remove_segments
+
+
+class StackError(RuntimeError):
+    """A component did not come up."""
+
+
+def grpc_serving(address: str, service: str = "") -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=1
+            )
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class Component:
+    name: str
+    args: list[str]
+    healthy: Callable[[], bool]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, environment: dict[str, str]) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *self.args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
+            )
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    checkpoint: Path
+    model_name: str
+    log_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    broker_port: int = 50051
+    encoder_port: int = 50061
+    language_port: int = 50071
+    triton_ports: tuple[int, int, int] = (8010, 8011, 8012)  # http, grpc, metrics
+    num_encoders: int = 1
+    num_languages: int = 1
+    api_key: str = ""
+    startup_timeout_s: float = 300.0
+    language_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    monolithic: bool = False
+    metrics_offset: int = 100  # a gRPC component's Prometheus port is its own + this
+
+    def metrics_port(self, port: int) -> int:
+        return port + self.metrics_offset
+
+
+def components(config: StackConfig) -> list[Component]:
+    """In start order; each waits only for its own health."""
+    ck, model, logs = str(config.checkpoint), config.model_name, config.log_dir
+    broker = f"{config.host}:{config.broker_port}"
+    gateway_args = ["--port", str(config.port), "--checkpoint", ck, *config.gateway_args]
+    if config.api_key:
+        gateway_args += ["--api-key", config.api_key]
+    gateway_url = f"http://{config.host}:{config.port}/health"
+    if config.monolithic:
+        return [
+            Component(
+                "monolithic",
+                ["monolithic", *gateway_args, "--model-name", model, *config.language_args],
+                lambda: http_ok(gateway_url),
+                logs / "monolithic.log",
+            )
+        ]
+    http, grpc_port, metrics = config.triton_ports
+    parts = [
+        Component(
+            "broker",
+            [
+                "broker",
+                "--host",
+                config.host,
+                "--port",
+                str(config.broker_port),
+                "--metrics-port",
+                str(config.metrics_port(config.broker_port)),
+            ],
+            lambda: grpc_serving(broker),
+            logs / "broker.log",
+        ),
+        Component(
+            "triton",
+            [
+                "triton",
+                "--checkpoint",
+                ck,
+                "--http-port",
+                str(http),
+                "--grpc-port",
+                str(grpc_port),
+                "--metrics-port",
+                str(metrics),
+            ],
+            lambda: http_ok(f"http://{config.host}:{http}/v2/models/vit/ready"),
+            logs / "triton.log",
+        ),
+    ]
+    for i in range(config.num_languages):
+        address = f"{config.host}:{config.language_port + i}"
+        parts.append(
+            Component(
+                f"language-{i}",
+                [
+                    "language",
+                    "--checkpoint",
+                    ck,
+                    "--model-name",
+                    model,
+                    "--port",
+                    str(config.language_port + i),
+                    "--broker",
+                    broker,
+                    "--instance-id",
+                    f"language-{i}",
+                    "--metrics-port",
+                    str(config.metrics_port(config.language_port + i)),
+                    *config.language_args,
+                ],
+                partial(grpc_serving, address, "epd.v1.Language"),
+                logs / f"language-{i}.log",
+            )
+        )
+    for i in range(config.num_encoders):
+        address = f"{config.host}:{config.encoder_port + i}"
+        parts.append(
+            Component(
+                f"encoder-{i}",
+                [
+                    "encoder",
+                    "--checkpoint",
+                    ck,
+                    "--model-name",
+                    model,
+                    "--port",
+                    str(config.encoder_port + i),
+                    "--broker",
+                    broker,
+                    "--triton",
+                    f"{config.host}:{grpc_port}",
+                    "--instance-id",
+                    f"encoder-{i}",
+                    "--metrics-port",
+                    str(config.metrics_port(config.encoder_port + i)),
+                ],
+                partial(grpc_serving, address, "epd.v1.Encoder"),
+                logs / f"encoder-{i}.log",
+            )
+        )
+    parts.append(
+        Component(
+            "gateway",
+            ["gateway", *gateway_args, "--broker", broker],
+            lambda: http_ok(gateway_url),
+            logs / "gateway.log",
+        )
+    )
+    return parts
+
+
+@dataclass
+class Stack:
+    config: StackConfig
+    say: Callable[[str], None] = print
+    parts: list[Component] = field(default_factory=list)
+    # Every shared-memory segment the children create carries this prefix, so
+    # whatever a crashed child leaves is removed when the stack stops.
+    shm_prefix: str = field(default_factory=lambda: f"epd_{secrets.token_hex(3)}_")
+
+    def start(self) -> None:
+        self.parts = components(self.config)
+        environment = {**os.environ, env.SHM_PREFIX.name: self.shm_prefix}
+        for part in self.parts:  # all at once: they come up in parallel
+            part.start(environment)
+        started = time.monotonic()
+        for part in self.parts:
+            self.say(f"  {part.name:<12} starting ...")
+            while not part.healthy():
+                if not part.alive:
+                    raise StackError(
+                        f"{part.name} exited during start-up; its log ({part.log}):\n{part.tail()}"
+                    )
+                if time.monotonic() - started > self.config.startup_timeout_s:
+                    limit = self.config.startup_timeout_s
+                    raise StackError(
+                        f"{part.name} not healthy after {limit:.0f}s; its log:\n{part.tail()}"
+                    )
+                time.sleep(0.2)
+            self.say(f"  {part.name:<12} ready ({time.monotonic() - started:.1f}s)")
+
+    def dead(self) -> Component | None:
+        return next((p for p in self.parts if not p.alive), None)
+
+    def stop(self) -> None:
+        for part in reversed(self.parts):
+            part.stop()
+        leftovers = remove_segments(self.shm_prefix)
+        if leftovers:
+            self.say(
+                f"  removed {len(leftovers)} shared-memory segments left by stopped components"
+            )
+
+
+def banner(config: StackConfig) -> str:
+    url = f"http://{config.host}:{config.port}"
+    auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+    body = json.dumps(
+        {
+            "model": config.model_name,
+            "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": 32,
+        }
+    )
+    lines = [
+        "",
+        f"EPD is serving {config.model_name!r}:",
+        f"  OpenAI API   {url}/v1   (metrics {url}/metrics, logs in {config.log_dir})",
+    ]
+    if not config.monolithic:
+        lines += [
+            f"  broker gRPC  {config.host}:{config.broker_port}   (grpcurl -plaintext ... list)",
+            f"  metrics      each gRPC component on its own port + {config.metrics_offset}",
+        ]
+    lines += [
+        "",
+        "try:",
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
+        f"    -d '{body}'",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def run(config: StackConfig) -> int:
+    """Runs the stack until SIGINT/SIGTERM or until a component dies."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(config, say=lambda line: print(line, flush=True))
+    mode = "monolithic" if config.monolithic else "disaggregated"
+    print(
+        f"starting EPD ({mode}) with model {config.model_name!r} from {config.checkpoint}",
+        flush=True,
+    )
+    try:
+        stack.start()
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        stack.stop()
+        return 1
+    except BaseException:
+        stack.stop()
+        raise
+    print(banner(config), flush=True)
+    try:
+        while not stop.wait(0.5):
+            dead = stack.dead()
+            if dead is not None:
+                print(
+                    f"error: {dead.name} exited; its log:\n{dead.tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+        print("stopping ...", flush=True)
+        return 0
+    finally:
+        stack.stop()
+        print("stopped.", flush=True)

