@@ -46,4 +46,11 @@ CACHE_DIR = EnvVar(
     "where `epd serve` keeps the demo checkpoint",
 )
 
-ALL = (BROKER, TRITON_URL, CHECKPOINT, HOST_ID, API_KEY, CACHE_DIR)
+SHM_PREFIX = EnvVar(
+    "EPD_SHM_PREFIX",
+    str,
+    lambda: "epd_",
+    "names of the POSIX shared-memory segments this process creates start with it",
+)
+
+ALL = (BROKER, TRITON_URL, CHECKPOINT, HOST_ID, API_KEY, CACHE_DIR, SHM_PREFIX)

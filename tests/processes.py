@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -11,16 +12,22 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from services import env
+from services.transfer.shared_memory import remove_segments
+
 
 @contextlib.contextmanager
 def epd_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Runs `epd ARGS`, output to `log`; killed on exit if still alive."""
+    """Runs `epd ARGS`, output to `log`; killed on exit if still alive, and the
+    shared memory it may leave when killed is removed."""
+    prefix = f"epd_test_{secrets.token_hex(3)}_"
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, env.SHM_PREFIX.name: prefix},
         )
         try:
             yield process
@@ -28,6 +35,7 @@ def epd_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+            remove_segments(prefix)
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:

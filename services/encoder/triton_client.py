@@ -20,6 +20,8 @@ import tritonclient.grpc.aio as triton_grpc
 import tritonclient.utils.shared_memory as triton_shm
 from tritonclient.utils import InferenceServerException
 
+from services import env
+
 PIXELS, GRIDS = "pixel_values", "image_grid_thw"
 EMBEDS, DEEPSTACK = "image_embeds", "deepstack_embeds"
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -121,7 +123,7 @@ class VitClient:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        prefix = f"epd_vit_{secrets.token_hex(4)}"
+        prefix = f"{env.SHM_PREFIX.get()}vit_{secrets.token_hex(4)}"
         self._all_slots = [_ShmSlot(prefix, i) for i in range(max_in_flight)]
         self._slots: asyncio.Queue[_ShmSlot] = asyncio.Queue()
         for slot in self._all_slots:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import secrets
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 import torch
 
-SEGMENT_PREFIX = "epd_"
+from services import env
+
+SHM_DIR = Path("/dev/shm")
 _created_here: set[str] = set()  # segment names this process owns
 
 
@@ -25,7 +28,7 @@ class SharedSegment:
 
     @classmethod
     def create(cls, size: int, kind: str = "pool") -> SharedSegment:
-        name = f"{SEGMENT_PREFIX}{kind}_{secrets.token_hex(8)}"
+        name = f"{env.SHM_PREFIX.get()}{kind}_{secrets.token_hex(8)}"
         segment = cls(shared_memory.SharedMemory(name=name, create=True, size=size), owner=True)
         _created_here.add(segment.name)
         return segment
@@ -61,3 +64,14 @@ class SharedSegment:
             _created_here.discard(self.name)
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
+
+
+def remove_segments(prefix: str) -> list[str]:
+    """Unlinks every segment whose name starts with prefix (what a crashed
+    process left behind); returns the names removed."""
+    removed = []
+    for path in SHM_DIR.glob(prefix + "*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path.name)
+    return removed

@@ -29,11 +29,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services import env
+from services.transfer.shared_memory import remove_segments
+
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-SHM_DIR = Path("/dev/shm")
 
 
 class TritonError(RuntimeError):
@@ -107,7 +109,9 @@ class TritonServer:
     config: TritonConfig
     _process: subprocess.Popen[bytes] | None = None
     _workdir: Path | None = None
-    _shm_prefix: str = field(default_factory=lambda: f"epd_triton_{secrets.token_hex(4)}_")
+    _shm_prefix: str = field(
+        default_factory=lambda: f"{env.SHM_PREFIX.get()}triton_{secrets.token_hex(4)}_"
+    )
     _log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=60))
     _log_thread: threading.Thread | None = None
 
@@ -251,9 +255,7 @@ class TritonServer:
                 process.wait()
         if self._log_thread is not None:
             self._log_thread.join(timeout=2)
-        for region in SHM_DIR.glob(self._shm_prefix + "*"):
-            with contextlib.suppress(FileNotFoundError):
-                region.unlink()
+        remove_segments(self._shm_prefix)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
