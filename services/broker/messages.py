@@ -211,6 +211,7 @@ class EmbeddingMeta:
     dtype: torch.dtype
     deepstack_levels: int = 0
     encoder_instance_id: str = ""
+    transport: Transport = Transport.GRPC
 
     def to_proto(self) -> broker_pb2.EmbeddingMeta:
         return broker_pb2.EmbeddingMeta(
@@ -222,6 +223,7 @@ class EmbeddingMeta:
             hidden_size=self.hidden_size,
             dtype=dtype_to_proto(self.dtype),
             deepstack_levels=self.deepstack_levels,
+            transport=transport_to_proto(self.transport),
         )
 
     @classmethod
@@ -235,6 +237,7 @@ class EmbeddingMeta:
             dtype=dtype_from_proto(pb.dtype),
             deepstack_levels=pb.deepstack_levels,
             encoder_instance_id=pb.encoder_instance_id,
+            transport=Transport(pb.transport) if pb.transport else Transport.GRPC,
         )
 
 

@@ -128,6 +128,7 @@ class Sender:
                     hidden_size=layout.hidden_size,
                     dtype=layout.dtype,
                     deepstack_levels=layout.deepstack_levels,
+                    transport=transport,
                 )
             )
         except BrokerUnavailableError:

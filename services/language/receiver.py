@@ -113,6 +113,16 @@ class Receiver:
         async with self._freed:
             self._freed.notify_all()
 
+    def awaiting_nixl(self) -> bool:
+        """Whether an unfinished transfer is (to be) written over NIXL: only then
+        does the target need fast progress polling."""
+        return any(
+            inbound.meta is not None
+            and inbound.meta.transport is Transport.NIXL
+            and not inbound.state.is_finished
+            for inbound in self.transfers.values()
+        )
+
     async def expect(self, request_id: str, hint_tokens: int) -> None:
         """Preallocates for a request whose embeddings an encoder will send."""
         if request_id in self.transfers:
@@ -123,8 +133,6 @@ class Receiver:
         try:
             inbound.blocks = await self._allocate(want)
             inbound.allocated_tokens = len(inbound.blocks) * self.pool.layout.block_size
-            if self.nixl is not None:
-                self.nixl.wake()
             self._send(Prealloc(request_id, tuple(inbound.blocks), inbound.allocated_tokens))
         except BaseException:
             await self.release(request_id, "preallocation failed", notify=False)
@@ -250,6 +258,8 @@ class Receiver:
             return
         inbound.meta = meta
         inbound.updated = time.monotonic()
+        if meta.transport is Transport.NIXL and self.nixl is not None:
+            self.nixl.wake()
 
     async def _on_done(self, inbound: Inbound, done: TransferDone) -> None:
         request_id = inbound.request_id

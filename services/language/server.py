@@ -183,8 +183,7 @@ class LanguageServer:
             await self.link.start()
         self._tasks.append(asyncio.create_task(self._expire()))
         if self.nixl is not None:
-            receiver = self.receiver
-            self.nixl.start(busy=lambda: bool(receiver.transfers))
+            self.nixl.start(busy=self.receiver.awaiting_nixl)
 
     async def _expire(self) -> None:
         while True:
