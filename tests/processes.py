@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from services import env
+from services.children import die_with_parent
 from services.transfer.shared_memory import remove_segments
 
 
@@ -28,6 +29,7 @@ def epd_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, env.SHM_PREFIX.name: prefix},
+            preexec_fn=die_with_parent,
         )
         try:
             yield process

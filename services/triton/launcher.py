@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services import env
+from services.children import die_with_parent
 from services.transfer.shared_memory import remove_segments
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,12 @@ class TritonServer:
         env["EPD_SITE_PACKAGES"] = os.pathsep.join(site.getsitepackages())
         logger.info("starting tritonserver (grpc %s, http %s)", cfg.grpc_url, cfg.http_url)
         self._process = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self._log_thread = threading.Thread(target=self._forward_log, daemon=True)
         self._log_thread.start()
