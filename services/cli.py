@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -149,8 +150,6 @@ def _encoder(args: argparse.Namespace) -> int:
 
 
 def _language(args: argparse.Namespace) -> int:
-    from services.language.engine.engine import EngineConfig
-    from services.language.engine.scheduler import SchedulerConfig
     from services.language.server import LanguageConfig, LanguageServer
 
     config = LanguageConfig(
@@ -165,14 +164,7 @@ def _language(args: argparse.Namespace) -> int:
         transports=args.transports,
         embedding_pool_tokens=args.embedding_pool_tokens,
         default_allocate_tokens=args.default_allocate_tokens,
-        engine=EngineConfig(
-            max_model_len=args.max_model_len,
-            kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
-            page_size=args.page_size,
-            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-            dtype=args.dtype,
-            device=args.device,
-        ),
+        engine=_engine_config(args),
         **({"instance_id": args.instance_id} if args.instance_id else {}),
     )
     return run_until_signalled(lambda: LanguageServer(config))
@@ -198,6 +190,46 @@ def _gateway(args: argparse.Namespace) -> int:
     from services.gateway.server import GatewayServer
 
     return run_until_signalled(lambda: GatewayServer(_gateway_config(args)))
+
+
+def _monolithic(args: argparse.Namespace) -> int:
+    from services.gateway.local_backend import LocalBackend
+    from services.gateway.server import GatewayServer
+
+    config = _gateway_config(args)
+    if config.checkpoint is None:
+        raise SystemExit("epd monolithic needs --checkpoint (or $EPD_CHECKPOINT)")
+    engine = _engine_config(args)
+    return run_until_signalled(
+        lambda: GatewayServer(
+            config,
+            LocalBackend(config.checkpoint, _model_name(args), engine, config.limits),
+        )
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    from services.language.engine.engine import EngineConfig
+    from services.language.engine.scheduler import SchedulerConfig
+
+    return EngineConfig(
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+        page_size=args.page_size,
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        dtype=args.dtype,
+        device=args.device,
+    )
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", type=_dtype, default=_dtype("float32"))
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -254,6 +286,9 @@ def _serve(args: argparse.Namespace) -> int:
             language_args=tuple(language),
             gateway_args=tuple(gateway),
             monolithic=args.monolithic,
+            encoder_cpus=args.encoder_cpus,
+            language_cpus=args.language_cpus,
+            encoder_nice=args.encoder_nice,
         )
     )
 
@@ -308,7 +343,6 @@ def _add_instance_options(p: argparse.ArgumentParser, port: int) -> None:
         default=_transports("shm,nixl,grpc"),
         help="comma-separated: cuda_ipc, nixl, shm, grpc",
     )
-    p.add_argument("--dtype", type=_dtype, default=_dtype("float32"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("encoder", help="run an encoder instance")
     _add_instance_options(p, ENCODER_PORT)
+    p.add_argument("--dtype", type=_dtype, default=_dtype("float32"), help="embedding dtype")
     p.add_argument(
         "--triton", default=env.TRITON_URL.get(), help="Triton gRPC address ($EPD_TRITON_URL)"
     )
@@ -370,12 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("language", help="run a language instance")
     _add_instance_options(p, LANGUAGE_PORT)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    _add_engine_options(p)
     p.add_argument("--embedding-pool-tokens", type=int, default=32768)
     p.add_argument("--default-allocate-tokens", type=int, default=4096)
     p.set_defaults(handler=_language)
@@ -384,6 +414,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway_options(p, GATEWAY_PORT)
     p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
     p.set_defaults(handler=_gateway)
+
+    p = sub.add_parser(
+        "monolithic", help="gateway, vision tower and engine in one process (the baseline)"
+    )
+    _add_gateway_options(p, GATEWAY_PORT)
+    _add_engine_options(p)
+    p.add_argument("--model-name", help="served model name (default: the folder's name)")
+    p.set_defaults(handler=_monolithic)
+
+    from services.bench import command as bench
+
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    bench.add_arguments(p)
+    p.set_defaults(handler=bench.main)
 
     p = sub.add_parser("health", help="check a gRPC service (host:port) or an HTTP URL")
     p.add_argument("target", help="host:port of a gRPC server, or http(s)://... for an HTTP check")
@@ -419,17 +463,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--encoder-cpus",
+        default="",
+        help="CPUs for Triton and the encoders, e.g. 1 or 4-7 (default: all)",
+    )
+    p.add_argument(
+        "--language-cpus",
+        default="",
+        help="CPUs for the language instances, e.g. 0 or 0-3 (default: all)",
+    )
+    p.add_argument(
+        "--encoder-nice",
+        type=int,
+        default=0,
+        help="niceness for Triton and the encoders (e.g. 10): the language "
+        "engine gets the CPU first when they contend",
+    )
     p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
     p.set_defaults(handler=_serve)
     return parser
 
 
+def place_process() -> None:
+    """EPD_CPUS and EPD_NICE, applied before torch starts any thread (threads and
+    child processes inherit both). On CPUs they stand in for giving a stage its
+    own device: its own cores, or a lower priority than the latency-critical
+    decode loop so that it only takes the cycles the loop leaves."""
+    if env.NICE.get():
+        os.nice(env.NICE.get())
+    cpus = env.CPUS.get()
+    if not cpus:
+        return
+    os.sched_setaffinity(0, cpus)
+    # Read by torch and OpenMP in this process and in children (Triton's Python stub).
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    import torch
+
+    torch.set_num_threads(len(cpus))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    place_process()
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for chatty in ("httpx", "matplotlib"):  # a line per request / per font otherwise
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
 

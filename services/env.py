@@ -53,4 +53,30 @@ SHM_PREFIX = EnvVar(
     "names of the POSIX shared-memory segments this process creates start with it",
 )
 
-ALL = (BROKER, TRITON_URL, CHECKPOINT, HOST_ID, API_KEY, CACHE_DIR, SHM_PREFIX)
+
+def parse_cpus(value: str) -> tuple[int, ...]:
+    """'0-3,6' -> (0, 1, 2, 3, 6)."""
+    cpus: list[int] = []
+    for part in value.split(","):
+        low, _, high = part.strip().partition("-")
+        cpus += range(int(low), int(high or low) + 1)
+    if not cpus:
+        raise ValueError("no CPUs")
+    return tuple(sorted(set(cpus)))
+
+
+CPUS: EnvVar[tuple[int, ...]] = EnvVar(
+    "EPD_CPUS",
+    parse_cpus,
+    lambda: (),
+    "run this process (and torch's threads) on these CPUs only, e.g. 0-3",
+)
+
+NICE = EnvVar(
+    "EPD_NICE",
+    int,
+    lambda: 0,
+    "raise this process's niceness (lower its CPU priority) at start-up, threads included",
+)
+
+ALL = (BROKER, TRITON_URL, CHECKPOINT, HOST_ID, API_KEY, CACHE_DIR, SHM_PREFIX, CPUS, NICE)

@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import env
+from services.children import die_with_parent
 from services.transfer.shared_memory import remove_segments
 
 
@@ -61,9 +62,15 @@ class Component:
     args: list[str]
     healthy: Callable[[], bool]
     log: Path
+    cpus: str = ""
+    nice: int = 0
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, environment: dict[str, str]) -> None:
+        if self.cpus:
+            environment = {**environment, env.CPUS.name: self.cpus}
+        if self.nice:
+            environment = {**environment, env.NICE.name: str(self.nice)}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
@@ -72,6 +79,7 @@ class Component:
                 stderr=subprocess.STDOUT,
                 env=environment,
                 start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
+                preexec_fn=die_with_parent,
             )
 
     @property
@@ -116,6 +124,12 @@ class StackConfig:
     gateway_args: tuple[str, ...] = ()
     monolithic: bool = False
     metrics_offset: int = 100  # a gRPC component's Prometheus port is its own + this
+    # CPU sets ("0-3") for the vision side (Triton, encoders) and the language
+    # instances; empty: every CPU. On CPUs, this is what giving each stage its
+    # own device means.
+    encoder_cpus: str = ""
+    language_cpus: str = ""
+    encoder_nice: int = 0  # > 0: Triton and the encoders yield the CPU to the language engine
 
     def metrics_port(self, port: int) -> int:
         return port + self.metrics_offset
@@ -169,6 +183,8 @@ def components(config: StackConfig) -> list[Component]:
             ],
             lambda: http_ok(f"http://{config.host}:{http}/v2/models/vit/ready"),
             logs / "triton.log",
+            config.encoder_cpus,
+            config.encoder_nice,
         ),
     ]
     for i in range(config.num_languages):
@@ -194,6 +210,7 @@ def components(config: StackConfig) -> list[Component]:
                 ],
                 partial(grpc_serving, address, "epd.v1.Language"),
                 logs / f"language-{i}.log",
+                config.language_cpus,
             )
         )
     for i in range(config.num_encoders):
@@ -220,6 +237,8 @@ def components(config: StackConfig) -> list[Component]:
                 ],
                 partial(grpc_serving, address, "epd.v1.Encoder"),
                 logs / f"encoder-{i}.log",
+                config.encoder_cpus,
+                config.encoder_nice,
             )
         )
     parts.append(
@@ -245,6 +264,11 @@ class Stack:
     def start(self) -> None:
         self.parts = components(self.config)
         environment = {**os.environ, env.SHM_PREFIX.name: self.shm_prefix}
+        if not self.config.monolithic:
+            # Several torch processes share these cores: idle OpenMP threads must
+            # sleep, not spin on a core another process needs (measured: image
+            # TTFT halves, text TPOT p99 drops ~20% on 2 cores).
+            environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for part in self.parts:  # all at once: they come up in parallel
             part.start(environment)
         started = time.monotonic()

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from services.gateway.backend import Backend, GenerateCall
+from services.gateway.backend import GenerateCall, GenerationBackend
 from services.gateway.errors import ApiError
 from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
@@ -44,7 +44,7 @@ FINISH_REASONS = {
 
 @dataclass
 class Gateway:
-    backend: Backend
+    backend: GenerationBackend
     images: ImageLoader
     metrics: GatewayMetrics
     registry: CollectorRegistry
@@ -85,6 +85,7 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
         stop=body.stops,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
+        ignore_eos=body.ignore_eos,
     )
     if body.seed is not None:
         sampling.seed = body.seed

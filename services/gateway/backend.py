@@ -9,6 +9,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -25,6 +26,19 @@ from services.proto import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class GenerationBackend(Protocol):
+    """What the gateway needs from what serves it: the disaggregated stack over
+    gRPC (Backend), or everything in-process (LocalBackend, the baseline)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def models(self) -> list[str]: ...
+
+    def generate(self, call: GenerateCall) -> AsyncIterator[language_pb2.GenerateResponse]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,9 @@ class Backend:
         self.encode_timeout_s = encode_timeout_s
         self.generate_timeout_s = generate_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def start(self) -> None:
+        """Nothing to start: channels open on first use."""
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -60,6 +60,7 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False  # an extension (as in vLLM): fixed output lengths for benchmarks
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None

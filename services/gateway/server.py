@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from services.encoder.images import ImageLimits
 from services.gateway.app import Gateway, create_app
-from services.gateway.backend import Backend
+from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.images import FetchPolicy, ImageLoader
 from services.gateway.metrics import GatewayMetrics
 from services.model.processor import ImageTokenRule
@@ -33,12 +33,15 @@ class GatewayConfig:
 
 
 class GatewayServer:
-    def __init__(self, config: GatewayConfig) -> None:
+    """The gateway in front of the broker's stack, or of a given backend (the
+    monolithic baseline)."""
+
+    def __init__(self, config: GatewayConfig, backend: GenerationBackend | None = None) -> None:
         self.config = config
         registry = CollectorRegistry()
         rule = ImageTokenRule.from_checkpoint(config.checkpoint) if config.checkpoint else None
         self.gateway = Gateway(
-            backend=Backend(config.broker, generate_timeout_s=config.generate_timeout_s),
+            backend=backend or Backend(config.broker, generate_timeout_s=config.generate_timeout_s),
             images=ImageLoader(config.limits, config.fetch, rule),
             metrics=GatewayMetrics(registry),
             registry=registry,
@@ -67,6 +70,7 @@ class GatewayServer:
         return f"http://{self.config.host}:{self.port}"
 
     async def start(self) -> None:
+        await self.gateway.backend.start()
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
             if self._task.done():

@@ -64,6 +64,24 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int) 
     )
 
 
+def responses(output: RequestOutput, image_tokens: int) -> list[language_pb2.GenerateResponse]:
+    """One engine output as stream messages: its chunk, then the completion if it is the last."""
+    out = [chunk_to_proto(output)] if output.token_ids or output.text else []
+    if output.finish_reason is not None:
+        out.append(
+            language_pb2.GenerateResponse(
+                request_id=output.request_id,
+                complete=language_pb2.GenerateComplete(
+                    finish_reason=FINISH_REASONS[output.finish_reason],
+                    prompt_tokens=output.num_prompt_tokens,
+                    completion_tokens=output.num_output_tokens,
+                    image_tokens=image_tokens,
+                ),
+            )
+        )
+    return out
+
+
 def chunk_to_proto(output: RequestOutput) -> language_pb2.GenerateResponse:
     chunk = language_pb2.GenerateChunk(
         token_ids=output.token_ids,
@@ -148,22 +166,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.spec.vision.spatial_merge_size,
             embeds,
         )
-        num_image_tokens = prompt.num_image_tokens
         async for output in self.engine.generate(engine_request):
-            if output.token_ids or output.text:
-                yield chunk_to_proto(output)
-            if output.finished:
-                assert output.finish_reason is not None
+            if output.finish_reason is not None:
                 self.metrics.requests.labels(output.finish_reason).inc()
-                yield language_pb2.GenerateResponse(
-                    request_id=request_id,
-                    complete=language_pb2.GenerateComplete(
-                        finish_reason=FINISH_REASONS[output.finish_reason],
-                        prompt_tokens=output.num_prompt_tokens,
-                        completion_tokens=output.num_output_tokens,
-                        image_tokens=num_image_tokens,
-                    ),
-                )
+            for response in responses(output, prompt.num_image_tokens):
+                yield response
 
     async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, Any]:
         """Preallocates, waits for the embeddings, takes them out of the pool."""

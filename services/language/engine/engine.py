@@ -22,6 +22,7 @@ from services.language.engine.request import Request, RequestStatus
 from services.language.engine.runner import ModelRunner, Scheduled
 from services.language.engine.sampler import Sample, Sampler
 from services.language.engine.scheduler import Scheduler, SchedulerConfig
+from services.language.engine.vision import VisionTower
 from services.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class LLMEngine:
         weights: dict[str, torch.Tensor],
         tokenizer: Any,
         config: EngineConfig,
+        vision: VisionTower | None = None,
     ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
@@ -108,6 +110,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
+        self.vision = vision
 
     def _attention(self, device: torch.device) -> AttentionBackend:
         t = self.spec.text
@@ -154,6 +157,8 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        if self.vision is not None:
+            self.vision.encode_pending(self.scheduler.waiting)
         batch = ModelRunner.order(self.scheduler.schedule())
         if not batch:
             return [], self._stats([], [], [])

@@ -78,6 +78,9 @@ class Request:
     mrope_delta: int = 0  # decode position = sequence index + delta
     image_embeds: torch.Tensor | None = None  # [num_image_tokens, hidden], in prompt order
     image_positions: torch.Tensor | None = None  # [num_image_tokens] prompt indices
+    # Monolithic serving only: pixels the engine's own vision tower still has to encode.
+    pixel_values: torch.Tensor | None = None  # [num_patches, patch_dim]
+    image_grids: tuple[ImageGrid, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -126,13 +129,19 @@ def new_request(
     grids: Sequence[ImageGrid] = (),
     spatial_merge_size: int = 2,
     image_embeds: torch.Tensor | None = None,
+    pixel_values: torch.Tensor | None = None,
 ) -> Request:
-    """A request with its M-RoPE positions and image placeholder positions computed."""
+    """A request with its M-RoPE positions and image placeholder positions computed.
+
+    Images come either encoded (image_embeds) or, for an engine with its own
+    vision tower, as pixel_values it encodes before the request runs."""
     positions, delta = mrope_positions(token_ids, image_token_id, grids, spatial_merge_size)
     image_positions = None
     if grids:
         image_positions = (torch.tensor(token_ids) == image_token_id).nonzero().flatten()
-        if image_embeds is None or image_embeds.shape[0] != image_positions.numel():
+        if pixel_values is None and (
+            image_embeds is None or image_embeds.shape[0] != image_positions.numel()
+        ):
             raise ValueError(
                 f"{image_positions.numel()} image placeholders but "
                 f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings"
@@ -145,4 +154,6 @@ def new_request(
         delta,
         image_embeds,
         image_positions,
+        pixel_values=pixel_values,
+        image_grids=tuple(grids),
     )

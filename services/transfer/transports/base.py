@@ -25,7 +25,8 @@ class Part:
 
 
 class Writer(Protocol):
-    transport: Transport
+    @property
+    def transport(self) -> Transport: ...
 
     async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
         """Returns once the part is in the receiver's memory."""

@@ -1,0 +1,376 @@
+"""Writes docs/performance.md: monolithic against disaggregated serving, same
+machine, same checkpoint (the small demo model), same workloads, one run.
+
+    .venv/bin/python -m bench.report [--quick] [--raw DIR]
+
+Each configuration is started as a user would (`epd serve ...`, a child
+process on free ports) and driven with the same `epd bench` workloads:
+text-only, image-only and a 1:9 image:text mix, at several request rates and
+as a burst (every request at once, 32 in flight at most).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.bench import plots
+from services.bench.runner import RunConfig, RunResult, run
+from services.bench.summary import summarize
+from services.bench.workload import Workload, build_requests
+from services.model.demo import SIZES, cached_demo_checkpoint
+from services.ports import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "performance.md"
+TEMPLATE = Path(__file__).with_name("performance.md.in")
+FIGURES = REPO / "docs" / "performance"
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    image_ratio: float
+    num_prompts: int
+    rates: tuple[float, ...]
+
+
+def setups() -> list[Setup]:
+    cores = len(os.sched_getaffinity(0))
+    half = max(1, cores // 2)
+    language = f"0-{half - 1}" if half > 1 else "0"
+    encoder = f"{half}-{cores - 1}" if cores - half > 1 else str(half)
+    return [
+        Setup("monolithic", ("--monolithic",)),
+        Setup("disaggregated", ()),
+        Setup(
+            f"disaggregated, cores split ({language} language / {encoder} vision)",
+            ("--language-cpus", language, "--encoder-cpus", encoder),
+        ),
+    ]
+
+
+def cases(quick: bool) -> list[Case]:
+    scale = 0.5 if quick else 1.0
+    return [
+        Case("text-only", 0.0, round(48 * scale), (2.0, 4.0, 8.0, math.inf)),
+        Case("image-only", 1.0, round(16 * scale), (0.5, 1.0, math.inf)),
+        Case("mixed 1:9 image:text", 0.1, round(40 * scale), (1.0, 2.0, 4.0, math.inf)),
+    ]
+
+
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds so far of each `epd` component under the process `root`
+    (a component's whole tree: tritonserver and its Python stub count for triton)."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+        if len(cmdline) > 3 and cmdline[1:3] == [b"-m", b"services.cli"]:
+            names[pid] = cmdline[3].decode()
+    totals: dict[str, float] = {}
+    hz = os.sysconf("SC_CLK_TCK")
+    for pid, value in ticks.items():
+        node = pid
+        while node in parents and node not in names and node != root:
+            node = parents[node]
+        if node in names and node != root:
+            totals[names[node]] = totals.get(names[node], 0.0) + value / hz
+    return totals
+
+
+@contextmanager
+def serve(setup: Setup, log_dir: Path) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    ports = [str(free_port()) for _ in range(6)]
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--demo-size",
+        "small",
+        "--port",
+        str(port),
+        "--broker-port",
+        ports[0],
+        "--encoder-port",
+        ports[1],
+        "--language-port",
+        ports[2],
+        "--triton-http-port",
+        ports[3],
+        "--triton-grpc-port",
+        ports[4],
+        "--triton-metrics-port",
+        ports[5],
+        "--max-model-len",
+        "2048",
+        "--max-num-batched-tokens",
+        "256",
+        "--log-dir",
+        str(log_dir),
+        *setup.args,
+    ]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    if process.poll() is not None:
+        raise RuntimeError(f"{setup.name} did not start:\n{''.join(output)}")
+    try:
+        yield f"http://127.0.0.1:{port}/v1", process.pid
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(120)
+
+
+def measure(base_url: str, case: Case, rate: float) -> tuple[RunResult, dict[str, Any]]:
+    """One run. Every run has its own images (the disaggregated encoder caches
+    embeddings by content, the monolithic server does not), the same in every setup."""
+    seed = 1 + case.rates.index(rate)
+    workload = Workload(
+        num_prompts=case.num_prompts,
+        input_len=64,
+        output_len=32,
+        image_ratio=case.image_ratio,
+        seed=seed,
+    )
+    requests = build_requests(workload, "demo-small")
+    config = RunConfig(
+        base_url=base_url,
+        request_rate=rate,
+        max_concurrency=32,
+        warmup=2,
+        seed=seed,
+        progress=False,
+    )
+    result = asyncio.run(run(config, requests))
+    return result, summarize(result)
+
+
+def _proc(path: str, key: str) -> str:
+    lines = Path(path).read_text().splitlines()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
+
+
+def machine() -> str:
+    cpu = _proc("/proc/cpuinfo", "model name") or platform.processor()
+    memory = int(_proc("/proc/meminfo", "MemTotal").split()[0]) // 1024**2
+    cores = len(os.sched_getaffinity(0))
+    versions = f"Python {platform.python_version()}, torch {torch.__version__}"
+    return f"{cpu}, {cores} cores, {memory} GiB; {versions}"
+
+
+def fmt_rate(rate: float) -> str:
+    return "burst" if math.isinf(rate) else f"{rate:g}/s"
+
+
+def ms(summary: dict[str, Any], metric: str, q: str, kind: str | None = None) -> float:
+    part = summary["by_kind"].get(kind, {}) if kind else summary
+    return float(part.get("latency_ms", {}).get(metric, {}).get(q, math.nan))
+
+
+def table(case: Case, results: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
+    names = "rate, setup, req/s, output tok/s, TTFT p50, TTFT p99, TPOT p50, TPOT p99"
+    names += ", text TPOT p99, failed"
+    header = names.split(", ")
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    for rate in case.rates:
+        for setup, by_rate in results.items():
+            s = by_rate[rate]
+            text = ms(s, "tpot", "p99", "text") if case.image_ratio < 1 else math.nan
+            cells = [
+                fmt_rate(rate),
+                setup,
+                f"{s['request_throughput']:.2f}",
+                f"{s['output_throughput']:.1f}",
+                f"{ms(s, 'ttft', 'median'):.0f}",
+                f"{ms(s, 'ttft', 'p99'):.0f}",
+                f"{ms(s, 'tpot', 'median'):.1f}",
+                f"{ms(s, 'tpot', 'p99'):.1f}",
+                "" if math.isnan(text) else f"{text:.1f}",
+                str(s["failed"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def cpu_table(results: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
+    burst = {setup: by_rate[math.inf] for setup, by_rate in results.items()}
+    components = sorted({c for s in burst.values() for c in s.get("cpu_seconds", {})})
+    header = ["setup", *components, "total", "run time (s)", "completed"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for setup, s in burst.items():
+        cpu = s.get("cpu_seconds", {})
+        cells = [f"{cpu[c]:.1f}" if c in cpu else "" for c in components]
+        lines.append(
+            f"| {setup} | "
+            + " | ".join(cells)
+            + f" | {sum(cpu.values()):.1f} | {s['duration_s']:.1f} | {s['completed']} |"
+        )
+    return lines
+
+
+def headline(case: Case, results: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
+    """The goal, for the mixed workload: text TPOT p99 <= 0.6x and throughput >= 1.2x."""
+    mono = results["monolithic"]
+    finite = [r for r in case.rates if not math.isinf(r)]
+    lines = [
+        "| setup | text TPOT p99 vs monolithic (at " + ", ".join(fmt_rate(r) for r in finite) + ") "
+        "| burst throughput vs monolithic |",
+        "|---|---|---:|",
+    ]
+    for setup, by_rate in results.items():
+        if setup == "monolithic":
+            continue
+        ratios = ", ".join(
+            f"{ms(by_rate[r], 'tpot', 'p99', 'text') / ms(mono[r], 'tpot', 'p99', 'text'):.2f}x"
+            for r in finite
+        )
+        burst = by_rate[math.inf]["request_throughput"] / mono[math.inf]["request_throughput"]
+        lines.append(f"| {setup} | {ratios} | {burst:.2f}x |")
+    return lines
+
+
+def write(
+    results: dict[str, dict[str, dict[float, dict[str, Any]]]],
+    runs: dict[str, dict[str, RunResult]],
+    all_cases: list[Case],
+    elapsed: float,
+) -> None:
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    spec = SIZES["small"]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    mixed = all_cases[-1]
+    sections: list[str] = []
+    for case in all_cases:
+        name = case.name.split()[0]
+        plots.throughput_vs_rate(
+            {
+                s: [by_rate[r] for r in case.rates if not math.isinf(r)]
+                for s, by_rate in results[case.name].items()
+            },
+            FIGURES / f"{name}_throughput.png",
+            f"{case.name}: throughput",
+        )
+        sections += [
+            f"## {case.name} ({case.num_prompts} requests)",
+            "",
+            *table(case, results[case.name]),
+            "",
+            f"![{case.name} throughput](performance/{name}_throughput.png)",
+            "",
+        ]
+    sections += [
+        "## Where the CPU time goes: the mixed workload's burst",
+        "",
+        "CPU seconds each component used during the run (its whole process tree), "
+        "read from /proc; the benchmark client is not counted.",
+        "",
+        *cpu_table(results[mixed.name]),
+        "",
+    ]
+    top = max(r for r in mixed.rates if not math.isinf(r))
+    text_runs = {
+        s: RunResult(r.request_rate, r.duration_s, [x for x in r.results if x.kind == "text"])
+        for s, r in runs[f"{mixed.name}@{top:g}"].items()
+    }
+    plots.latency_cdfs(
+        text_runs,
+        FIGURES / "mixed_text_latency_cdf.png",
+        f"mixed 1:9 at {top:g} req/s: text requests",
+    )
+    DOC.write_text(
+        TEMPLATE.read_text().format(
+            date=time.strftime("%Y-%m-%d"),
+            commit=commit or "unknown",
+            minutes=f"{elapsed / 60:.0f}",
+            machine=machine(),
+            model=f"text {spec.text_hidden}x{spec.text_layers}, "
+            f"vision {spec.vision_hidden}x{spec.vision_layers}",
+            headline="\n".join(headline(mixed, results[mixed.name])),
+            sections="\n".join(sections),
+            top=f"{top:g}",
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="half the requests per run")
+    parser.add_argument("--raw", help="also write every run's summary as JSON into this folder")
+    args = parser.parse_args()
+    cached_demo_checkpoint("small")
+    started = time.monotonic()
+    all_cases = cases(args.quick)
+    results: dict[str, dict[str, dict[float, dict[str, Any]]]] = {c.name: {} for c in all_cases}
+    runs: dict[str, dict[str, RunResult]] = {}
+    log_root = Path(args.raw or "/tmp/epd-report")
+    for setup in setups():
+        print(f"== {setup.name}", flush=True)
+        with serve(setup, log_root / setup.name.split()[0]) as (url, pid):
+            for case in all_cases:
+                results[case.name][setup.name] = {}
+                for rate in case.rates:
+                    before = cpu_seconds(pid)
+                    run_result, summary = measure(url, case, rate)
+                    after = cpu_seconds(pid)
+                    summary["cpu_seconds"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    results[case.name][setup.name][rate] = summary
+                    runs.setdefault(f"{case.name}@{rate:g}", {})[setup.name] = run_result
+                    tpot, text = ms(summary, "tpot", "p99"), ms(summary, "tpot", "p99", "text")
+                    print(
+                        f"   {case.name:<22} {fmt_rate(rate):>6}: "
+                        f"{summary['request_throughput']:.2f} req/s, TPOT p99 {tpot:.1f} ms "
+                        f"(text {text:.1f}), failed {summary['failed']}",
+                        flush=True,
+                    )
+    if args.raw:
+        Path(args.raw).mkdir(parents=True, exist_ok=True)
+        (Path(args.raw) / "summaries.json").write_text(json.dumps(results, indent=1, default=str))
+    write(results, runs, all_cases, time.monotonic() - started)
+    print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()

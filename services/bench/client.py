@@ -1,0 +1,79 @@
+"""One streamed chat completion against any OpenAI-compatible server, timed."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from services.bench.workload import BenchRequest
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    kind: str
+    start: float  # seconds since the run began
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+    ttft: float | None = None  # seconds to the first content
+    itls: list[float] = field(default_factory=list)  # seconds between content chunks
+    e2e: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first."""
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, request: BenchRequest, run_start: float
+) -> RequestResult:
+    started = time.perf_counter()
+    result = RequestResult(request.index, request.kind, started - run_start)
+    chunks = 0
+    last = started
+    try:
+        async with client.stream("POST", url, json=request.body) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[len("data: ") :]
+                if payload == "[DONE]":
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    result.error = str(event["error"].get("message", event["error"]))
+                    return result
+                now = time.perf_counter()
+                if event.get("usage"):
+                    result.prompt_tokens = event["usage"]["prompt_tokens"]
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                for choice in event.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        chunks += 1
+                        if result.ttft is None:
+                            result.ttft = now - started
+                        else:
+                            result.itls.append(now - last)
+                        last = now
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - started
+    if not result.output_tokens:
+        result.output_tokens = chunks  # a server that sends no usage: one token a chunk
+    result.ok = True
+    return result

@@ -1,0 +1,151 @@
+"""`epd bench`: a serving benchmark against any OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.bench import plots
+from services.bench.runner import RunConfig, RunResult, run
+from services.bench.summary import render, summarize
+from services.bench.workload import Workload, build_requests
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
+    p.add_argument("--model", help="default: the first model the server lists")
+    p.add_argument("--api-key", default="")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--input-len", type=int, default=64, help="words of text per prompt")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests stop at EOS (by default they ask for exactly --output-len)",
+    )
+    p.add_argument(
+        "--image-ratio",
+        type=float,
+        default=1.0,
+        help="share of requests with images: 0 text-only, 0.1 a 1:9 mix",
+    )
+    p.add_argument("--images-per-request", type=int, default=1)
+    p.add_argument("--image-size", default="448x448", help="WIDTHxHEIGHT of random images")
+    p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"))
+    p.add_argument("--image-dir", help="use these images instead of random ones")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="requests/s (Poisson); inf sends all at once; several values sweep",
+    )
+    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--goodput",
+        nargs="*",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:2000 tpot:100 e2e:10000",
+    )
+    p.add_argument("--result-json", help="write every run's summary and requests here")
+    p.add_argument("--plot-dir", help="write latency CDFs and throughput-vs-rate PNGs here")
+
+
+def parse_slo(items: list[str]) -> dict[str, float]:
+    slo = {}
+    for item in items:
+        metric, _, value = item.partition(":")
+        if metric not in ("ttft", "tpot", "e2e") or not value:
+            raise SystemExit(
+                f"--goodput takes METRIC:MS with METRIC in ttft, tpot, e2e; got {item!r}"
+            )
+        slo[metric] = float(value)
+    return slo
+
+
+def first_model(base_url: str, api_key: str) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    reply = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10)
+    reply.raise_for_status()
+    models = [m["id"] for m in reply.json()["data"]]
+    if not models:
+        raise SystemExit(f"{base_url} serves no models")
+    return str(models[0])
+
+
+def record(run_result: RunResult, summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requests": [asdict(r) | {"tpot": r.tpot} for r in run_result.results],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    width, _, height = args.image_size.partition("x")
+    workload = Workload(
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        image_ratio=args.image_ratio,
+        images_per_request=args.images_per_request,
+        image_size=(int(width), int(height)),
+        image_format=args.image_format,
+        image_dir=Path(args.image_dir) if args.image_dir else None,
+        ignore_eos=not args.no_ignore_eos,
+        seed=args.seed,
+    )
+    slo = parse_slo(args.goodput)
+    model = args.model or first_model(args.base_url, args.api_key)
+    requests = build_requests(workload, model)
+    print(
+        f"benchmarking {model!r} at {args.base_url}: {len(requests)} requests, "
+        f"{sum(r.kind == 'image' for r in requests)} with images",
+        flush=True,
+    )
+    runs: dict[str, RunResult] = {}
+    summaries = []
+    for rate in args.request_rate:
+        config = RunConfig(
+            base_url=args.base_url,
+            request_rate=rate,
+            max_concurrency=args.max_concurrency,
+            warmup=args.warmup,
+            api_key=args.api_key,
+            seed=args.seed,
+        )
+        result = asyncio.run(run(config, requests))
+        summary = summarize(result, slo)
+        runs[f"{rate:g} req/s"] = result
+        summaries.append(summary)
+        print(render(summary), flush=True)
+    if args.result_json:
+        Path(args.result_json).write_text(
+            json.dumps(
+                {
+                    "model": model,
+                    "base_url": args.base_url,
+                    "workload": asdict(workload) | {"image_dir": args.image_dir},
+                    "runs": [record(runs[k], s) for k, s in zip(runs, summaries, strict=True)],
+                },
+                indent=1,
+                default=str,
+            )
+        )
+    if args.plot_dir:
+        folder = Path(args.plot_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        plots.latency_cdfs(runs, folder / "latency_cdf.png", f"{model} at {args.base_url}")
+        if len(summaries) > 1:
+            plots.throughput_vs_rate({model: summaries}, folder / "throughput_vs_rate.png")
+    failed = sum(s["failed"] for s in summaries)
+    return 1 if failed and failed == sum(s["failed"] + s["completed"] for s in summaries) else 0

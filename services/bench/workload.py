@@ -1,0 +1,147 @@
+"""Benchmark workloads: chat requests with synthetic or folder images and text
+prompts, deterministic for a seed."""
+
+from __future__ import annotations
+
+import base64
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from services.bench.images import encode_image, random_image
+
+WORDS = [
+    "picture",
+    "image",
+    "photo",
+    "color",
+    "light",
+    "shadow",
+    "street",
+    "river",
+    "mountain",
+    "city",
+    "house",
+    "tree",
+    "window",
+    "door",
+    "table",
+    "chair",
+    "book",
+    "paper",
+    "water",
+    "cloud",
+    "sun",
+    "rain",
+    "snow",
+    "road",
+    "car",
+    "bicycle",
+    "train",
+    "boat",
+    "bird",
+    "cat",
+    "dog",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "small",
+    "large",
+    "old",
+    "new",
+    "bright",
+    "dark",
+    "left",
+    "right",
+    "near",
+    "far",
+    "morning",
+    "evening",
+]
+FORMATS = {
+    "jpeg": ("JPEG", "image/jpeg"),
+    "png": ("PNG", "image/png"),
+    "webp": ("WEBP", "image/webp"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    num_prompts: int = 100
+    input_len: int = 64  # words in the text prompt (a server's tokenizer decides the tokens)
+    output_len: int = 64
+    image_ratio: float = 1.0  # share of requests with images; 0.1 is a 1:9 mix
+    images_per_request: int = 1
+    image_size: tuple[int, int] = (448, 448)
+    image_format: str = "jpeg"
+    image_dir: Path | None = None
+    ignore_eos: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.image_ratio <= 1:
+            raise ValueError("image_ratio must be in [0, 1]")
+        if self.image_format not in FORMATS:
+            raise ValueError(f"image format must be one of {', '.join(FORMATS)}")
+        if self.num_prompts < 1 or self.output_len < 1:
+            raise ValueError("num_prompts and output_len must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    index: int
+    kind: Literal["image", "text"]
+    body: dict[str, Any]
+
+
+def _folder_images(folder: Path) -> list[tuple[bytes, str]]:
+    mime = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp"}
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in mime)
+    if not files:
+        raise ValueError(f"no .jpg, .png or .webp images in {folder}")
+    return [(p.read_bytes(), mime[p.suffix.lower()]) for p in files]
+
+
+def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
+    rng = random.Random(workload.seed)
+    with_images = set(
+        rng.sample(range(workload.num_prompts), round(workload.image_ratio * workload.num_prompts))
+    )
+    folder = _folder_images(workload.image_dir) if workload.image_dir else []
+    pil_format, mime = FORMATS[workload.image_format]
+    requests = []
+    used = 0
+    for index in range(workload.num_prompts):
+        text = " ".join(rng.choice(WORDS) for _ in range(workload.input_len))
+        content: list[dict[str, Any]] = []
+        if index in with_images:
+            for _ in range(workload.images_per_request):
+                if folder:
+                    data, kind = folder[used % len(folder)]
+                else:
+                    width, height = workload.image_size
+                    data, kind = (
+                        encode_image(
+                            random_image(width, height, seed=workload.seed * 100_003 + used),
+                            pil_format,
+                        ),
+                        mime,
+                    )
+                used += 1
+                url = f"data:{kind};base64,{base64.b64encode(data).decode()}"
+                content.append({"type": "image_url", "image_url": {"url": url}})
+        content.append({"type": "text", "text": text})
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": workload.output_len,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if workload.ignore_eos:
+            body["ignore_eos"] = True
+        requests.append(BenchRequest(index, "image" if index in with_images else "text", body))
+    return requests

@@ -1,0 +1,86 @@
+"""LocalBackend: the monolithic baseline, everything in the gateway's process.
+
+No Triton, no broker, no transfer: images are preprocessed in a thread pool
+(as a server's input processing does), the vision tower runs inside the
+engine loop before each step (blocking every running request while it
+encodes), and the engine generates. Same API and same engine as the
+disaggregated stack, so the two compare like for like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from services.encoder.images import BadImageError, ImageLimits
+from services.encoder.preprocess import Preprocessor
+from services.gateway.backend import GenerateCall
+from services.gateway.errors import ApiError
+from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
+from services.language.engine.request import new_request
+from services.language.engine.vision import VisionTower
+from services.language.servicer import messages_from_proto, responses, sampling_from_proto
+from services.model.checkpoint import load_language_weights, load_vision_tower
+from services.model.spec import load_spec
+from services.model.tokenizer import build_prompt, load_tokenizer
+from services.proto import language_pb2
+
+
+class LocalBackend:
+    def __init__(
+        self, checkpoint: Path, model_name: str, engine: EngineConfig, limits: ImageLimits
+    ) -> None:
+        self.model_name = model_name
+        self.spec = load_spec(checkpoint)
+        self.tokenizer = load_tokenizer(checkpoint)
+        device = torch.device(engine.device)
+        tower = load_vision_tower(checkpoint, self.spec, dtype=engine.dtype, device=device)
+        vision = VisionTower(tower, self.spec.vision.spatial_merge_size, device)
+        weights = load_language_weights(checkpoint, self.spec, engine.dtype)
+        self.engine = AsyncEngine(LLMEngine(self.spec, weights, self.tokenizer, engine, vision))
+        self.preprocessor = Preprocessor(checkpoint, limits)
+        self.max_model_len = engine.max_model_len
+
+    async def start(self) -> None:
+        self.engine.start()
+
+    async def close(self) -> None:
+        await self.engine.stop()
+        self.preprocessor.close()
+
+    async def models(self) -> list[str]:
+        return [self.model_name]
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[language_pb2.GenerateResponse]:
+        try:
+            messages, _ = messages_from_proto(call.messages)
+            pre = await self.preprocessor.preprocess(list(enumerate(call.images)))
+            grids = [p.grid for p in pre]
+            merge = self.spec.vision.spatial_merge_size
+            prompt = build_prompt(
+                self.tokenizer, self.spec, messages, [g.num_tokens(merge) for g in grids]
+            )
+            sampling = sampling_from_proto(
+                call.sampling, self.max_model_len - len(prompt.token_ids)
+            )
+            pixels = torch.cat([torch.from_numpy(p.pixel_values) for p in pre]) if pre else None
+            request = new_request(
+                call.request_id,
+                prompt.token_ids,
+                sampling,
+                self.spec.image_token_id,
+                grids,
+                merge,
+                pixel_values=pixels,
+            )
+            outputs = self.engine.generate(request)
+            first = await anext(outputs)  # validation errors surface here
+        except (BadImageError, ValueError) as exc:
+            raise ApiError(400, str(exc)) from None
+        for response in responses(first, prompt.num_image_tokens):
+            yield response
+        async for output in outputs:
+            for response in responses(output, prompt.num_image_tokens):
+                yield response
