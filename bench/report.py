@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from services.bench import plots
+from services.bench.command import strict_json
 from services.bench.runner import RunConfig, RunResult, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
@@ -247,6 +248,38 @@ def cpu_table(results: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def verdict(case: Case, results: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
+    """Met or missed, and by how much, for the plain disaggregated setup."""
+    mono, disagg = results["monolithic"], results["disaggregated"]
+    finite = [r for r in case.rates if not math.isinf(r)]
+    tpot = [
+        ms(disagg[r], "tpot", "p99", "text") / ms(mono[r], "tpot", "p99", "text") for r in finite
+    ]
+    burst = disagg[math.inf]["request_throughput"] / mono[math.inf]["request_throughput"]
+    rates = f"{fmt_rate(finite[0])} to {fmt_rate(finite[-1])}"
+    tpot_goal = (
+        "meets the goal"
+        if max(tpot) <= 0.6
+        else f"misses the 0.6x goal by {max(0.0, min(tpot) - 0.6):.2f} to {max(tpot) - 0.6:.2f}"
+    )
+    throughput_goal = (
+        "meets the goal" if burst >= 1.2 else f"misses the 1.2x goal by {1.2 - burst:.2f}"
+    )
+    cores = len(os.sched_getaffinity(0))
+
+    def busy(summary: dict[str, Any]) -> str:
+        work = sum(summary.get("cpu_seconds", {}).values())
+        return f"{work:.1f} CPU-seconds, {work / (summary['duration_s'] * cores):.0%} of the cores"
+
+    return [
+        f"- Disaggregated, text-request TPOT p99 at {rates}: {min(tpot):.2f}x to {max(tpot):.2f}x "
+        f"monolithic; this {tpot_goal}.",
+        f"- Disaggregated, request throughput in the burst: {burst:.2f}x monolithic; this "
+        f"{throughput_goal}. During the burst, monolithic used {busy(mono[math.inf])}, "
+        f"disaggregated {busy(disagg[math.inf])} (table below).",
+    ]
+
+
 def headline(case: Case, results: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
     """The goal, for the mixed workload: text TPOT p99 <= 0.6x and throughput >= 1.2x."""
     mono = results["monolithic"]
@@ -326,7 +359,9 @@ def write(
             machine=machine(),
             model=f"text {spec.text_hidden}x{spec.text_layers}, "
             f"vision {spec.vision_hidden}x{spec.vision_layers}",
-            headline="\n".join(headline(mixed, results[mixed.name])),
+            headline="\n".join(
+                [*headline(mixed, results[mixed.name]), "", *verdict(mixed, results[mixed.name])]
+            ),
             sections="\n".join(sections),
             top=f"{top:g}",
         )
@@ -367,7 +402,14 @@ def main() -> None:
                     )
     if args.raw:
         Path(args.raw).mkdir(parents=True, exist_ok=True)
-        (Path(args.raw) / "summaries.json").write_text(json.dumps(results, indent=1, default=str))
+        raw = {
+            case: {
+                setup: {str(rate): summary for rate, summary in by_rate.items()}
+                for setup, by_rate in by_setup.items()
+            }
+            for case, by_setup in results.items()
+        }
+        (Path(args.raw) / "summaries.json").write_text(json.dumps(strict_json(raw), indent=1))
     write(results, runs, all_cases, time.monotonic() - started)
     print(f"wrote {DOC}")
 

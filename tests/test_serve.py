@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
 import os
 import signal
 import subprocess
@@ -335,6 +336,59 @@ def test_a_client_that_leaves_mid_stream_frees_everything(served: Served) -> Non
     assert served.language_metric("epd_language_kv_blocks_used") == 0
     assert served.language_metric("epd_language_embedding_blocks_used") == 0
     assert served.language_metric("epd_language_running_requests") == 0
+
+
+def test_epd_bench_against_the_stack(served: Served, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            "--base-url",
+            served.url + "/v1",
+            "--num-prompts",
+            "6",
+            "--image-ratio",
+            "0.5",
+            "--image-size",
+            "96x96",
+            "--output-len",
+            "4",
+            "--input-len",
+            "8",
+            "--request-rate",
+            "20",
+            "inf",
+            "--goodput",
+            "ttft:60000",
+            "--result-json",
+            str(tmp_path / "bench.json"),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["model"] == MODEL
+    assert [run["summary"]["request_rate"] for run in report["runs"]] == [20, "inf"]
+    for run in report["runs"]:
+        summary = run["summary"]
+        assert (summary["completed"], summary["failed"]) == (6, 0)
+        assert summary["total_output_tokens"] == 24  # ignore_eos: exactly 4 each
+        assert summary["by_kind"]["image"]["completed"] == 3
+        assert summary["by_kind"]["text"]["completed"] == 3
+        assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            assert set(summary["latency_ms"][metric]) == {"mean", "median", "p90", "p99"}
+        assert len(run["requests"]) == 6
+        assert all(r["ok"] and r["ttft"] > 0 and r["output_tokens"] == 4 for r in run["requests"])
+    assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "throughput_vs_rate.png").stat().st_size > 0
+    assert "request throughput" in result.stdout
 
 
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:

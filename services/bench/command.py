@@ -83,6 +83,18 @@ def first_model(base_url: str, api_key: str) -> str:
     return str(models[0])
 
 
+def strict_json(value: Any) -> Any:
+    """Infinity and NaN are not JSON: a burst's rate is written "inf", an empty
+    statistic "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def record(run_result: RunResult, summary: dict[str, Any]) -> dict[str, Any]:
     return {
         "summary": summary,
@@ -129,17 +141,14 @@ def main(args: argparse.Namespace) -> int:
         summaries.append(summary)
         print(render(summary), flush=True)
     if args.result_json:
+        report = {
+            "model": model,
+            "base_url": args.base_url,
+            "workload": asdict(workload) | {"image_dir": args.image_dir},
+            "runs": [record(runs[k], s) for k, s in zip(runs, summaries, strict=True)],
+        }
         Path(args.result_json).write_text(
-            json.dumps(
-                {
-                    "model": model,
-                    "base_url": args.base_url,
-                    "workload": asdict(workload) | {"image_dir": args.image_dir},
-                    "runs": [record(runs[k], s) for k, s in zip(runs, summaries, strict=True)],
-                },
-                indent=1,
-                default=str,
-            )
+            json.dumps(strict_json(report), indent=1, default=str, allow_nan=False)
         )
     if args.plot_dir:
         folder = Path(args.plot_dir)

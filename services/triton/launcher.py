@@ -131,10 +131,6 @@ class TritonServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process else None
-
     def start(self) -> None:
         install = TritonInstall.find()
         self._workdir = Path(tempfile.mkdtemp(prefix="epd-triton-"))

@@ -210,20 +210,25 @@ def test_abort_frees_the_pages(tiny_checkpoint: Path) -> None:
 
 def test_step_stats_count_every_generated_token(tiny_checkpoint: Path) -> None:
     engine = make_engine(tiny_checkpoint, max_num_batched_tokens=16)  # chunked prefills too
-    for i in range(3):
-        engine.add_request(
-            make_request(
-                tiny_checkpoint,
-                f"s{i}",
-                chat("count " * (5 + 9 * i)),
-                [],
-                SamplingParams(max_tokens=7, ignore_eos=True),
-            )
+    requests = [
+        make_request(
+            tiny_checkpoint,
+            f"s{i}",
+            chat("count " * (5 + 9 * i)),
+            [],
+            SamplingParams(max_tokens=7, ignore_eos=True),
         )
-    generated = prefilled = 0
+        for i in range(3)
+    ]
+    prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+    for request in requests:
+        engine.add_request(request)
+    generated = computed = 0
     while engine.has_work():
         _, stats = engine.step()
         generated += stats.num_generated
-        prefilled += stats.num_tokens - stats.num_generated
+        computed += stats.num_tokens
     assert generated == 3 * 7
-    assert stats.num_running == 0 and stats.kv_pages_used == 0
+    # Every prompt token once, then each output token but the last is fed back once.
+    assert computed == prompt_tokens + 3 * (7 - 1)
+    assert engine.blocks.num_used_pages == 0

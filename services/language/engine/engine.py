@@ -64,9 +64,6 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    num_running: int
-    num_waiting: int
-    kv_pages_used: int
     num_tokens: int  # tokens computed this step
     num_generated: int
     ttfts: list[float]  # seconds, for requests that got their first token this step
@@ -123,10 +120,6 @@ class LLMEngine:
                 t.num_heads, t.num_kv_heads, t.head_dim, scale, self.config.dtype, device
             )
         return TorchAttention(scale)
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.blocks.allocator.num_blocks * self.blocks.page_size
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError unless the request fits the context (and so the cache, alone)."""
@@ -244,9 +237,6 @@ class LLMEngine:
 
     def _stats(self, batch: list[Scheduled], ttfts: list[float], tpots: list[float]) -> StepStats:
         return StepStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_pages_used=self.blocks.num_used_pages,
             num_tokens=sum(s.num_tokens for s in batch),
             num_generated=sum(1 for s in batch if s.samples),
             ttfts=ttfts,

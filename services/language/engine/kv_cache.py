@@ -58,10 +58,6 @@ class KVBlockManager:
         self.allocator = BlockAllocator(config.num_pages, config.page_size)
 
     @property
-    def num_free_pages(self) -> int:
-        return self.allocator.num_free_blocks
-
-    @property
     def num_used_pages(self) -> int:
         return self.allocator.num_used_blocks
 

@@ -1,0 +1,93 @@
+"""Workloads, arrivals and summaries of `epd bench`, as pure logic."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+
+import pytest
+
+from services.bench.client import RequestResult
+from services.bench.runner import RunResult, arrival_times
+from services.bench.stats import percentile
+from services.bench.summary import meets, summarize
+from services.bench.workload import Workload, build_requests
+
+
+def test_workload_is_deterministic_and_mixes_exactly() -> None:
+    workload = Workload(
+        num_prompts=40, image_ratio=0.1, images_per_request=2, image_size=(64, 48), seed=3
+    )
+    a, b = build_requests(workload, "m"), build_requests(workload, "m")
+    assert [r.body for r in a] == [r.body for r in b]
+    assert sum(r.kind == "image" for r in a) == 4
+    image = next(r for r in a if r.kind == "image")
+    parts = image.body["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["image_url", "image_url", "text"]
+    assert parts[0]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    assert parts[0] != parts[1]  # distinct images: no cache hit within a run
+    assert image.body["max_tokens"] == 64 and image.body["ignore_eos"] is True
+    assert image.body["stream_options"] == {"include_usage": True}
+
+
+def test_other_seed_other_workload() -> None:
+    a = build_requests(Workload(num_prompts=5, image_ratio=0.0, seed=1), "m")
+    b = build_requests(Workload(num_prompts=5, image_ratio=0.0, seed=2), "m")
+    assert a[0].body != b[0].body
+
+
+def test_bad_workloads() -> None:
+    with pytest.raises(ValueError, match="image_ratio"):
+        Workload(image_ratio=1.5)
+    with pytest.raises(ValueError, match="image format"):
+        Workload(image_format="bmp")
+
+
+def test_poisson_arrivals() -> None:
+    times = arrival_times(4000, rate=8.0, seed=0)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert statistics.fmean(gaps) == pytest.approx(1 / 8, rel=0.05)
+    assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+def test_percentile() -> None:
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def _result(
+    index: int, kind: str, ttft: float, e2e: float, tokens: int, ok: bool = True
+) -> RequestResult:
+    return RequestResult(
+        index,
+        kind,
+        0.0,
+        ok=ok,
+        ttft=ttft,
+        e2e=e2e,
+        output_tokens=tokens,
+        prompt_tokens=10,
+        itls=[(e2e - ttft) / (tokens - 1)] * (tokens - 1),
+        error="" if ok else "boom",
+    )
+
+
+def test_summary_counts_throughput_percentiles_and_goodput() -> None:
+    results = [
+        _result(0, "text", 0.1, 1.1, 11),  # TPOT 100 ms
+        _result(1, "text", 0.2, 0.7, 11),  # TPOT 50 ms
+        _result(2, "image", 1.0, 2.0, 11),  # TTFT 1 s
+        _result(3, "image", 0.0, 0.0, 0, ok=False),
+    ]
+    summary = summarize(RunResult(2.0, duration_s=4.0, results=results), {"ttft": 500, "tpot": 80})
+    assert (summary["completed"], summary["failed"]) == (3, 1)
+    assert summary["errors"] == ["boom"]
+    assert summary["request_throughput"] == pytest.approx(0.75)
+    assert summary["output_throughput"] == pytest.approx(33 / 4)
+    assert summary["by_kind"]["text"]["latency_ms"]["tpot"]["median"] == pytest.approx(75)
+    assert summary["by_kind"]["image"]["completed"] == 1
+    assert summary["goodput"] == pytest.approx(1 / 4)  # only request 1 meets both SLOs
+    assert meets(results[1], {"ttft": 500, "tpot": 80})
+    assert not meets(results[0], {"tpot": 80})

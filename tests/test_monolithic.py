@@ -1,0 +1,140 @@
+"""`epd serve --monolithic`, the baseline: same API, same answers, one process."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from PIL import Image
+
+from services.bench.images import encode_image, random_image
+from services.model.tokenizer import load_tokenizer
+from services.ports import free_port
+from tests.reference import chat, hf_greedy
+
+MODEL = "demo-tiny"
+
+
+@pytest.fixture(scope="module")
+def monolithic(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--monolithic",
+            "--model",
+            str(tiny_checkpoint),
+            "--model-name",
+            MODEL,
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--kv-cache-mb",
+            "64",
+            "--log-dir",
+            str(tmp_path_factory.mktemp("logs")),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 240
+    for line in process.stdout:
+        lines.append(line)
+        if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
+            break
+    assert "EPD is serving" in "".join(lines), "".join(lines)
+    yield f"http://127.0.0.1:{port}"
+    process.send_signal(signal.SIGINT)
+    assert process.wait(60) == 0
+
+
+def test_image_request_equals_hf_generate(monolithic: str, tiny_checkpoint: Path) -> None:
+    image = random_image(200, 140, seed=31)
+    data = encode_image(image)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    client = OpenAI(base_url=monolithic + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=16,
+        temperature=0,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is it?"},
+                ],
+            }
+        ],
+    )
+    decoded = Image.open(io.BytesIO(data)).convert("RGB")
+    expected = hf_greedy(tiny_checkpoint, chat("What is it?", 1), [decoded], 16)
+    assert reply.choices[0].message.content == load_tokenizer(tiny_checkpoint).decode(
+        expected, skip_special_tokens=True
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == len(expected)
+
+
+def test_bad_image_is_a_400(monolithic: str) -> None:
+    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG broken").decode()
+    reply = httpx.post(
+        monolithic + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+            ],
+        },
+        timeout=60,
+    )
+    assert reply.status_code == 400
+    assert "image 0" in reply.json()["error"]["message"]
+
+
+def test_epd_bench_against_the_monolithic_server(monolithic: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            "--base-url",
+            monolithic + "/v1",
+            "--num-prompts",
+            "4",
+            "--image-ratio",
+            "0.5",
+            "--image-size",
+            "96x96",
+            "--output-len",
+            "3",
+            "--input-len",
+            "8",
+            "--result-json",
+            str(tmp_path / "bench.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
+    assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (4, 0, 12)
+    assert summary["by_kind"]["image"]["completed"] == 2
