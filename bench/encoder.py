@@ -21,8 +21,10 @@ import torch
 from PIL import Image
 
 from services.bench.images import encode_image, random_image
+from services.broker.messages import Role
 from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
+from services.instance import InstanceConfig
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import cached_demo_checkpoint
 from services.model.processor import load_image_processor
@@ -56,10 +58,9 @@ async def service(
         EncoderConfig(
             checkpoint=folder,
             model_name="bench",
-            port=0,
+            instance=InstanceConfig(Role.ENCODER, port=0, metrics_port=None),
             triton_url=triton.config.grpc_url,
             triton_shared_memory=shm,
-            metrics_port=None,
         )
     )
     await server.start()

@@ -19,7 +19,6 @@ import os
 import platform
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
 from services.model.demo import SIZES, cached_demo_checkpoint
 from services.ports import free_port
+from services.serve import launch
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "performance.md"
@@ -117,10 +117,6 @@ def serve(setup: Setup, log_dir: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     ports = [str(free_port()) for _ in range(6)]
     args = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "serve",
         "--demo-size",
         "small",
         "--port",
@@ -145,15 +141,7 @@ def serve(setup: Setup, log_dir: Path) -> Iterator[tuple[str, int]]:
         str(log_dir),
         *setup.args,
     ]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert process.stdout is not None
-    output = []
-    for line in process.stdout:
-        output.append(line)
-        if "Ctrl-C stops everything" in line:
-            break
-    if process.poll() is not None:
-        raise RuntimeError(f"{setup.name} did not start:\n{''.join(output)}")
+    process = launch(args)
     try:
         yield f"http://127.0.0.1:{port}/v1", process.pid
     finally:

@@ -124,6 +124,23 @@ def _triton(args: argparse.Namespace) -> int:
     return 0
 
 
+def _instance(args: argparse.Namespace, role: str) -> Any:
+    from services.broker.messages import Role
+    from services.instance import InstanceConfig
+
+    return InstanceConfig(
+        role=Role[role.upper()],
+        port=args.port,
+        host=args.host,
+        metrics_port=args.metrics_port,
+        advertise_host=args.advertise_host,
+        instance_id=args.instance_id or "",
+        host_id=args.host_id,
+        broker=args.broker or None,
+        transports=args.transports,
+    )
+
+
 def _encoder(args: argparse.Namespace) -> int:
     from services.encoder.images import ImageLimits
     from services.encoder.server import EncoderConfig, EncoderServer
@@ -131,20 +148,13 @@ def _encoder(args: argparse.Namespace) -> int:
     config = EncoderConfig(
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
-        host=args.host,
-        advertise_host=args.advertise_host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        host_id=args.host_id,
-        broker=args.broker or None,
+        instance=_instance(args, "encoder"),
         triton_url=args.triton,
         triton_shared_memory=not args.no_triton_shm,
         limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
         cache_bytes=args.cache_mb * 1024 * 1024,
         send_buffer_tokens=args.send_buffer_tokens,
-        transports=args.transports,
         dtype=args.dtype,
-        **({"instance_id": args.instance_id} if args.instance_id else {}),
     )
     return run_until_signalled(lambda: EncoderServer(config))
 
@@ -155,17 +165,10 @@ def _language(args: argparse.Namespace) -> int:
     config = LanguageConfig(
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
-        host=args.host,
-        advertise_host=args.advertise_host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        host_id=args.host_id,
-        broker=args.broker or None,
-        transports=args.transports,
+        instance=_instance(args, "language"),
         embedding_pool_tokens=args.embedding_pool_tokens,
         default_allocate_tokens=args.default_allocate_tokens,
         engine=_engine_config(args),
-        **({"instance_id": args.instance_id} if args.instance_id else {}),
     )
     return run_until_signalled(lambda: LanguageServer(config))
 

@@ -135,6 +135,32 @@ class StackConfig:
         return port + self.metrics_offset
 
 
+def _instance(config: StackConfig, role: str, index: int, port: int, extra: list[str]) -> Component:
+    """An encoder or language instance: the same flags but for its own."""
+    name = f"{role}-{index}"
+    args = [
+        role,
+        "--checkpoint", str(config.checkpoint),
+        "--model-name", config.model_name,
+        "--port", str(port),
+        "--metrics-port", str(config.metrics_port(port)),
+        "--broker", f"{config.host}:{config.broker_port}",
+        "--instance-id", name,
+        *extra,
+    ]  # fmt: skip
+    service = f"epd.v1.{role.capitalize()}"
+    cpus = config.language_cpus if role == "language" else config.encoder_cpus
+    nice = 0 if role == "language" else config.encoder_nice
+    return Component(
+        name,
+        args,
+        partial(grpc_serving, f"{config.host}:{port}", service),
+        config.log_dir / f"{name}.log",
+        cpus,
+        nice,
+    )
+
+
 def components(config: StackConfig) -> list[Component]:
     """In start order; each waits only for its own health."""
     ck, model, logs = str(config.checkpoint), config.model_name, config.log_dir
@@ -188,59 +214,12 @@ def components(config: StackConfig) -> list[Component]:
         ),
     ]
     for i in range(config.num_languages):
-        address = f"{config.host}:{config.language_port + i}"
         parts.append(
-            Component(
-                f"language-{i}",
-                [
-                    "language",
-                    "--checkpoint",
-                    ck,
-                    "--model-name",
-                    model,
-                    "--port",
-                    str(config.language_port + i),
-                    "--broker",
-                    broker,
-                    "--instance-id",
-                    f"language-{i}",
-                    "--metrics-port",
-                    str(config.metrics_port(config.language_port + i)),
-                    *config.language_args,
-                ],
-                partial(grpc_serving, address, "epd.v1.Language"),
-                logs / f"language-{i}.log",
-                config.language_cpus,
-            )
+            _instance(config, "language", i, config.language_port + i, [*config.language_args])
         )
     for i in range(config.num_encoders):
-        address = f"{config.host}:{config.encoder_port + i}"
-        parts.append(
-            Component(
-                f"encoder-{i}",
-                [
-                    "encoder",
-                    "--checkpoint",
-                    ck,
-                    "--model-name",
-                    model,
-                    "--port",
-                    str(config.encoder_port + i),
-                    "--broker",
-                    broker,
-                    "--triton",
-                    f"{config.host}:{grpc_port}",
-                    "--instance-id",
-                    f"encoder-{i}",
-                    "--metrics-port",
-                    str(config.metrics_port(config.encoder_port + i)),
-                ],
-                partial(grpc_serving, address, "epd.v1.Encoder"),
-                logs / f"encoder-{i}.log",
-                config.encoder_cpus,
-                config.encoder_nice,
-            )
-        )
+        triton = ["--triton", f"{config.host}:{grpc_port}"]
+        parts.append(_instance(config, "encoder", i, config.encoder_port + i, triton))
     parts.append(
         Component(
             "gateway",
@@ -367,3 +346,27 @@ def run(config: StackConfig) -> int:
     finally:
         stack.stop()
         print("stopped.", flush=True)
+
+
+def launch(args: list[str], timeout_s: float = 300.0) -> subprocess.Popen[str]:
+    """`epd serve ARGS` as a child process, returned once it serves; its banner
+    has been read. For tests and benchmarks that drive the stack as a user does."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=die_with_parent,
+    )
+    assert process.stdout is not None
+    output: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    for line in process.stdout:
+        output.append(line)
+        if "Ctrl-C stops everything" in line:
+            return process
+        if time.monotonic() > deadline:
+            break
+    process.kill()
+    process.wait()
+    raise StackError("epd serve did not come up:\n" + "".join(output))

@@ -19,22 +19,29 @@ def list_services(address: str) -> list[str]:
         return sorted(ProtoReflectionDescriptorDatabase(channel).get_services())
 
 
+def _method(channel: grpc.Channel, method: str) -> tuple[str, Any, Any]:
+    """(path, request class, reply class) of `package.Service/Method`, from the server."""
+    service, name = method.rsplit("/", 1)
+    pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+    descriptor = pool.FindServiceByName(service).methods_by_name[name]
+    return (
+        f"/{service}/{name}",
+        message_factory.GetMessageClass(descriptor.input_type),
+        message_factory.GetMessageClass(descriptor.output_type),
+    )
+
+
 def call_json(address: str, method: str, request: dict[str, Any] | None = None) -> dict[str, Any]:
     """`grpcurl -d JSON address package.Service/Method`: unary calls only."""
-    service, name = method.rsplit("/", 1)
     with grpc.insecure_channel(address) as channel:
-        pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
-        descriptor = pool.FindServiceByName(service).methods_by_name[name]
-        request_class = message_factory.GetMessageClass(descriptor.input_type)
-        reply_class = message_factory.GetMessageClass(descriptor.output_type)
+        path, request_class, reply_class = _method(channel, method)
         call = channel.unary_unary(
-            f"/{service}/{name}",
+            path,
             request_serializer=request_class.SerializeToString,
             response_deserializer=reply_class.FromString,
         )
         message = json_format.Parse(json.dumps(request or {}), request_class())
-        reply = call(message, timeout=10)
-        result: dict[str, Any] = json_format.MessageToDict(reply)
+        result: dict[str, Any] = json_format.MessageToDict(call(message, timeout=10))
         return result
 
 
@@ -42,14 +49,10 @@ def server_streaming_json(
     address: str, method: str, request: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """`grpcurl -d JSON address package.Service/Method` for a server-streaming method."""
-    service, name = method.rsplit("/", 1)
     with grpc.insecure_channel(address) as channel:
-        pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
-        descriptor = pool.FindServiceByName(service).methods_by_name[name]
-        request_class = message_factory.GetMessageClass(descriptor.input_type)
-        reply_class = message_factory.GetMessageClass(descriptor.output_type)
+        path, request_class, reply_class = _method(channel, method)
         call = channel.unary_stream(
-            f"/{service}/{name}",
+            path,
             request_serializer=request_class.SerializeToString,
             response_deserializer=reply_class.FromString,
         )

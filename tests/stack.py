@@ -7,9 +7,11 @@ from typing import Any
 
 import grpc
 
+from services.broker.messages import Role
 from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
+from services.instance import InstanceConfig
 from services.language.engine.engine import EngineConfig
 from services.language.server import LanguageConfig, LanguageServer
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
@@ -26,6 +28,12 @@ async def start_broker(**overrides: Any) -> BrokerServer:
     return server
 
 
+def instance(role: Role, broker: BrokerServer | None, overrides: dict[str, Any]) -> InstanceConfig:
+    """Port 0, the test broker, and the transports the test asked for (taken out of overrides)."""
+    transports = {"transports": overrides.pop("transports")} if "transports" in overrides else {}
+    return InstanceConfig(role, port=0, broker=broker.address if broker else None, **transports)
+
+
 async def start_encoder(
     checkpoint: Path,
     triton: TritonServer | None,
@@ -36,9 +44,8 @@ async def start_encoder(
     config = EncoderConfig(
         checkpoint=checkpoint,
         model_name=MODEL,
-        port=0,
+        instance=instance(Role.ENCODER, broker, overrides),
         triton_url=triton_url,
-        broker=broker.address if broker else None,
         **overrides,
     )
     server = EncoderServer(config)
@@ -55,8 +62,7 @@ async def start_language(
     config = LanguageConfig(
         checkpoint=checkpoint,
         model_name=MODEL,
-        port=0,
-        broker=broker.address if broker else None,
+        instance=instance(Role.LANGUAGE, broker, overrides),
         engine=engine or EngineConfig(max_model_len=2048, kv_cache_bytes=64 * 1024 * 1024),
         **overrides,
     )

@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from PIL import Image
 from services.bench.images import encode_image, random_image
 from services.model.tokenizer import load_tokenizer
 from services.ports import free_port
+from services.serve import launch
 from tests.reference import chat, hf_greedy
 
 MODEL = "demo-tiny"
@@ -28,12 +28,8 @@ MODEL = "demo-tiny"
 @pytest.fixture(scope="module")
 def monolithic(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    process = subprocess.Popen(
+    process = launch(
         [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
             "--monolithic",
             "--model",
             str(tiny_checkpoint),
@@ -47,19 +43,8 @@ def monolithic(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
             "64",
             "--log-dir",
             str(tmp_path_factory.mktemp("logs")),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        ]
     )
-    assert process.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 240
-    for line in process.stdout:
-        lines.append(line)
-        if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
-            break
-    assert "EPD is serving" in "".join(lines), "".join(lines)
     yield f"http://127.0.0.1:{port}"
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 0

@@ -27,6 +27,7 @@ from services.bench.images import encode_image, random_image
 from services.model.processor import load_image_processor
 from services.model.tokenizer import load_tokenizer
 from services.ports import free_port
+from services.serve import launch
 from services.transfer.shared_memory import SHM_DIR
 from tests.bad_images import png_header_only
 from tests.reference import chat, hf_greedy
@@ -72,12 +73,8 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         name: free_port() for name in ("gateway", "broker", "encoder", "language", "th", "tg", "tm")
     }
     shm_before = {p.name for p in SHM_DIR.iterdir()}
-    process = subprocess.Popen(
+    process = launch(
         [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
             "--model",
             str(tiny_checkpoint),
             "--model-name",
@@ -102,19 +99,8 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "64",
             "--log-dir",
             str(tmp_path_factory.mktemp("logs")),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        ]
     )
-    assert process.stdout is not None
-    output = []
-    deadline = time.monotonic() + 300
-    for line in process.stdout:
-        output.append(line)
-        if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
-            break
-    assert "EPD is serving" in "".join(output), "".join(output)
     served = Served(process, f"http://127.0.0.1:{ports['gateway']}", ports, shm_before)
     yield served
     if process.poll() is None:

@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from services import env
 from services.broker.client import BrokerLink
 from services.broker.messages import Load, Registration, Role
 from services.encoder.cache import EmbeddingCache
@@ -24,7 +22,7 @@ from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender import Sender
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
-from services.grpc_server import GrpcServer
+from services.instance import InstanceConfig
 from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
@@ -45,13 +43,9 @@ DEFAULT_PORT = 50061
 class EncoderConfig:
     checkpoint: Path
     model_name: str
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    metrics_port: int | None = 0
-    advertise_host: str | None = None  # default: host, or this machine's name for 0.0.0.0
-    instance_id: str = field(default_factory=lambda: f"encoder-{secrets.token_hex(3)}")
-    host_id: str = field(default_factory=env.HOST_ID.get)
-    broker: str | None = None
+    instance: InstanceConfig = field(
+        default_factory=lambda: InstanceConfig(Role.ENCODER, DEFAULT_PORT)
+    )
     triton_url: str = "127.0.0.1:8011"
     triton_shared_memory: bool = True
     triton_timeout_s: float = 60.0
@@ -63,7 +57,6 @@ class EncoderConfig:
     send_block_size: int = 256
     buffer_wait_s: float = 30.0
     transfer_timeout_s: float = 30.0
-    transports: tuple[Transport, ...] = (Transport.SHM, Transport.NIXL, Transport.GRPC)
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -73,14 +66,14 @@ class EncoderConfig:
 
 def _writers(config: EncoderConfig, source: EmbeddingPool) -> dict[Transport, Writer]:
     writers: dict[Transport, Writer] = {}
-    for transport in config.transports:
+    for transport in config.instance.transports:
         if transport is Transport.SHM:
             writers[transport] = ShmWriter()
         elif transport is Transport.GRPC:
             writers[transport] = GrpcWriter(config.transfer_timeout_s)
         elif transport is Transport.NIXL and nixl_available():
             writers[transport] = NixlWriter(
-                f"epd-{config.instance_id}", source, config.transfer_timeout_s
+                f"epd-{config.instance.instance_id}", source, config.transfer_timeout_s
             )
         elif transport is Transport.CUDA_IPC and cuda_ipc_available():
             writers[transport] = CudaIpcWriter()
@@ -125,22 +118,17 @@ class EncoderServer:
         self.sender = Sender(
             self.buffer,
             _writers(config, self.buffer.pool),
-            config.host_id,
+            config.instance.host_id,
             config.transfer_timeout_s,
             on_finished=lambda _, state: self.metrics.transfers.labels(state.name.lower()).inc(),
         )
         servicer = EncoderServicer(
             self.pipeline, self.buffer, self.sender, self.metrics, config.buffer_wait_s
         )
-        self.grpc = GrpcServer(
-            "encoder",
-            [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name],
+        self.grpc = config.instance.server(
+            encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
             lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
             registry,
-            host=config.host,
-            port=config.port,
-            metrics_port=config.metrics_port,
-            advertise_host=config.advertise_host,
         )
         self.link: BrokerLink | None = None
         self._upkeep: asyncio.Task[None] | None = None
@@ -149,14 +137,13 @@ class EncoderServer:
     def address(self) -> str:
         return self.grpc.address
 
+    @property
+    def instance_id(self) -> str:
+        return self.config.instance.instance_id
+
     def registration(self) -> Registration:
-        return Registration(
-            role=Role.ENCODER,
-            instance_id=self.config.instance_id,
-            grpc_address=self.grpc.address,
-            host_id=self.config.host_id,
-            transports=self.sender.transports,
-            model=self.config.model_name,
+        return self.config.instance.registration(
+            self.grpc.address, self.sender.transports, self.config.model_name
         )
 
     def load(self) -> Load:
@@ -164,9 +151,9 @@ class EncoderServer:
 
     async def start(self) -> None:
         await self.grpc.start()
-        if self.config.broker:
+        if self.config.instance.broker:
             self.link = BrokerLink(
-                self.config.broker,
+                self.config.instance.broker,
                 self.registration(),
                 self.sender.on_message,
                 self.load,

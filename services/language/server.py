@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from services import env
 from services.broker.client import BrokerLink
 from services.broker.messages import Load, PoolInfo, Registration, Role
-from services.grpc_server import GrpcServer
+from services.instance import InstanceConfig
 from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
 from services.language.metrics import LanguageMetrics
 from services.language.receiver import Receiver
@@ -39,14 +37,9 @@ DEFAULT_PORT = 50071
 class LanguageConfig:
     checkpoint: Path
     model_name: str
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    metrics_port: int | None = 0
-    advertise_host: str | None = None  # default: host, or this machine's name for 0.0.0.0
-    instance_id: str = field(default_factory=lambda: f"language-{secrets.token_hex(3)}")
-    host_id: str = field(default_factory=env.HOST_ID.get)
-    broker: str | None = None
-    transports: tuple[Transport, ...] = (Transport.SHM, Transport.NIXL, Transport.GRPC)
+    instance: InstanceConfig = field(
+        default_factory=lambda: InstanceConfig(Role.LANGUAGE, DEFAULT_PORT)
+    )
     embedding_pool_tokens: int = 32768
     embedding_block_size: int = 256
     default_allocate_tokens: int = 4096
@@ -86,8 +79,8 @@ class LanguageServer:
             embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
         )
         self.nixl: NixlReceiver | None = None
-        if Transport.NIXL in config.transports and nixl_available():
-            self.nixl = NixlReceiver(f"epd-{config.instance_id}", self.pool)
+        if Transport.NIXL in config.instance.transports and nixl_available():
+            self.nixl = NixlReceiver(f"epd-{config.instance.instance_id}", self.pool)
         self.receiver = Receiver(
             self.pool,
             config.default_allocate_tokens,
@@ -98,15 +91,10 @@ class LanguageServer:
         servicer = LanguageServicer(
             self.engine, self.receiver, self.tokenizer, self.spec, self.metrics
         )
-        self.grpc = GrpcServer(
-            "language",
-            [language_pb2.DESCRIPTOR.services_by_name["Language"].full_name],
+        self.grpc = config.instance.server(
+            language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,
             lambda server: language_pb2_grpc.add_LanguageServicer_to_server(servicer, server),
             registry,
-            host=config.host,
-            port=config.port,
-            metrics_port=config.metrics_port,
-            advertise_host=config.advertise_host,
         )
         self.link: BrokerLink | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -123,11 +111,11 @@ class LanguageServer:
         )
         device = torch.device(config.engine.device)
         if device.type == "cuda":
-            if Transport.CUDA_IPC in config.transports and cuda_ipc_available():
+            if Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available():
                 self._cuda_ipc = CudaIpcPool(layout, device)
                 return self._cuda_ipc.pool
             return EmbeddingPool.on_cuda(layout, device)
-        if Transport.SHM in config.transports:
+        if Transport.SHM in config.instance.transports:
             return EmbeddingPool.in_shared_memory(layout)
         return EmbeddingPool.in_host_memory(layout)
 
@@ -135,31 +123,30 @@ class LanguageServer:
     def address(self) -> str:
         return self.grpc.address
 
+    @property
+    def instance_id(self) -> str:
+        return self.config.instance.instance_id
+
     def registration(self) -> Registration:
         endpoints = Endpoints(
             shm=ShmEndpoint(*self.pool.shm_names) if self.pool.segments else None,
             nixl=self.nixl.endpoint() if self.nixl is not None else None,
             cuda_ipc=self._cuda_ipc.endpoint if self._cuda_ipc is not None else None,
             grpc=GrpcEndpoint(self.grpc.address)
-            if Transport.GRPC in self.config.transports
+            if Transport.GRPC in self.config.instance.transports
             else None,
         )
         layout = self.pool.layout
-        return Registration(
-            role=Role.LANGUAGE,
-            instance_id=self.config.instance_id,
-            grpc_address=self.grpc.address,
-            host_id=self.config.host_id,
-            transports=endpoints.transports,
-            model=self.config.model_name,
-            pool=PoolInfo(
-                layout.num_blocks,
-                layout.block_size,
-                layout.hidden_size,
-                layout.deepstack_levels,
-                layout.dtype,
-                endpoints,
-            ),
+        pool = PoolInfo(
+            layout.num_blocks,
+            layout.block_size,
+            layout.hidden_size,
+            layout.deepstack_levels,
+            layout.dtype,
+            endpoints,
+        )
+        return self.config.instance.registration(
+            self.grpc.address, endpoints.transports, self.config.model_name, pool
         )
 
     def load(self) -> Load:
@@ -171,9 +158,9 @@ class LanguageServer:
     async def start(self) -> None:
         self.engine.start()
         await self.grpc.start()
-        if self.config.broker:
+        if self.config.instance.broker:
             self.link = BrokerLink(
-                self.config.broker,
+                self.config.instance.broker,
                 self.registration(),
                 self.receiver.on_message,
                 self.load,

@@ -74,7 +74,7 @@ async def generate(
                 encoder_pb2.EncodeRequest(
                     request_id=request_id,
                     images=images,
-                    language_instance_id=language.config.instance_id,
+                    language_instance_id=language.instance_id,
                 )
             )
         )

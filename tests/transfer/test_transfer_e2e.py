@@ -89,7 +89,7 @@ async def receive(
     """Preallocates on L and encodes on E (in either order); returns what landed in L."""
     encode = encoder_stub(encoder).Encode(
         encoder_pb2.EncodeRequest(
-            request_id=request_id, images=data, language_instance_id=language.config.instance_id
+            request_id=request_id, images=data, language_instance_id=language.instance_id
         )
     )
     if meta_first:
@@ -225,7 +225,7 @@ async def test_abort_from_the_language_side_frees_the_encoder(
             encoder_pb2.EncodeRequest(
                 request_id="aborted",
                 images=images(1, 9),
-                language_instance_id=language.config.instance_id,
+                language_instance_id=language.instance_id,
             )
         )
         assert "aborted" in encoder.sender.transfers
@@ -254,27 +254,24 @@ async def _wait_until(condition: object, timeout_s: float) -> None:
     raise AssertionError("condition not met in time")
 
 
+def encoder_process_args(
+    checkpoint: Path, broker: BrokerServer, triton: TritonServer, instance_id: str
+) -> list[str]:
+    """`epd encoder` on a free port, attached to the test broker and Triton."""
+    return [
+        "encoder", "--checkpoint", str(checkpoint), "--model-name", "demo-tiny",
+        "--port", "0", "--broker", broker.address, "--triton", triton.config.grpc_url,
+        "--instance-id", instance_id,
+    ]  # fmt: skip
+
+
 async def test_killed_encoder_frees_the_language_blocks(
     tiny_checkpoint: Path, triton: TritonServer, broker: BrokerServer, tmp_path: Path
 ) -> None:
     language = await language_with(
         tiny_checkpoint, broker, (Transport.SHM,), transfer_timeout_s=30.0
     )
-    args = [
-        "encoder",
-        "--checkpoint",
-        str(tiny_checkpoint),
-        "--model-name",
-        "demo-tiny",
-        "--port",
-        "0",
-        "--broker",
-        broker.address,
-        "--triton",
-        triton.config.grpc_url,
-        "--instance-id",
-        "doomed-encoder",
-    ]
+    args = encoder_process_args(tiny_checkpoint, broker, triton, "doomed-encoder")
     try:
         with epd_process(args, tmp_path / "encoder.log") as process:
             await _wait_until(lambda: broker.broker.registry.get("doomed-encoder") is not None, 60)
@@ -285,7 +282,7 @@ async def test_killed_encoder_frees_the_language_blocks(
                 encoder_pb2.EncodeRequest(
                     request_id="orphan",
                     images=images(1, 11),
-                    language_instance_id=language.config.instance_id,
+                    language_instance_id=language.instance_id,
                 )
             )
             await _wait_until(lambda: has_meta(broker, "orphan"), 5)
@@ -347,21 +344,7 @@ async def test_hung_encoder_times_out_on_the_language_side(
         (Transport.SHM,),
         transfer_timeout_s=0.8,
     )
-    args = [
-        "encoder",
-        "--checkpoint",
-        str(tiny_checkpoint),
-        "--model-name",
-        "demo-tiny",
-        "--port",
-        "0",
-        "--broker",
-        broker.address,
-        "--triton",
-        triton.config.grpc_url,
-        "--instance-id",
-        "frozen-encoder",
-    ]
+    args = encoder_process_args(tiny_checkpoint, broker, triton, "frozen-encoder")
     try:
         with epd_process(args, tmp_path / "encoder.log") as process:
             await _wait_until(lambda: broker.broker.registry.get("frozen-encoder") is not None, 60)
@@ -370,7 +353,7 @@ async def test_hung_encoder_times_out_on_the_language_side(
                 encoder_pb2.EncodeRequest(
                     request_id="hung",
                     images=images(1, 13),
-                    language_instance_id=language.config.instance_id,
+                    language_instance_id=language.instance_id,
                 )
             )
             os.killpg(process.pid, signal.SIGSTOP)  # alive, but answers nothing
@@ -424,7 +407,7 @@ async def test_random_load_returns_every_block(
                 encoder_pb2.EncodeRequest(
                     request_id=request_id,
                     images=data[:num_images],
-                    language_instance_id=language.config.instance_id,
+                    language_instance_id=language.instance_id,
                 )
             )
         )
