@@ -271,14 +271,17 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        q = self._queues.get(request_id)
-        if q is not None:
-            q.put_nowait(item)
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        for request_id, item in items:
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(item)
 
-    def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hands items to the event loop in one wake-up (one per step, not per request)."""
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver, items)
 
     def _run(self) -> None:
         while not self._stopping:
@@ -291,29 +294,31 @@ class AsyncEngine:
                 outputs, stats = self.engine.step()
             except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
                 logger.exception("engine step failed")
-                for request_id in list(self.engine.requests):
+                failed = list(self.engine.requests)
+                for request_id in failed:
                     self.engine.abort_request(request_id)
-                    self._send(request_id, exc)
+                self._send([(request_id, exc) for request_id in failed])
                 continue
-            for output in outputs:
-                self._send(output.request_id, output)
+            self._send([(output.request_id, output) for output in outputs])
             self._on_step(stats)
 
     def _drain_inbox(self) -> None:
+        replies: list[tuple[str, RequestOutput | BaseException]] = []
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "add":
                 try:
                     self.engine.add_request(payload)
                 except ValueError as exc:
-                    self._send(payload.request_id, exc)
+                    replies.append((payload.request_id, exc))
             else:
                 output = self.engine.abort_request(payload)
                 if output is not None:
-                    self._send(payload, output)
+                    replies.append((payload, output))
+        self._send(replies)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; leaving early aborts it."""
