@@ -59,16 +59,20 @@ class TorchAttention:
     def __init__(self, scale: float) -> None:
         self.scale = scale
         self.meta: AttentionMetadata | None = None
+        self._prefill_pages: list[torch.Tensor] = []
         self._decode_pages: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
+        device = meta.slot_mapping.device
+        self._prefill_pages = [
+            torch.tensor(meta.block_tables[i], device=device) for i in range(meta.num_prefills)
+        ]
         decodes = range(meta.num_prefills, meta.num_seqs)
         if not decodes:
             self._decode_pages = self._decode_mask = None
             return
-        device = meta.slot_mapping.device
         max_pages = max(len(meta.block_tables[i]) for i in decodes)
         pages = torch.zeros(len(decodes), max_pages, dtype=torch.long)
         for row, i in enumerate(decodes):
@@ -80,10 +84,10 @@ class TorchAttention:
             :, None, None, :
         ]
 
-    def _gather(self, cache: torch.Tensor, kv: int, pages: list[int], length: int) -> torch.Tensor:
+    @staticmethod
+    def _gather(cache: torch.Tensor, kv: int, pages: torch.Tensor, length: int) -> torch.Tensor:
         """[kv_heads, length, dim] of one sequence."""
-        index = torch.tensor(pages, device=cache.device)
-        return cache[index, kv].flatten(0, 1)[:length].transpose(0, 1)
+        return cache[pages, kv].flatten(0, 1)[:length].transpose(0, 1)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
@@ -96,8 +100,8 @@ class TorchAttention:
         for i in range(meta.num_prefills):
             s, e, length = starts[i], starts[i + 1], meta.seq_lens[i]
             n = e - s
-            keys = self._gather(cache, 0, meta.block_tables[i], length)
-            values = self._gather(cache, 1, meta.block_tables[i], length)
+            keys = self._gather(cache, 0, self._prefill_pages[i], length)
+            values = self._gather(cache, 1, self._prefill_pages[i], length)
             query = q[s:e].transpose(0, 1)  # [heads, n, dim]
             if n == length:
                 o = F.scaled_dot_product_attention(

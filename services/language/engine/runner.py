@@ -93,7 +93,8 @@ class ModelRunner:
         """Input embeddings [T, hidden] and positions [3, T]."""
         ids: list[int] = []
         positions = []
-        splices: list[tuple[int, torch.Tensor]] = []  # (flat offset, embeddings) per image run
+        # (flat offsets, embeddings) of the image tokens this step computes, per request
+        splices: list[tuple[torch.Tensor, torch.Tensor]] = []
         for s in batch:
             r = s.request
             begin, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
@@ -104,16 +105,14 @@ class ModelRunner:
             ):
                 lo = int(torch.searchsorted(r.image_positions, begin))
                 hi = int(torch.searchsorted(r.image_positions, end))
-                for row in range(lo, hi):
-                    splices.append(
-                        (len(ids) + int(r.image_positions[row]) - begin, r.image_embeds[row])
-                    )
+                if hi > lo:
+                    offsets = r.image_positions[lo:hi] + (len(ids) - begin)
+                    splices.append((offsets, r.image_embeds[lo:hi]))
             ids += r.token_ids(begin, end)
             positions.append(_positions(r, begin, end))
         embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
-        if splices:
-            index = torch.tensor([o for o, _ in splices], device=self.device)
-            embeds[index] = torch.stack([e for _, e in splices]).to(self.device, embeds.dtype)
+        for offsets, values in splices:
+            embeds[offsets.to(self.device)] = values.to(self.device, embeds.dtype)
         return embeds, torch.cat(positions, dim=1).to(self.device)
 
     @torch.inference_mode()
