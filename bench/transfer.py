@@ -37,6 +37,7 @@ import torch
 from services.bench.stats import percentile
 from services.broker.client import BrokerLink
 from services.broker.messages import Load, Registration, Role
+from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender import Sender
 from services.grpc_server import channel
@@ -178,7 +179,8 @@ class EncoderSide:
             )
         )
         reading = asyncio.ensure_future(_drain(generate))
-        held = await self.buffer.hold(request_id, torch.randn(tokens, HIDDEN), None, 30)
+        image = ImageEmbedding(torch.randn(tokens, HIDDEN), None, grid)
+        held = await self.buffer.hold(request_id, [image], 30)
         done = self.finished[request_id] = asyncio.Event()
         started = time.perf_counter()
         await self.sender.start(request_id, peer, held, [grid])

@@ -8,10 +8,10 @@ deadline.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
+from services.encoder.cache import ImageEmbedding
 from services.transfer.embedding_pool import EmbeddingPool
 
 
@@ -49,14 +49,9 @@ class SendBuffer:
     def __len__(self) -> int:
         return len(self._held)
 
-    async def hold(
-        self,
-        request_id: str,
-        embeddings: torch.Tensor,
-        deepstack: torch.Tensor | None,
-        wait_s: float,
-    ) -> Held:
-        num_tokens = int(embeddings.shape[0])
+    async def hold(self, request_id: str, images: Sequence[ImageEmbedding], wait_s: float) -> Held:
+        """Copies the images' embeddings, in order, into blocks of the buffer."""
+        num_tokens = sum(image.num_tokens for image in images)
         if num_tokens > self.capacity_tokens:
             raise SendBufferFullError(
                 f"{num_tokens} embedding tokens exceed the whole send buffer "
@@ -76,7 +71,10 @@ class SendBuffer:
                 ) from None
             blocks = allocator.allocate(num_tokens)
         assert blocks is not None
-        self.pool.write(blocks, 0, embeddings, deepstack)
+        start = 0
+        for image in images:  # straight from each image's tensor: no concatenated copy
+            self.pool.write(blocks, start, image.embeddings, image.deepstack)
+            start += image.num_tokens
         held = self._held[request_id] = Held(request_id, blocks, num_tokens)
         return held
 

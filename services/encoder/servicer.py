@@ -75,13 +75,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         encoded = await self.pipeline.encode(list(request.images))
         reply = self._reply(request.request_id, encoded)
         if peer is None:
-            reply.embeddings = tensor_bytes(encoded.embeddings.to(self.buffer.pool.layout.dtype))
-            if encoded.deepstack is not None:
-                reply.deepstack = tensor_bytes(encoded.deepstack.to(self.buffer.pool.layout.dtype))
+            dtype = self.buffer.pool.layout.dtype
+            reply.embeddings = tensor_bytes(encoded.embeddings.to(dtype))
+            deepstack = encoded.deepstack
+            if deepstack is not None:
+                reply.deepstack = tensor_bytes(deepstack.to(dtype))
             return reply
-        held = await self.buffer.hold(
-            request.request_id, encoded.embeddings, encoded.deepstack, self.buffer_wait_s
-        )
+        held = await self.buffer.hold(request.request_id, encoded.images, self.buffer_wait_s)
         try:
             await self.sender.start(request.request_id, peer, held, encoded.grids)
         except BaseException:

@@ -153,12 +153,14 @@ class Receiver:
         inbound = self.transfers.pop(request_id)
         assert inbound.state is TransferState.SUCCESS and inbound.meta is not None
         last = self.pool.read(inbound.blocks, 0, inbound.meta.total_tokens - inbound.part_start)
+        await self._free(inbound.blocks)
+        if not inbound.staged:  # one part, already a copy: no second one
+            return last
         parts = [*inbound.staged, last]
         embeddings = torch.cat([p[0] for p in parts])
         deepstack = None
         if last[1] is not None:
             deepstack = torch.cat([p[1] for p in parts if p[1] is not None])
-        await self._free(inbound.blocks)
         return embeddings, deepstack
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
