@@ -150,13 +150,13 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     f"the encoder sent {len(grids)} images, the prompt has {len(hints)}",
                 )
             merge = self.spec.vision.spatial_merge_size
-            try:
-                prompt = build_prompt(
-                    self.tokenizer, self.spec, messages, [g.num_tokens(merge) for g in grids]
-                )
-                self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            counts = [g.num_tokens(merge) for g in grids]
+            if counts != hints:  # the hints were unknown or wrong: tokenize again
+                try:
+                    prompt = build_prompt(self.tokenizer, self.spec, messages, counts)
+                    self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         engine_request = new_request(
             request_id,
             prompt.token_ids,
