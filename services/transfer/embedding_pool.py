@@ -104,6 +104,11 @@ class EmbeddingPool:
         return cls(layout, embeddings, deepstack)
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The embeddings, then the deepstack features if the pool holds them."""
+        return [self.embeddings] + ([self.deepstack] if self.deepstack is not None else [])
+
+    @property
     def shm_names(self) -> tuple[str, str]:
         """(embeddings, deepstack) segment names; deepstack is '' without deepstack."""
         if not self.segments:

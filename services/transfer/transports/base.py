@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from services.broker.messages import PoolInfo, Registration
 from services.transfer.embedding_pool import EmbeddingPool
-from services.transfer.layout import PoolLayout
+from services.transfer.layout import PoolLayout, copy_runs
 from services.transfer.transport import Transport
 
 
@@ -35,6 +37,31 @@ class Writer(Protocol):
         """Drops what is kept for a peer that left."""
 
     async def close(self) -> None: ...
+
+
+def copy_part(
+    source: EmbeddingPool,
+    targets: Sequence[torch.Tensor],
+    target_block_size: int,
+    part: Part,
+    non_blocking: bool = False,
+) -> None:
+    """Copies a part into the receiver's tensors (`source.tensors` order), one copy
+    per run that is contiguous on both sides: the data plane of shm and cuda_ipc."""
+    runs = copy_runs(
+        part.src_blocks,
+        source.layout.block_size,
+        part.start,
+        part.dst_blocks,
+        target_block_size,
+        0,
+        part.count,
+    )
+    for src, dst in zip(source.tensors, targets, strict=True):
+        for run in runs:
+            dst[run.dst_row : run.dst_row + run.length].copy_(
+                src[run.src_row : run.src_row + run.length], non_blocking=non_blocking
+            )
 
 
 def receiver_layout(peer: Registration) -> PoolLayout:

@@ -6,15 +6,19 @@ a GPU and is covered only by `gpu`-marked tests."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import torch
 
 from services.broker.messages import Registration
 from services.transfer.embedding_pool import EmbeddingPool
-from services.transfer.layout import PoolLayout, copy_runs
+from services.transfer.layout import PoolLayout
 from services.transfer.transport import CudaIpcEndpoint, Transport
-from services.transfer.transports.base import Part, check_compatible, receiver_layout
+from services.transfer.transports.base import (
+    Part,
+    check_compatible,
+    copy_part,
+    receiver_layout,
+)
 
 
 def cuda_ipc_available() -> bool:
@@ -82,13 +86,16 @@ class _OpenedPool:
         self.layout = receiver_layout(peer)
         self.device_id = endpoint.device_id
         self._ptrs: list[int] = []
+        # The embeddings, then the deepstack features: EmbeddingPool.tensors' order.
+        self.tensors: list[torch.Tensor] = []
         with cupy.cuda.Device(self.device_id):
-            self.embeddings = self._open(endpoint.embeddings_handle, self.layout.embeddings_bytes)
-            self.deepstack = (
-                self._open(endpoint.deepstack_handle, self.layout.deepstack_bytes)
-                if self.layout.deepstack_levels
-                else None
+            self.tensors.append(
+                self._open(endpoint.embeddings_handle, self.layout.embeddings_bytes)
             )
+            if self.layout.deepstack_levels:
+                self.tensors.append(
+                    self._open(endpoint.deepstack_handle, self.layout.deepstack_bytes)
+                )
 
     def _open(self, handle: bytes, nbytes: int) -> torch.Tensor:
         import cupy
@@ -100,8 +107,7 @@ class _OpenedPool:
     def close(self) -> None:
         import cupy
 
-        self.embeddings = torch.empty(0)
-        self.deepstack = None
+        self.tensors = []
         with cupy.cuda.Device(self.device_id):
             for ptr in self._ptrs:
                 cupy.cuda.runtime.ipcCloseMemHandle(ptr)
@@ -109,24 +115,8 @@ class _OpenedPool:
 
 
 def _copy(source: EmbeddingPool, target: _OpenedPool, part: Part) -> None:
-    runs = copy_runs(
-        part.src_blocks,
-        source.layout.block_size,
-        part.start,
-        part.dst_blocks,
-        target.layout.block_size,
-        0,
-        part.count,
-    )
-    pairs: list[tuple[torch.Tensor, Any]] = [(source.embeddings, target.embeddings)]
-    if source.deepstack is not None:
-        pairs.append((source.deepstack, target.deepstack))
     with torch.cuda.device(target.device_id):
-        for src, dst in pairs:
-            for run in runs:
-                dst[run.dst_row : run.dst_row + run.length].copy_(
-                    src[run.src_row : run.src_row + run.length], non_blocking=True
-                )
+        copy_part(source, target.tensors, target.layout.block_size, part, non_blocking=True)
         torch.cuda.current_stream().synchronize()
 
 

@@ -91,8 +91,7 @@ class NixlReceiver:
     progress and collecting notifications."""
 
     def __init__(self, name: str, pool: EmbeddingPool) -> None:
-        tensors = [pool.embeddings] + ([pool.deepstack] if pool.deepstack is not None else [])
-        self.agent = NixlAgent(name, tensors)
+        self.agent = NixlAgent(name, pool.tensors)
         self.pool = pool
         self._seen: set[bytes] = set()
         self._lock = threading.Lock()
@@ -160,8 +159,7 @@ class NixlWriter:
     transport = Transport.NIXL
 
     def __init__(self, name: str, source: EmbeddingPool, timeout_s: float = 60.0) -> None:
-        tensors = [source.embeddings] + ([source.deepstack] if source.deepstack is not None else [])
-        self.agent = NixlAgent(name, tensors)
+        self.agent = NixlAgent(name, source.tensors)
         self.timeout_s = timeout_s
         self._peers: dict[str, str] = {}
 

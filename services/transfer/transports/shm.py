@@ -8,10 +8,14 @@ import torch
 
 from services.broker.messages import Registration
 from services.transfer.embedding_pool import EmbeddingPool
-from services.transfer.layout import PoolLayout, copy_runs
 from services.transfer.shared_memory import SharedSegment
 from services.transfer.transport import Transport
-from services.transfer.transports.base import Part, check_compatible, receiver_layout
+from services.transfer.transports.base import (
+    Part,
+    check_compatible,
+    copy_part,
+    receiver_layout,
+)
 
 
 class _MappedPool:
@@ -22,41 +26,24 @@ class _MappedPool:
         endpoint = peer.pool.endpoints.shm
         self.layout = receiver_layout(peer)
         self.segments = [SharedSegment.attach(endpoint.embeddings_name)]
-        self.embeddings = self.segments[0].tensor(
-            self.layout.dtype, (self.layout.num_rows, self.layout.hidden_size)
-        )
-        self.deepstack: torch.Tensor | None = None
+        # The embeddings, then the deepstack features: EmbeddingPool.tensors' order.
+        self.tensors: list[torch.Tensor] = [
+            self.segments[0].tensor(
+                self.layout.dtype, (self.layout.num_rows, self.layout.hidden_size)
+            )
+        ]
         if self.layout.deepstack_levels:
             self.segments.append(SharedSegment.attach(endpoint.deepstack_name))
-            self.deepstack = self.segments[1].tensor(
-                self.layout.dtype, (self.layout.num_rows, self.layout.deepstack_width)
+            self.tensors.append(
+                self.segments[1].tensor(
+                    self.layout.dtype, (self.layout.num_rows, self.layout.deepstack_width)
+                )
             )
 
     def close(self) -> None:
-        self.embeddings = torch.empty(0)
-        self.deepstack = None
+        self.tensors = []  # views first: a segment cannot close while one exports its buffer
         for segment in self.segments:
             segment.close()
-
-
-def _copy(source: EmbeddingPool, target: _MappedPool, part: Part, layout: PoolLayout) -> None:
-    runs = copy_runs(
-        part.src_blocks,
-        source.layout.block_size,
-        part.start,
-        part.dst_blocks,
-        layout.block_size,
-        0,
-        part.count,
-    )
-    pairs = [(source.embeddings, target.embeddings)]
-    if source.deepstack is not None and target.deepstack is not None:
-        pairs.append((source.deepstack, target.deepstack))
-    for src, dst in pairs:
-        for run in runs:
-            dst[run.dst_row : run.dst_row + run.length].copy_(
-                src[run.src_row : run.src_row + run.length]
-            )
 
 
 class ShmWriter:
@@ -70,7 +57,7 @@ class ShmWriter:
         if mapped is None:
             mapped = self._mapped[peer.instance_id] = _MappedPool(peer)
         check_compatible(source.layout, mapped.layout, peer.instance_id)
-        await asyncio.to_thread(_copy, source, mapped, part, mapped.layout)
+        await asyncio.to_thread(copy_part, source, mapped.tensors, mapped.layout.block_size, part)
 
     async def forget(self, instance_id: str) -> None:
         mapped = self._mapped.pop(instance_id, None)
