@@ -8,9 +8,9 @@ Agents run without NIXL's progress thread: it spins a whole core even when idle
 (measured here: 3.0 CPU-seconds per 3 s). The initiator makes progress by
 polling its transfer's state; the target must make progress too for the
 initiator to see DONE, so the language side polls its notifications, every
-50 us while transfers are pending and every 20 ms otherwise. Both poll on
-threads (asyncio timers have a 1 ms floor), so the agents are created
-thread-safe."""
+50 us while transfers are pending and every 20 ms otherwise, and hands each
+notification to the coroutine waiting for it. Both poll on threads (asyncio
+timers have a 1 ms floor), so the agents are created thread-safe."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def _api() -> Any:
 
 def notification(request_id: str, sent_tokens: int) -> bytes:
     return f"{request_id}:{sent_tokens}".encode()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a waiter that timed out has cancelled it
+        future.set_result(None)
 
 
 def _memory_type(tensor: torch.Tensor) -> str:
@@ -93,7 +98,8 @@ class NixlReceiver:
     def __init__(self, name: str, pool: EmbeddingPool) -> None:
         self.agent = NixlAgent(name, pool.tensors)
         self.pool = pool
-        self._seen: set[bytes] = set()
+        self._seen: set[bytes] = set()  # arrived before anyone waited for them
+        self._waiters: dict[bytes, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -123,7 +129,8 @@ class NixlReceiver:
                 if notifications:
                     with self._lock:
                         for messages in notifications.values():
-                            self._seen.update(messages)
+                            for message in messages:
+                                self._arrived(message)
 
         self._thread = threading.Thread(target=run, name="nixl-progress", daemon=True)
         self._thread.start()
@@ -132,20 +139,33 @@ class NixlReceiver:
         """A transfer is about to start: poll fast from now on."""
         self._wake.set()
 
-    def _take(self, message: bytes) -> bool:
-        with self._lock:
-            if message in self._seen:
-                self._seen.discard(message)
-                return True
-            return False
+    def _arrived(self, message: bytes) -> None:
+        """On the progress thread, under the lock: wakes the waiter, or keeps it for one."""
+        waiter = self._waiters.pop(message, None)
+        if waiter is None:
+            self._seen.add(message)
+            return
+        loop, future = waiter
+        loop.call_soon_threadsafe(_resolve, future)
 
     async def wait_notification(self, message: bytes, timeout_s: float) -> None:
         """Returns once the sender's notification for a part arrived (the data is in)."""
-        deadline = time.monotonic() + timeout_s
-        while not self._take(message):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no NIXL notification {message!r} within {timeout_s:.0f}s")
-            await asyncio.sleep(0.001)
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if message in self._seen:
+                self._seen.discard(message)
+                return
+            future: asyncio.Future[None] = loop.create_future()
+            self._waiters[message] = (loop, future)
+        try:
+            await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"no NIXL notification {message!r} within {timeout_s:.0f}s"
+            ) from None
+        finally:
+            with self._lock:
+                self._waiters.pop(message, None)
 
     def close(self) -> None:
         self._stop.set()
