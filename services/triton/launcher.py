@@ -14,12 +14,14 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
 import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -36,6 +38,12 @@ from services.transfer.shared_memory import remove_segments
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+# Where tritonserver says why the model did not load; the cause runs up to the
+# first (escaped) newline of the message, the traceback follows it.
+_CAUSE = re.compile(
+    r"(?:failed to load '[^']*' version \d+|Failed to initialize Python stub|"
+    r"failed to load model '[^']*'): (?:Internal: )?(?P<cause>.+?)(?:\\n|\"$|$)"
+)
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 
@@ -69,6 +77,22 @@ class TritonConfig:
     @property
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+
+def _python_library_dir() -> str:
+    """The folder of this interpreter's libpython, when it has a shared one.
+
+    The wheel's stub links libpython3.X.so.1.0 by name, so the loader would take
+    the system's, while the stub finds its standard library through the first
+    python3 on PATH (an activated venv's: this interpreter's). A system library
+    and this interpreter's stdlib of another patch release do not mix
+    (`undefined symbol: _PyModule_Add`): putting this interpreter's own library
+    first keeps the two the same Python.
+    """
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        return str(libdir)
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +138,8 @@ class TritonServer:
         default_factory=lambda: f"{env.SHM_PREFIX.get()}triton_{secrets.token_hex(4)}_"
     )
     _log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=60))
+    # Kept apart from the tail: a long traceback pushes them out of it.
+    _causes: dict[str, None] = field(default_factory=dict)
     _log_thread: threading.Thread | None = None
 
     def __enter__(self) -> TritonServer:
@@ -160,7 +186,7 @@ class TritonServer:
             cmd.append(f"--model-config-name={cfg.model_config_name}")
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            filter(None, [str(install.libs), env.get("LD_LIBRARY_PATH")])
+            filter(None, [str(install.libs), _python_library_dir(), env.get("LD_LIBRARY_PATH")])
         )
         env["EPD_VIT_CHECKPOINT"] = str(Path(cfg.checkpoint).resolve())
         env["EPD_SITE_PACKAGES"] = os.pathsep.join(site.getsitepackages())
@@ -196,6 +222,8 @@ class TritonServer:
         for raw in self._process.stdout:
             line = raw.decode("utf-8", "replace").rstrip()
             self._log_tail.append(line)
+            if (match := _CAUSE.search(line)) is not None:
+                self._causes[match["cause"]] = None
             logger.debug("tritonserver: %s", line)
 
     def _get(self, path: str) -> int:
@@ -230,12 +258,16 @@ class TritonServer:
         )
 
     def _failure_summary(self) -> str:
+        """The cause first (e.g. the model's ImportError), then the log lines around it."""
         errors = [
             line
             for line in self._log_tail
             if line.startswith("E") or "failed to load" in line or "Error" in line
         ]
-        return "\n".join(errors[-12:] or list(self._log_tail)[-20:])
+        details = "\n".join(errors[-12:] or list(self._log_tail)[-20:])
+        if not self._causes:
+            return details
+        return "".join(f"cause: {cause}\n" for cause in self._causes) + details
 
     def statistics(self) -> dict[str, object]:
         """Triton's per-model inference statistics (execution and inference counts)."""

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,3 +97,51 @@ def test_stop_removes_the_backend_shared_memory(tiny_checkpoint: Path) -> None:
             client.infer("vit", [pixels, bad])
         client.close()
     assert not list(SHM_DIR.glob(prefix + "*"))
+
+
+def test_the_failure_summary_names_the_models_import_error(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    repository = tmp_path / "repository"
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY, repository)
+    model = repository / "vit" / "1" / "model.py"
+    torch_import = "import torch  # noqa: E402"
+    source = model.read_text().replace(torch_import, f"import epd_no_such_module\n{torch_import}")
+    model.write_text(source)
+    server = TritonServer(_config(tiny_checkpoint, model_repository=repository))
+    with pytest.raises(TritonError) as info:
+        server.start()
+    summary = str(info.value).split("\n")
+    assert summary[1] == "cause: ModuleNotFoundError: No module named 'epd_no_such_module'"
+
+
+def test_starts_from_an_activated_venv(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`source .venv/bin/activate && epd triton`: the stub's libpython and standard
+    library must still be the same Python."""
+    venv_bin = Path(sys.executable).parent
+    activated = {
+        **os.environ,
+        "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+        "VIRTUAL_ENV": str(venv_bin.parent),
+    }
+    ports = [str(free_port()) for _ in range(3)]
+    args = ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+    process = subprocess.Popen(
+        ["epd", "triton", "--checkpoint", str(tiny_checkpoint), *args],
+        env=activated,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    output: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # until the banner, or the end if it exits
+            output.append(line)
+            if line.startswith("tritonserver ready"):
+                break
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    assert output and output[-1].startswith("tritonserver ready"), "".join(output[-20:])
