@@ -18,7 +18,12 @@ from services.encoder.images import BadImageError, ImageLimits
 from services.encoder.preprocess import Preprocessor
 from services.gateway.backend import GenerateCall
 from services.gateway.errors import ApiError
-from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
+from services.language.engine.engine import (
+    AsyncEngine,
+    EngineConfig,
+    LLMEngine,
+    RequestFailedError,
+)
 from services.language.engine.request import new_request
 from services.language.engine.vision import VisionTower
 from services.language.servicer import messages_from_proto, responses, sampling_from_proto
@@ -79,8 +84,13 @@ class LocalBackend:
             first = await anext(outputs)  # validation errors surface here
         except (BadImageError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
+        except RequestFailedError as exc:
+            raise ApiError(500, f"generation failed: {exc}") from None
         for response in responses(first, prompt.num_image_tokens):
             yield response
-        async for output in outputs:
-            for response in responses(output, prompt.num_image_tokens):
-                yield response
+        try:
+            async for output in outputs:
+                for response in responses(output, prompt.num_image_tokens):
+                    yield response
+        except RequestFailedError as exc:
+            raise ApiError(500, f"generation failed: {exc}") from None

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from services.language.engine.engine import AsyncEngine, RequestOutput
+from services.language.engine.engine import AsyncEngine, RequestFailedError, RequestOutput
 from services.language.engine.request import SamplingParams, new_request
 from services.language.metrics import LanguageMetrics
 from services.language.receiver import Receiver
@@ -166,11 +166,15 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.spec.vision.spatial_merge_size,
             embeds,
         )
-        async for output in self.engine.generate(engine_request):
-            if output.finish_reason is not None:
-                self.metrics.requests.labels(output.finish_reason).inc()
-            for response in responses(output, prompt.num_image_tokens):
-                yield response
+        try:
+            async for output in self.engine.generate(engine_request):
+                if output.finish_reason is not None:
+                    self.metrics.requests.labels(output.finish_reason).inc()
+                for response in responses(output, prompt.num_image_tokens):
+                    yield response
+        except RequestFailedError as exc:
+            self.metrics.requests.labels("error").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
 
     async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, Any]:
         """Preallocates, waits for the embeddings, takes them out of the pool."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from services.bench.images import random_image
 from services.language.engine.request import SamplingParams
@@ -232,3 +234,47 @@ def test_step_stats_count_every_generated_token(tiny_checkpoint: Path) -> None:
     # Every prompt token once, then each output token but the last is fed back once.
     assert computed == prompt_tokens + 3 * (7 - 1)
     assert engine.blocks.num_used_pages == 0
+
+
+def test_a_request_that_cannot_be_sampled_fails_alone(
+    tiny_checkpoint: Path, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Non-finite logits for one request end that request with an error at its
+    third token; the batch around it goes on and stays equal to HF."""
+    engine = make_engine(tiny_checkpoint)
+    requests = _requests(tiny_checkpoint, [0, 1, 2])
+    doomed = requests[1]
+    execute = engine.runner.execute
+
+    def poisoned(batch: list[Any]) -> torch.Tensor:
+        logits = execute(batch).clone()
+        sampling = [s.request for s in batch if s.samples]
+        if doomed in sampling and doomed.num_output_tokens == 2:  # type: ignore[attr-defined]
+            logits[sampling.index(doomed)] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    out = run_to_completion(engine, requests)  # type: ignore[arg-type]
+    assert tokens(out["r0"]) == expected[0]
+    assert tokens(out["r2"]) == expected[2]
+    assert tokens(out["r1"]) == expected[1][:2]
+    assert out["r1"][-1].error == "the model produced non-finite logits"
+    assert out["r1"][-1].finish_reason == "abort"
+    assert engine.blocks.num_used_pages == 0
+    assert not engine.requests
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6])
+def test_temperatures_below_epsilon_are_greedy(
+    tiny_checkpoint: Path, expected: list[list[int]], temperature: float
+) -> None:
+    engine = make_engine(tiny_checkpoint)
+    messages, images, max_tokens = _case(0)
+    request = make_request(
+        tiny_checkpoint,
+        "cold",
+        messages,
+        images,  # type: ignore[arg-type]
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=3),
+    )
+    assert tokens(run_to_completion(engine, [request])["cold"]) == expected[0]

@@ -20,7 +20,7 @@ from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheCo
 from services.language.engine.model import LanguageModel
 from services.language.engine.request import Request, RequestStatus
 from services.language.engine.runner import ModelRunner, Scheduled
-from services.language.engine.sampler import Sample, Sampler
+from services.language.engine.sampler import Sample, Sampler, SamplingError
 from services.language.engine.scheduler import Scheduler, SchedulerConfig
 from services.language.engine.vision import VisionTower
 from services.model.spec import ModelSpec
@@ -47,6 +47,10 @@ class TokenLogprob:
     top: list[tuple[int, str, float]]
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended this one request with an error (the others go on)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
@@ -56,6 +60,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None  # set on the last output of a request that failed
 
     @property
     def finished(self) -> bool:
@@ -161,7 +166,7 @@ class LLMEngine:
         return self.postprocess(batch, samples)
 
     def postprocess(
-        self, batch: list[Scheduled], samples: list[Sample]
+        self, batch: list[Scheduled], samples: list[Sample | SamplingError]
     ) -> tuple[list[RequestOutput], StepStats]:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
@@ -174,21 +179,48 @@ class LLMEngine:
             if not s.samples:
                 continue
             sample = next(sample_iter)
-            request.output_token_ids.append(sample.token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-                ttfts.append(now - request.arrival_time)
-            detok = self.detokenizers[request.request_id]
-            detok.push(sample.token_id)
-            status = self._stop_status(request, sample.token_id, detok)
-            if status is not None:
-                self.scheduler.finish(request, status)
-                if request.num_output_tokens > 1 and request.first_token_time is not None:
-                    tpots.append((now - request.first_token_time) / (request.num_output_tokens - 1))
-            outputs.append(
-                self._output(request, [sample.token_id], [sample], final=status is not None)
-            )
+            try:
+                if isinstance(sample, SamplingError):
+                    raise sample
+                outputs.append(self._advance(request, sample, now, ttfts, tpots))
+            except Exception as exc:  # this request's failure, not the batch's
+                logger.warning("request %s failed: %s", request.request_id, exc)
+                outputs.append(self._fail(request, str(exc)))
         return outputs, self._stats(batch, ttfts, tpots)
+
+    def _advance(
+        self, request: Request, sample: Sample, now: float, ttfts: list[float], tpots: list[float]
+    ) -> RequestOutput:
+        """Appends a sampled token; finishes the request if it stops here."""
+        request.output_token_ids.append(sample.token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+            ttfts.append(now - request.arrival_time)
+        detok = self.detokenizers[request.request_id]
+        detok.push(sample.token_id)
+        status = self._stop_status(request, sample.token_id, detok)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            if request.num_output_tokens > 1 and request.first_token_time is not None:
+                tpots.append((now - request.first_token_time) / (request.num_output_tokens - 1))
+        return self._output(request, [sample.token_id], [sample], final=status is not None)
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """Ends one request with an error; its pages are freed, the batch goes on."""
+        if not request.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.requests.pop(request.request_id, None)
+        self.detokenizers.pop(request.request_id, None)
+        return RequestOutput(
+            request.request_id,
+            [],
+            "",
+            [],
+            "abort",
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            error=error,
+        )
 
     def _stop_status(
         self, request: Request, token: int, detok: IncrementalDetokenizer
@@ -334,6 +366,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             del self._queues[request.request_id]

@@ -13,6 +13,10 @@ import torch
 from services.model.mrope import mrope_positions
 from services.model.processor import ImageGrid
 
+# Below this temperature sampling is greedy (as in vLLM): dividing the logits by
+# it would overflow to inf and leave no distribution to draw from.
+SAMPLING_EPS = 1e-5
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered by lifecycle: everything from FINISHED_STOPPED on is finished."""
@@ -66,7 +70,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
 """Sampler: greedy, temperature, top-k, top-p; logprobs of the raw distribution.
 
 A request with a seed draws from its own generator, so its samples do not
-depend on which other requests share the batch.
+depend on which other requests share the batch. A request whose sampling
+fails (non-finite logits, a distribution torch refuses) gets a SamplingError
+in its place; the other requests of the batch are sampled as usual.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ class Sample:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class SamplingError(RuntimeError):
+    """One request could not be sampled; it ends with this error, the batch goes on."""
 
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -37,29 +43,40 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
-        """logits [N, vocab] float32, one row per request."""
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample | SamplingError]:
+        """logits [N, vocab] float32, one row per request; a Sample or a SamplingError each."""
         greedy = logits.argmax(dim=-1).tolist()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         logprobs = (
             torch.log_softmax(logits, dim=-1)
             if any(r.sampling.logprobs for r in requests)
             else None
         )
-        samples = []
+        samples: list[Sample | SamplingError] = []
         for i, request in enumerate(requests):
-            params = request.sampling
-            if params.is_greedy:
-                token = greedy[i]
-            else:
-                probs = _filtered_probs(logits[i], params)
-                token = int(torch.multinomial(probs, 1, generator=request.generator))
-            if logprobs is None or not params.logprobs:
-                samples.append(Sample(token))
+            if not finite[i]:
+                samples.append(SamplingError("the model produced non-finite logits"))
                 continue
-            row = logprobs[i]
-            top: list[tuple[int, float]] = []
-            if params.top_logprobs:
-                values, ids = torch.topk(row, params.top_logprobs)
-                top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            samples.append(Sample(token, float(row[token]), top))
+            try:
+                samples.append(self._one(logits[i], greedy[i], request, logprobs, i))
+            except RuntimeError as exc:  # torch refuses the distribution
+                samples.append(SamplingError(f"sampling failed: {exc}"))
         return samples
+
+    @staticmethod
+    def _one(
+        row: torch.Tensor, greedy: int, request: Request, logprobs: torch.Tensor | None, i: int
+    ) -> Sample:
+        params = request.sampling
+        if params.is_greedy:
+            token = greedy
+        else:
+            probs = _filtered_probs(row, params)
+            token = int(torch.multinomial(probs, 1, generator=request.generator))
+        if logprobs is None or not params.logprobs:
+            return Sample(token)
+        top: list[tuple[int, float]] = []
+        if params.top_logprobs:
+            values, ids = torch.topk(logprobs[i], params.top_logprobs)
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        return Sample(token, float(logprobs[i, token]), top)
