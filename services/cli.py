@@ -168,6 +168,8 @@ def _language(args: argparse.Namespace) -> int:
         instance=_instance(args, "language"),
         embedding_pool_tokens=args.embedding_pool_tokens,
         default_allocate_tokens=args.default_allocate_tokens,
+        max_active_requests=args.max_active_requests,
+        pool_wait_s=args.pool_wait,
         engine=_engine_config(args),
     )
     return run_until_signalled(lambda: LanguageServer(config))
@@ -411,6 +413,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(p)
     p.add_argument("--embedding-pool-tokens", type=int, default=32768)
     p.add_argument("--default-allocate-tokens", type=int, default=4096)
+    p.add_argument(
+        "--max-active-requests",
+        type=int,
+        default=256,
+        help="requests in flight (receiving or generating) beyond which new ones get "
+        "RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--pool-wait", type=float, default=5.0, help="seconds a request waits for receive blocks"
+    )
     p.set_defaults(handler=_language)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")

@@ -37,7 +37,7 @@ from services.broker.messages import (
     TransferDone,
 )
 from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
-from services.transfer.state import TransferFailedError, TransferState
+from services.transfer.state import PoolExhaustedError, TransferFailedError, TransferState
 from services.transfer.transport import Transport
 from services.transfer.transports.nixl import NixlReceiver, notification
 
@@ -73,10 +73,12 @@ class Receiver:
         timeout_s: float = 30.0,
         nixl: NixlReceiver | None = None,
         on_finished: Callable[[TransferState], None] = lambda state: None,
+        pool_wait_s: float = 5.0,
     ) -> None:
         self.pool = pool
         self.default_allocate_tokens = default_allocate_tokens
         self.timeout_s = timeout_s
+        self.pool_wait_s = pool_wait_s
         self.nixl = nixl
         self.link: BrokerLink | None = None
         self.transfers: dict[str, Inbound] = {}
@@ -95,11 +97,11 @@ class Receiver:
         async with self._freed:
             try:
                 await asyncio.wait_for(
-                    self._freed.wait_for(lambda: allocator.num_free_blocks > 0), self.timeout_s
+                    self._freed.wait_for(lambda: allocator.num_free_blocks > 0), self.pool_wait_s
                 )
             except TimeoutError:
-                raise TransferFailedError(
-                    f"no free embedding blocks within {self.timeout_s:.0f}s"
+                raise PoolExhaustedError(
+                    f"no free embedding blocks within {self.pool_wait_s:g}s"
                 ) from None
             tokens = min(want_tokens, allocator.num_free_blocks * allocator.block_size)
             blocks = allocator.allocate(tokens)
@@ -131,7 +133,11 @@ class Receiver:
         inbound = Inbound(request_id, time.monotonic(), asyncio.get_running_loop().create_future())
         self.transfers[request_id] = inbound
         try:
-            inbound.blocks = await self._allocate(want)
+            blocks = await self._allocate(want)
+            if self.transfers.get(request_id) is not inbound:  # released while waiting
+                await self._free(blocks)
+                raise TransferFailedError(f"request {request_id!r} ended while preallocating")
+            inbound.blocks = blocks
             inbound.allocated_tokens = len(inbound.blocks) * self.pool.layout.block_size
             self._send(Prealloc(request_id, tuple(inbound.blocks), inbound.allocated_tokens))
         except BaseException:

@@ -44,6 +44,10 @@ class LanguageConfig:
     embedding_block_size: int = 256
     default_allocate_tokens: int = 4096
     transfer_timeout_s: float = 30.0
+    # Admission: beyond this many requests in flight, Generate answers
+    # RESOURCE_EXHAUSTED at once; a request waits at most pool_wait_s for receive blocks.
+    max_active_requests: int = 256
+    pool_wait_s: float = 5.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -87,9 +91,15 @@ class LanguageServer:
             config.transfer_timeout_s,
             self.nixl,
             on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
+            pool_wait_s=config.pool_wait_s,
         )
         servicer = LanguageServicer(
-            self.engine, self.receiver, self.tokenizer, self.spec, self.metrics
+            self.engine,
+            self.receiver,
+            self.tokenizer,
+            self.spec,
+            self.metrics,
+            config.max_active_requests,
         )
         self.grpc = config.instance.server(
             language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,

@@ -15,7 +15,7 @@ from services.language.receiver import Receiver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import ChatMessages, build_prompt, count_images
 from services.proto import common_pb2, language_pb2, language_pb2_grpc
-from services.transfer.state import TransferFailedError
+from services.transfer.state import PoolExhaustedError, TransferFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         tokenizer: Any,
         spec: ModelSpec,
         metrics: LanguageMetrics,
+        max_active_requests: int = 256,
     ) -> None:
         self.engine = engine
         self.receiver = receiver
@@ -114,6 +115,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.spec = spec
         self.metrics = metrics
         self.max_model_len = engine.engine.config.max_model_len
+        self.max_active_requests = max_active_requests
+        # Every request between Generate's start and its end, receiving or generating:
+        # a second Generate under a live id is refused without touching the first.
+        self._active: set[str] = set()
 
     async def Generate(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -121,6 +126,29 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if request_id in self._active:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request id {request_id!r} is already in flight on this instance",
+            )
+        if len(self._active) >= self.max_active_requests:
+            self.metrics.requests.labels("rejected").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this language instance has {len(self._active)} requests in flight, "
+                "its limit; retry later",
+            )
+        self._active.add(request_id)
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        finally:
+            self._active.discard(request_id)
+
+    async def _generate(
+        self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[language_pb2.GenerateResponse]:
+        request_id = request.request_id
         try:
             messages, hints = messages_from_proto(request.messages)
             if count_images(messages) != len(hints):
@@ -142,6 +170,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         if hints:
             try:
                 grids, embeds = await self._receive(request_id, sum(hints))
+            except PoolExhaustedError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"image embeddings: {exc}")
             except TransferFailedError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"image embeddings: {exc}")
             if len(grids) != len(hints):

@@ -19,3 +19,7 @@ class TransferState(enum.IntEnum):
 
 class TransferFailedError(RuntimeError):
     """A transfer ended without the embeddings: abort, timeout or a lost peer."""
+
+
+class PoolExhaustedError(TransferFailedError):
+    """No receive blocks came free within the wait allowed: the instance is overloaded."""

@@ -330,3 +330,66 @@ async def _until(condition: Any, timeout_s: float = 10.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("condition not met in time")
+
+
+async def test_a_duplicate_request_id_is_refused_and_the_first_goes_on(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+) -> None:
+    _, _, language = stack
+    stub = language_stub(language)
+
+    def generate_dup(max_tokens: int) -> Any:
+        return stub.Generate(
+            language_pb2.GenerateRequest(
+                request_id="dup",
+                messages=proto_messages("Go on.", []),
+                sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
+        )
+
+    first = generate_dup(300)
+    responses = [await anext(aiter(first))]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in generate_dup(5):
+            pass
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "'dup' is already in flight" in info.value.details()
+    responses += [r async for r in first]
+    assert len(token_ids(responses)) == 300
+    assert responses[-1].complete.finish_reason == language_pb2.FINISH_REASON_LENGTH
+
+
+async def test_requests_beyond_the_admission_limit_are_refused_fast(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer], tiny_checkpoint: Path
+) -> None:
+    broker, _, _ = stack
+    limited = await start_language(
+        tiny_checkpoint, broker, transports=(Transport.SHM,), max_active_requests=2
+    )
+    stub = language_stub(limited)
+
+    def long(request_id: str, max_tokens: int = 400) -> Any:
+        return stub.Generate(
+            language_pb2.GenerateRequest(
+                request_id=request_id,
+                messages=proto_messages("Keep going.", []),
+                sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
+        )
+
+    try:
+        busy = [long("busy-0"), long("busy-1")]
+        for call in busy:
+            await anext(aiter(call))
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in long("one-too-many"):
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert asyncio.get_running_loop().time() - started < 1
+        for call in busy:
+            call.cancel()
+        await _until(lambda: not limited.engine.engine.requests)
+        assert token_ids([r async for r in long("after", 3)])
+    finally:
+        await limited.stop()

@@ -445,3 +445,23 @@ async def test_random_load_returns_every_block(
         await asyncio.to_thread(check)  # hypothesis drives the loop from a thread
     finally:
         await language.stop()
+
+
+async def test_a_request_released_while_it_waits_for_blocks_leaves_none(
+    tiny_checkpoint: Path, broker: BrokerServer
+) -> None:
+    language = await language_with(
+        tiny_checkpoint, broker, (Transport.SHM,), embedding_pool_tokens=256
+    )
+    try:
+        await language.receiver.expect("holder", 256)  # the pool's only block
+        waiter = asyncio.ensure_future(language.receiver.expect("waiter", 256))
+        await asyncio.sleep(0.1)
+        await language.receiver.release("waiter", "the client went away")
+        await language.receiver.release("holder", "done")
+        with pytest.raises(TransferFailedError, match="ended while preallocating"):
+            await waiter
+        assert language.pool.allocator.num_used_blocks == 0
+        language.pool.allocator.check_integrity()
+    finally:
+        await language.stop()
