@@ -21,10 +21,12 @@ import tritonclient.utils.shared_memory as triton_shm
 from tritonclient.utils import InferenceServerException
 
 from services import env
+from services.transfer.shared_memory import SHM_DIR
 
 PIXELS, GRIDS = "pixel_values", "image_grid_thw"
 EMBEDS, DEEPSTACK = "image_embeds", "deepstack_embeds"
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+CONTROL_TIMEOUT_S = 5.0  # registering a region, asking for readiness
 _TRANSPORT_FAILURES = (
     "StatusCode.UNAVAILABLE",
     "StatusCode.DEADLINE_EXCEEDED",
@@ -46,55 +48,81 @@ class VitOutput:
     deepstack: torch.Tensor | None  # [tokens, levels * hidden]
 
 
+@dataclass(slots=True)
+class _Region:
+    """A system shared-memory region this process created, under its Triton name."""
+
+    name: str
+    handle: Any
+    size: int
+
+    @classmethod
+    def create(cls, name: str, size: int) -> _Region:
+        return cls(name, triton_shm.create_shared_memory_region(name, "/" + name, size, True), size)
+
+    def destroy(self) -> None:
+        """Best effort: whatever stops the library's cleanup, the name is unlinked."""
+        with contextlib.suppress(Exception):
+            triton_shm.destroy_shared_memory_region(self.handle)
+        with contextlib.suppress(FileNotFoundError):
+            (SHM_DIR / self.name).unlink()
+
+
 class _ShmSlot:
-    """An input and an output region registered with Triton, grown when too small."""
+    """An input and an output region, registered with Triton, for one request at a time.
+
+    A region that must grow is replaced by a new one under a fresh name; after
+    any failure the slot is reset (both regions dropped, best effort) and made
+    anew on its next use. No half-finished step can leave a name behind that
+    the next use collides with."""
 
     def __init__(self, prefix: str, index: int) -> None:
-        self.input_name = f"{prefix}_in{index}"
-        self.output_name = f"{prefix}_out{index}"
-        self.input: Any = None
-        self.output: Any = None
-        self.input_bytes = 0
-        self.output_bytes = 0
+        self._prefix = f"{prefix}_s{index}"
+        self._generation = 0
+        self.input: _Region | None = None
+        self.output: _Region | None = None
+        self.registered = False
+
+    def _new(self, kind: str, size: int) -> _Region:
+        self._generation += 1
+        return _Region.create(f"{self._prefix}_{kind}{self._generation}", size)
 
     async def ensure(
         self, client: triton_grpc.InferenceServerClient, in_bytes: int, out_bytes: int
-    ) -> None:
-        if in_bytes > self.input_bytes:
-            self.input = await self._grow(client, self.input_name, self.input, in_bytes)
-            self.input_bytes = in_bytes
-        if out_bytes > self.output_bytes:
-            self.output = await self._grow(client, self.output_name, self.output, out_bytes)
-            self.output_bytes = out_bytes
+    ) -> tuple[_Region, _Region]:
+        """Regions of at least these sizes, registered with Triton."""
+        if self.input is None or self.input.size < in_bytes:
+            await self._drop(client, self.input)
+            self.input, self.registered = None, False
+            self.input = self._new("in", in_bytes)
+        if self.output is None or self.output.size < out_bytes:
+            await self._drop(client, self.output)
+            self.output, self.registered = None, False
+            self.output = self._new("out", out_bytes)
+        if not self.registered:
+            for region in (self.input, self.output):
+                await client.register_system_shared_memory(
+                    region.name, "/" + region.name, region.size, client_timeout=CONTROL_TIMEOUT_S
+                )
+            self.registered = True
+        return self.input, self.output
 
-    async def _grow(
-        self, client: triton_grpc.InferenceServerClient, name: str, old: Any, size: int
-    ) -> Any:
-        if old is not None:
-            await client.unregister_system_shared_memory(name)
-            triton_shm.destroy_shared_memory_region(old)
-        region = triton_shm.create_shared_memory_region(name, "/" + name, size, create_only=True)
-        await client.register_system_shared_memory(name, "/" + name, size)
-        return region
+    @staticmethod
+    async def _drop(client: triton_grpc.InferenceServerClient, region: _Region | None) -> None:
+        if region is None:
+            return
+        with contextlib.suppress(InferenceServerException):  # Triton may be gone
+            await client.unregister_system_shared_memory(
+                region.name, client_timeout=CONTROL_TIMEOUT_S
+            )
+        region.destroy()
 
-    async def reregister(self, client: triton_grpc.InferenceServerClient) -> None:
-        """After a Triton restart its registrations are gone; the regions are not."""
-        for name, size in (
-            (self.input_name, self.input_bytes),
-            (self.output_name, self.output_bytes),
-        ):
-            if size:
-                await client.register_system_shared_memory(name, "/" + name, size)
-
-    async def release(self, client: triton_grpc.InferenceServerClient) -> None:
-        for name, region in ((self.input_name, self.input), (self.output_name, self.output)):
-            if region is None:
-                continue
-            with contextlib.suppress(InferenceServerException):  # Triton may be gone already
-                await client.unregister_system_shared_memory(name)
-            triton_shm.destroy_shared_memory_region(region)
-        self.input = self.output = None
-        self.input_bytes = self.output_bytes = 0
+    async def reset(self, client: triton_grpc.InferenceServerClient) -> None:
+        """Forgets both regions: the next use creates and registers new ones."""
+        regions, (self.input, self.output) = (self.input, self.output), (None, None)
+        self.registered = False
+        for region in regions:
+            await self._drop(client, region)
 
 
 class VitClient:
@@ -123,36 +151,57 @@ class VitClient:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        prefix = f"{env.SHM_PREFIX.get()}vit_{secrets.token_hex(4)}"
-        self._all_slots = [_ShmSlot(prefix, i) for i in range(max_in_flight)]
+        self.shm_prefix = f"{env.SHM_PREFIX.get()}vit_{secrets.token_hex(4)}"
+        self._all_slots = [_ShmSlot(self.shm_prefix, i) for i in range(max_in_flight)]
         self._slots: asyncio.Queue[_ShmSlot] = asyncio.Queue()
         for slot in self._all_slots:
             self._slots.put_nowait(slot)
 
     async def ready(self) -> bool:
         try:
-            return bool(await self._client.is_model_ready(self.model_name, client_timeout=5.0))
+            return bool(
+                await self._client.is_model_ready(self.model_name, client_timeout=CONTROL_TIMEOUT_S)
+            )
         except InferenceServerException:
             return False
 
     async def infer(self, pixel_values: np.ndarray, grids: np.ndarray) -> VitOutput:
-        """One Triton request for these images' patches; embeddings for all their tokens."""
+        """One Triton request for these images' patches; embeddings for all their tokens.
+
+        The request runs to its end on its own task even if the caller is
+        cancelled: Triton may still read and write the slot's regions, so the
+        slot returns to the pool only when the request is over."""
         num_tokens = int(np.prod(grids, axis=-1).sum()) // (self.merge_size**2)
         slot = await self._slots.get()
+        task = asyncio.ensure_future(self._infer_in(slot, pixel_values, grids, num_tokens))
+        task.add_done_callback(lambda done: self._release(slot, done))
+        return await asyncio.shield(task)
+
+    def _release(self, slot: _ShmSlot, task: asyncio.Future[VitOutput]) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved here when the caller left before the end
+        self._slots.put_nowait(slot)
+
+    async def _infer_in(
+        self, slot: _ShmSlot, pixel_values: np.ndarray, grids: np.ndarray, num_tokens: int
+    ) -> VitOutput:
         try:
             try:
                 return await self._infer(slot, pixel_values, grids, num_tokens)
             except InferenceServerException as exc:
-                if self.shared_memory and "shared memory region" in str(exc):
-                    await slot.reregister(self._client)
-                    return await self._infer(slot, pixel_values, grids, num_tokens)
-                raise
+                if not self.shared_memory or "shared memory region" not in str(exc):
+                    raise
+                # Triton restarted and forgot the registrations: make the slot anew.
+                await slot.reset(self._client)
+                return await self._infer(slot, pixel_values, grids, num_tokens)
         except InferenceServerException as exc:
+            await slot.reset(self._client)
             if str(exc.status()) in _TRANSPORT_FAILURES:
                 raise TritonUnavailableError(f"Triton at {self.url}: {exc.message()}") from None
             raise TritonRequestError(f"Triton model {self.model_name}: {exc.message()}") from None
-        finally:
-            self._slots.put_nowait(slot)
+        except BaseException:
+            await slot.reset(self._client)
+            raise
 
     async def _infer(
         self, slot: _ShmSlot, pixel_values: np.ndarray, grids: np.ndarray, num_tokens: int
@@ -177,20 +226,24 @@ class VitClient:
             tensors = [torch.from_numpy(a.reshape(num_tokens, -1).copy()) for a in arrays]
         else:
             sizes = [num_tokens * w * 4 for w in widths[: len(names)]]
-            await slot.ensure(self._client, pixels.nbytes + grid.nbytes, sum(sizes))
-            await asyncio.to_thread(triton_shm.set_shared_memory_region, slot.input, [pixels, grid])
-            inputs[0].set_shared_memory(slot.input_name, pixels.nbytes, 0)
-            inputs[1].set_shared_memory(slot.input_name, grid.nbytes, pixels.nbytes)
+            region_in, region_out = await slot.ensure(
+                self._client, pixels.nbytes + grid.nbytes, sum(sizes)
+            )
+            await asyncio.to_thread(
+                triton_shm.set_shared_memory_region, region_in.handle, [pixels, grid]
+            )
+            inputs[0].set_shared_memory(region_in.name, pixels.nbytes, 0)
+            inputs[1].set_shared_memory(region_in.name, grid.nbytes, pixels.nbytes)
             offsets = [0, sizes[0]]
             for out, size, offset in zip(outputs, sizes, offsets, strict=False):
-                out.set_shared_memory(slot.output_name, size, offset)
+                out.set_shared_memory(region_out.name, size, offset)
             await self._client.infer(
                 self.model_name, inputs, outputs=outputs, client_timeout=self.timeout_s
             )
             tensors = [
                 torch.from_numpy(
                     triton_shm.get_contents_as_numpy(
-                        slot.output, np.float32, [num_tokens, width], offset
+                        region_out.handle, np.float32, [num_tokens, width], offset
                     ).copy()
                 )
                 for width, offset in zip(widths, offsets, strict=False)
@@ -205,5 +258,5 @@ class VitClient:
 
     async def close(self) -> None:
         for slot in self._all_slots:
-            await slot.release(self._client)
+            await slot.reset(self._client)
         await self._client.close()

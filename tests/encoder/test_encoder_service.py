@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from services.model.spec import load_spec
 from services.ports import free_port
 from services.proto import encoder_pb2
 from services.transfer.embedding_pool import tensor_from_bytes
+from services.transfer.shared_memory import SHM_DIR
 from services.triton.launcher import TritonServer
 from tests.bad_images import gif, png_header_only, truncated_png
 from tests.stack import encoder_stub, start_encoder
@@ -196,3 +198,77 @@ async def test_health_and_metrics(encoder: EncoderServer) -> None:
         "epd_encoder_send_buffer_bytes",
     ):
         assert name in text
+
+
+async def test_cancelled_encodes_under_a_burst_leave_the_slots_whole(
+    tiny_checkpoint: Path, encoder: EncoderServer
+) -> None:
+    """More concurrent encodes than Triton slots, of growing sizes, half of them
+    abandoned by their callers midway: afterwards every slot is back, the regions
+    on /dev/shm are the slots' own, and encodes stay exact."""
+    stub = encoder_stub(encoder)
+    vit = encoder.vit
+    sizes = [(64 + 40 * i, 48 + 30 * (i % 7)) for i in range(24)]
+    data = [encode_image(random_image(w, h, seed=700 + i)) for i, (w, h) in enumerate(sizes)]
+    calls = [stub.Encode(encoder_pb2.EncodeRequest(images=[d])) for d in data]
+
+    async def abandon(call: Any, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        call.cancel()
+
+    await asyncio.gather(
+        *(abandon(call, 0.01 * i) for i, call in enumerate(calls) if i % 2),
+        *(call for i, call in enumerate(calls) if not i % 2),
+        return_exceptions=True,
+    )
+    for _ in range(200):
+        if vit._slots.qsize() == len(vit._all_slots):
+            break
+        await asyncio.sleep(0.05)
+    assert vit._slots.qsize() == len(vit._all_slots)
+    assert len(list(SHM_DIR.glob(vit.shm_prefix + "*"))) <= 2 * len(vit._all_slots)
+    again = [images(3, seed=710 + i)[: 1 + i % 3] for i in range(10)]
+    replies = await asyncio.gather(
+        *(stub.Encode(encoder_pb2.EncodeRequest(images=d)) for d in again)
+    )
+    for data, reply in zip(again, replies, strict=True):
+        got = tensor_from_bytes(reply.embeddings, torch.float32, reply.hidden_size)
+        assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
+
+
+async def test_slots_are_made_anew_when_triton_forgets_them(
+    tiny_checkpoint: Path, encoder: EncoderServer, triton: TritonServer
+) -> None:
+    """What a Triton restart does to the registrations."""
+    import tritonclient.grpc as triton_grpc
+
+    stub = encoder_stub(encoder)
+    await stub.Encode(encoder_pb2.EncodeRequest(images=images(2, seed=720)))
+    client = triton_grpc.InferenceServerClient(triton.config.grpc_url)
+    client.unregister_system_shared_memory()  # all of them
+    client.close()
+    data = images(2, seed=721)
+    reply = await stub.Encode(encoder_pb2.EncodeRequest(images=data))
+    got = tensor_from_bytes(reply.embeddings, torch.float32, reply.hidden_size)
+    assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
+
+
+async def test_a_slot_stays_taken_while_triton_may_still_use_it(encoder: EncoderServer) -> None:
+    """A caller that leaves does not hand its slot to the next request while
+    Triton still reads and writes the slot's regions."""
+    vit = encoder.vit
+    total = len(vit._all_slots)
+    big = encode_image(random_image(1400, 1400, seed=730), "JPEG")
+    call = encoder_stub(encoder).Encode(encoder_pb2.EncodeRequest(images=[big]))
+    for _ in range(400):
+        if vit._slots.qsize() == total - 1:
+            break
+        await asyncio.sleep(0.005)
+    call.cancel()
+    await asyncio.sleep(0.05)
+    assert vit._slots.qsize() == total - 1, "Triton is still running the request"
+    for _ in range(600):
+        if vit._slots.qsize() == total:
+            break
+        await asyncio.sleep(0.05)
+    assert vit._slots.qsize() == total
