@@ -116,13 +116,7 @@ class EncoderSide:
         self.buffer = SendBuffer(
             EmbeddingPool.in_host_memory(PoolLayout(buffer_tokens // 256, 256, HIDDEN))
         )
-        self.finished: dict[str, asyncio.Event] = {}
-        self.sender = Sender(
-            self.buffer,
-            {writer.transport: self.writer},
-            host_id,
-            on_finished=lambda request_id, _: self.finished[request_id].set(),
-        )
+        self.sender = Sender(self.buffer, {writer.transport: self.writer}, host_id)
         self.link = BrokerLink(
             broker,
             Registration(
@@ -141,7 +135,7 @@ class EncoderSide:
     @classmethod
     def with_nixl(cls, broker: str, buffer_tokens: int, host_id: str) -> EncoderSide:
         side = cls(broker, ShmWriter(), buffer_tokens, host_id)  # placeholder writer, replaced:
-        nixl = NixlWriter("epd-bench-sender", side.buffer.pool)
+        nixl = NixlWriter("bench-nixl", side.buffer.pool)
         side.writer = TimedWriter(nixl)
         side.sender.writers = {Transport.NIXL: side.writer}
         side.link.registration = Registration(
@@ -181,10 +175,8 @@ class EncoderSide:
         reading = asyncio.ensure_future(_drain(generate))
         image = ImageEmbedding(torch.randn(tokens, HIDDEN), None, grid)
         held = await self.buffer.hold(request_id, [image], 30)
-        done = self.finished[request_id] = asyncio.Event()
         started = time.perf_counter()
-        await self.sender.start(request_id, peer, held, [grid])
-        await done.wait()
+        await self.sender.start(request_id, peer, held, [grid]).done
         elapsed = time.perf_counter() - started
         with contextlib.suppress(grpc.aio.AioRpcError):
             await reading  # INVALID_ARGUMENT once the embeddings are in (see above)
@@ -241,7 +233,7 @@ async def run(args: argparse.Namespace) -> None:
         sides = {
             Transport.SHM: lambda: EncoderSide(broker, ShmWriter(), 2 * tokens, host),
             Transport.NIXL: lambda: EncoderSide.with_nixl(broker, 2 * tokens, host),
-            Transport.GRPC: lambda: EncoderSide(broker, GrpcWriter(), 2 * tokens, host),
+            Transport.GRPC: lambda: EncoderSide(broker, GrpcWriter("bench-grpc"), 2 * tokens, host),
         }
         grid = ImageGrid(1, 2 * 128, tokens * 4 // 256)  # tokens = h * w / 4
         shm_side: EncoderSide | None = None

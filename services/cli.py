@@ -188,6 +188,9 @@ def _gateway_config(args: argparse.Namespace) -> Any:
         api_key=args.api_key,
         limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
         fetch=FetchPolicy(timeout_s=args.fetch_timeout, allow_private=args.allow_private_urls),
+        encode_timeout_s=args.encode_timeout,
+        served_models=tuple(args.served_model or ()),
+        max_concurrent_requests=args.max_concurrent_requests,
     )
 
 
@@ -319,6 +322,20 @@ def _add_gateway_options(p: argparse.ArgumentParser, port: int) -> None:
         "--allow-private-urls",
         action="store_true",
         help="let image URLs reach loopback/private/link-local addresses",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=512,
+        help="requests in flight beyond which new ones get 429 with Retry-After",
+    )
+    p.add_argument(
+        "--encode-timeout", type=float, default=60.0, help="seconds for one encoder's Encode"
+    )
+    p.add_argument(
+        "--served-model",
+        action="append",
+        help="a model this gateway serves: 503 (not 404) while no instance is up; repeatable",
     )
 
 

@@ -17,14 +17,28 @@ from prometheus_client import CollectorRegistry, start_http_server
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
+_SIZES = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A peer that stops answering (a hung or frozen process keeps its TCP connection
+# up) fails its calls after ~keepalive time + timeout instead of at their deadline.
+CHANNEL_OPTIONS = [
+    *_SIZES,
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    *_SIZES,
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 4000),  # the clients ping every 5 s
 ]
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel with the project's message-size limits."""
+    """An insecure channel with the project's message-size limits and keepalive."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
@@ -49,7 +63,7 @@ class GrpcServer:
             socket.gethostname() if host in ("0.0.0.0", "::", "[::]") else host
         )
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

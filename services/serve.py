@@ -223,7 +223,7 @@ def components(config: StackConfig) -> list[Component]:
     parts.append(
         Component(
             "gateway",
-            ["gateway", *gateway_args, "--broker", broker],
+            ["gateway", *gateway_args, "--broker", broker, "--served-model", model],
             lambda: http_ok(gateway_url),
             logs / "gateway.log",
         )

@@ -60,4 +60,5 @@ def test_every_service_is_generated() -> None:
         "transfer_done",
         "resume",
         "abort",
+        "released",
     }

@@ -18,13 +18,14 @@ from services.broker.messages import (
     Prealloc,
     Registered,
     Registration,
+    Released,
     Resume,
     Role,
     TransferDone,
 )
 from services.broker.metrics import BrokerMetrics
 from services.broker.registry import Registry, RouteChoice, Session
-from services.broker.rendezvous import Delivery, Rendezvous
+from services.broker.rendezvous import Delivery, FailoverError, Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +84,16 @@ class Broker:
         self.metrics.aborts.labels("peer_lost").inc(
             sum(len(m.request_ids) for _, m in lost if isinstance(m, PeerLost))
         )
-        if session.registration.role is Role.LANGUAGE:
-            # Encoders drop what they keep for it (shm mappings, NIXL peers).
-            told = {target for target, _ in lost}
-            lost += [
-                (e.instance_id, PeerLost(session.instance_id, ()))
-                for e in self.registry.sessions(Role.ENCODER)
-                if e.instance_id not in told
-            ]
+        # Every instance of the other role hears of it: encoders drop what they keep
+        # for a lost language instance (shm mappings, NIXL peers); language instances
+        # release the blocks they quarantined for a lost encoder's writes.
+        told = {target for target, message in lost if isinstance(message, PeerLost)}
+        other = Role.ENCODER if session.registration.role is Role.LANGUAGE else Role.LANGUAGE
+        lost += [
+            (peer.instance_id, PeerLost(session.instance_id, ()))
+            for peer in self.registry.sessions(other)
+            if peer.instance_id not in told
+        ]
         self._deliver(lost)
         self._update_gauges()
         logger.info("%s left: %s", session.instance_id, reason)
@@ -117,16 +120,39 @@ class Broker:
             deliveries = self.rendezvous.on_resume(sender, message)
         elif isinstance(message, Abort):
             deliveries = self.rendezvous.on_abort(sender, message)
+        elif isinstance(message, Released):
+            deliveries = self.rendezvous.on_released(sender, message)
         else:
             raise ValueError(f"{type(message).__name__} is only valid as the first message")
         self._deliver(deliveries)
 
-    def route(self, request_id: str, model: str, needs_encoder: bool) -> RouteChoice:
-        choice = self.registry.route(model, needs_encoder)
-        if request_id and choice.encoder is not None:
-            self.rendezvous.route(
-                request_id, choice.encoder.instance_id, choice.language.instance_id
+    def route(
+        self,
+        request_id: str,
+        model: str,
+        needs_encoder: bool,
+        language_id: str = "",
+        failed_encoder_id: str = "",
+    ) -> RouteChoice:
+        """A language instance and, for images, an encoder. With failed_encoder_id the
+        request fails over: it stays on language_id and gets another encoder
+        (NoRouteError if none; FailoverError if it cannot move)."""
+        choice = self.registry.route(model, needs_encoder, language_id, failed_encoder_id)
+        if not request_id or choice.encoder is None:
+            return choice
+        encoder_id, language = choice.encoder.instance_id, choice.language.instance_id
+        if not failed_encoder_id:
+            self.rendezvous.route(request_id, encoder_id, language)
+            return choice
+        try:
+            deliveries = self.rendezvous.reroute(
+                request_id, failed_encoder_id, encoder_id, language
             )
+        except FailoverError as exc:
+            self._deliver(exc.deliveries)
+            raise
+        self.metrics.failovers.inc()
+        self._deliver(deliveries)
         return choice
 
     def tick(self) -> None:

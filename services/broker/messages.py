@@ -192,13 +192,18 @@ class Registration:
 class Load:
     num_requests: int = 0
     free_blocks: int = 0
+    unavailable: bool = False  # cannot take new requests now (e.g. its Triton is down)
 
     def to_proto(self) -> broker_pb2.Heartbeat:
-        return broker_pb2.Heartbeat(num_requests=self.num_requests, free_blocks=self.free_blocks)
+        return broker_pb2.Heartbeat(
+            num_requests=self.num_requests,
+            free_blocks=self.free_blocks,
+            unavailable=self.unavailable,
+        )
 
     @classmethod
     def from_proto(cls, pb: broker_pb2.Heartbeat) -> Load:
-        return cls(pb.num_requests, pb.free_blocks)
+        return cls(pb.num_requests, pb.free_blocks, pb.unavailable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +324,20 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class Released:
+    """E -> L: no write of E into the request's receive blocks can land any more."""
+
+    request_id: str
+
+    def to_proto(self) -> broker_pb2.Released:
+        return broker_pb2.Released(request_id=self.request_id)
+
+    @classmethod
+    def from_proto(cls, pb: broker_pb2.Released) -> Released:
+        return cls(pb.request_id)
+
+
+@dataclass(frozen=True, slots=True)
 class PeerLost:
     instance_id: str
     request_ids: tuple[str, ...]
@@ -364,7 +383,9 @@ class InstanceJoined:
     instance: InstanceInfo
 
 
-PeerMessage = Registration | Load | EmbeddingMeta | Prealloc | TransferDone | Resume | Abort
+PeerMessage = (
+    Registration | Load | EmbeddingMeta | Prealloc | TransferDone | Resume | Abort | Released
+)
 BrokerMessage = (
     Registered
     | EmbeddingMeta
@@ -372,6 +393,7 @@ BrokerMessage = (
     | TransferDone
     | Resume
     | Abort
+    | Released
     | PeerLost
     | InstanceJoined
 )
@@ -384,6 +406,7 @@ _PEER_FIELDS: dict[type, str] = {
     TransferDone: "transfer_done",
     Resume: "resume",
     Abort: "abort",
+    Released: "released",
 }
 
 
@@ -393,7 +416,7 @@ def peer_message_to_proto(message: PeerMessage) -> broker_pb2.PeerMessage:
 
 def _relayed_from_proto(
     pb: broker_pb2.PeerMessage | broker_pb2.BrokerMessage, kind: str | None
-) -> EmbeddingMeta | Prealloc | TransferDone | Resume | Abort:
+) -> EmbeddingMeta | Prealloc | TransferDone | Resume | Abort | Released:
     if kind == "meta":
         return EmbeddingMeta.from_proto(pb.meta)
     if kind == "prealloc":
@@ -404,6 +427,8 @@ def _relayed_from_proto(
         return Resume.from_proto(pb.resume)
     if kind == "abort":
         return Abort.from_proto(pb.abort)
+    if kind == "released":
+        return Released.from_proto(pb.released)
     raise ValueError(f"unexpected message kind {kind!r}")
 
 

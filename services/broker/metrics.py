@@ -23,6 +23,11 @@ class BrokerMetrics:
             ["cause"],
             registry=registry,
         )
+        self.failovers = Counter(
+            "epd_broker_failovers",
+            "Requests moved to another encoder after theirs failed",
+            registry=registry,
+        )
         self.active_requests = Gauge(
             "epd_broker_active_requests",
             "Requests in the rendezvous, not finished",

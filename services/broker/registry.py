@@ -86,14 +86,27 @@ class Registry:
         now = self._clock()
         return [s for s in self._sessions.values() if now - s.last_heartbeat > timeout_s]
 
-    def route(self, model: str, needs_encoder: bool) -> RouteChoice:
+    def route(
+        self, model: str, needs_encoder: bool, language_id: str = "", exclude_encoder: str = ""
+    ) -> RouteChoice:
+        """The least-loaded language instance (or the pinned one) and, for images,
+        the least-loaded available encoder that shares a transport with it."""
         languages = [
-            s for s in self.sessions(Role.LANGUAGE) if not model or s.registration.model == model
+            s
+            for s in self.sessions(Role.LANGUAGE)
+            if (not model or s.registration.model == model)
+            and (not language_id or s.instance_id == language_id)
         ]
         if not languages:
+            if language_id:
+                raise NoRouteError(f"language instance {language_id!r} is not registered")
             raise NoRouteError(f"no language instance serves model {model!r}")
         encoders = [
-            s for s in self.sessions(Role.ENCODER) if not model or s.registration.model == model
+            s
+            for s in self.sessions(Role.ENCODER)
+            if (not model or s.registration.model == model)
+            and not s.load.unavailable
+            and s.instance_id != exclude_encoder
         ]
         for language in sorted(languages, key=lambda s: s.score):
             if not needs_encoder:
@@ -110,5 +123,5 @@ class Registry:
                 encoder.routed_since_heartbeat += 1
                 return RouteChoice(language, encoder, transport)
         if not encoders:
-            raise NoRouteError(f"no encoder instance serves model {model!r}")
+            raise NoRouteError(f"no available encoder instance serves model {model!r}")
         raise NoRouteError("no encoder shares a transport with any language instance")

@@ -8,6 +8,12 @@ messages between the pair. Pure logic: every handler returns the deliveries
 
 Unmatched halves expire after `ttl_s`; an aborted request keeps a tombstone
 so that a late half is answered with Abort instead of waiting forever.
+
+Failover: while none of a request's embeddings has landed (no TransferDone,
+no Resume), its encoder can be replaced, because it died (on_instance_lost)
+or the gateway asked for another (reroute). The encoder's meta is dropped,
+the language side's preallocation kept, and the language instance hears
+PeerLost for the request: it forgets the old meta and waits for the new one.
 """
 
 from __future__ import annotations
@@ -23,12 +29,22 @@ from services.broker.messages import (
     EmbeddingMeta,
     PeerLost,
     Prealloc,
+    Released,
     Resume,
     TransferDone,
 )
 from services.proto import broker_pb2
 
 Delivery = tuple[str, BrokerMessage]
+
+
+class FailoverError(RuntimeError):
+    """The request cannot move to another encoder (part of it has landed, or it ended);
+    `deliveries` abort it where it was still alive."""
+
+    def __init__(self, reason: str, deliveries: list[Delivery] | None = None) -> None:
+        super().__init__(reason)
+        self.deliveries = deliveries or []
 
 
 class Phase(enum.IntEnum):
@@ -56,10 +72,16 @@ class Pairing:
     sent_tokens: int = 0
     total_tokens: int = 0
     num_resumes: int = 0
+    num_failovers: int = 0
     abort_reason: str = ""
 
     def involves(self, instance_id: str) -> bool:
         return instance_id in (self.encoder_id, self.language_id)
+
+    @property
+    def can_fail_over(self) -> bool:
+        """No part has landed: another encoder can write the whole request again."""
+        return not self.phase.is_finished and self.sent_tokens == 0 and self.num_resumes == 0
 
 
 class Rendezvous:
@@ -112,6 +134,46 @@ class Rendezvous:
         abort = Abort(pairing.request_id, reason)
         return [(target, abort) for target in dict.fromkeys(notify) if target]
 
+    def _detach_encoder(self, pairing: Pairing) -> bool:
+        """Drops the encoder and its meta; the preallocation stays for the next one.
+        True if the language instance had been given that meta (it must forget it)."""
+        told = pairing.meta is not None and pairing.prealloc is not None
+        pairing.encoder_id = ""
+        pairing.meta = None
+        pairing.num_failovers += 1
+        pairing.phase = Phase.WAITING if pairing.prealloc is not None else Phase.ROUTED
+        return told and bool(pairing.language_id)
+
+    def reroute(
+        self, request_id: str, failed_encoder_id: str, encoder_id: str, language_id: str
+    ) -> list[Delivery]:
+        """The gateway moves a request to another encoder; FailoverError if it cannot."""
+        pairing = self._pairings.get(request_id)
+        if pairing is None:  # forgotten, or never routed through this broker
+            self.route(request_id, encoder_id, language_id)
+            return []
+        if pairing.encoder_id not in ("", failed_encoder_id):
+            raise FailoverError(
+                f"request {request_id!r} is on encoder {pairing.encoder_id}, "
+                f"not {failed_encoder_id}"
+            )
+        if not pairing.can_fail_over:
+            reason = f"request {request_id!r} cannot move to another encoder: " + (
+                "it has ended" if pairing.phase.is_finished else "part of it has landed"
+            )
+            if pairing.phase.is_finished:
+                raise FailoverError(reason)
+            raise FailoverError(
+                reason, self._abort(pairing, reason, (pairing.encoder_id, pairing.language_id))
+            )
+        deliveries: list[Delivery] = []
+        if pairing.encoder_id and self._detach_encoder(pairing):
+            lost = PeerLost(failed_encoder_id, (request_id,))
+            deliveries.append((pairing.language_id, lost))
+        pairing.encoder_id = encoder_id
+        pairing.updated = self._clock()
+        return deliveries
+
     def _pair(self, pairing: Pairing) -> list[Delivery]:
         """Both halves are in: each side gets the other's."""
         assert pairing.meta is not None and pairing.prealloc is not None
@@ -128,6 +190,9 @@ class Rendezvous:
             return [(encoder_id, Abort(meta.request_id, pairing.abort_reason))]
         if pairing.meta is not None or pairing.phase.is_finished:
             return [(encoder_id, Abort(meta.request_id, "duplicate embedding metadata"))]
+        if pairing.encoder_id and pairing.encoder_id != encoder_id:
+            reason = f"the request moved to encoder {pairing.encoder_id}"
+            return [(encoder_id, Abort(meta.request_id, reason))]
         if pairing.language_id and pairing.language_id != meta.language_instance_id:
             return self._abort(
                 pairing,
@@ -194,24 +259,46 @@ class Rendezvous:
         pairing.num_resumes += 1
         return [(pairing.encoder_id, resume)]
 
+    def on_released(self, encoder_id: str, released: Released) -> list[Delivery]:
+        """Relayed even after an abort: that is when the language side waits for it."""
+        pairing = self._pairings.get(released.request_id)
+        if pairing is None or pairing.encoder_id != encoder_id or not pairing.language_id:
+            return []
+        return [(pairing.language_id, released)]
+
     def on_abort(self, sender: str, abort: Abort) -> list[Delivery]:
         pairing = self._get(abort.request_id)
         if pairing.phase.is_finished:
             return []
+        # No encoder was given the preallocation: nothing can write into it, and the
+        # language side may reuse it at once instead of waiting for its quarantine.
+        unwritten = pairing.phase is not Phase.TRANSFERRING
         others = tuple(i for i in (pairing.encoder_id, pairing.language_id) if i != sender)
-        return self._abort(pairing, abort.reason or f"aborted by {sender}", others)
+        deliveries = self._abort(pairing, abort.reason or f"aborted by {sender}", others)
+        if unwritten and sender == pairing.language_id:
+            deliveries.append((sender, Released(abort.request_id)))
+        return deliveries
 
     def on_instance_lost(self, instance_id: str) -> list[Delivery]:
-        """Aborts the instance's unfinished requests; each peer hears PeerLost once."""
-        lost: dict[str, list[str]] = {}
+        """The instance's unfinished requests: those of a lost encoder that can fail
+        over wait for another one (their language instance hears PeerLost); the
+        others are aborted (the encoder of a lost language instance hears PeerLost,
+        the language instance of a lost encoder hears Abort)."""
+        deliveries: list[Delivery] = []
+        lost: dict[str, list[str]] = {}  # peer -> its requests that hear PeerLost
+        reason = f"instance {instance_id} was lost"
         for pairing in self._pairings.values():
             if pairing.phase.is_finished or not pairing.involves(instance_id):
                 continue
-            self._abort(pairing, f"instance {instance_id} was lost", ())
-            peer = pairing.language_id if pairing.encoder_id == instance_id else pairing.encoder_id
-            if peer and peer != instance_id:
-                lost.setdefault(peer, []).append(pairing.request_id)
-        return [(peer, PeerLost(instance_id, tuple(ids))) for peer, ids in lost.items()]
+            if pairing.encoder_id != instance_id:  # a lost language instance
+                self._abort(pairing, reason, ())
+                if pairing.encoder_id:
+                    lost.setdefault(pairing.encoder_id, []).append(pairing.request_id)
+            elif not pairing.can_fail_over:
+                deliveries += self._abort(pairing, reason, (pairing.language_id,))
+            elif self._detach_encoder(pairing):
+                lost.setdefault(pairing.language_id, []).append(pairing.request_id)
+        return deliveries + [(p, PeerLost(instance_id, tuple(ids))) for p, ids in lost.items()]
 
     def expire(self) -> list[Delivery]:
         """Aborts pairings idle for ttl_s; forgets finished ones after history_s."""

@@ -19,6 +19,7 @@ from services.broker.messages import (
     transport_to_proto,
 )
 from services.broker.registry import NoRouteError, Session
+from services.broker.rendezvous import FailoverError
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,19 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         self, request: broker_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.RouteReply:
         try:
-            choice = self.broker.route(request.request_id, request.model, request.needs_encoder)
+            choice = self.broker.route(
+                request.request_id,
+                request.model,
+                request.needs_encoder,
+                request.language_id,
+                request.failed_encoder_id,
+            )
         except NoRouteError as exc:
             self.broker.metrics.routes.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except FailoverError as exc:
+            self.broker.metrics.routes.labels("failover_refused").inc()
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         self.broker.metrics.routes.labels("ok").inc()
         reply = broker_pb2.RouteReply(
             language_id=choice.language.instance_id,
@@ -118,6 +128,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             sent_tokens=pairing.sent_tokens,
             total_tokens=pairing.total_tokens,
             num_resumes=pairing.num_resumes,
+            num_failovers=pairing.num_failovers,
             abort_reason=pairing.abort_reason,
             age_s=time.monotonic() - pairing.created,
         )

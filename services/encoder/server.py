@@ -55,8 +55,16 @@ class EncoderConfig:
     cache_bytes: int = 256 * 1024 * 1024
     send_buffer_tokens: int = 65536
     send_block_size: int = 256
-    buffer_wait_s: float = 30.0
-    transfer_timeout_s: float = 30.0
+    # Admission: beyond max_pending encodes in progress, Encode answers
+    # RESOURCE_EXHAUSTED at once; a request waits at most buffer_wait_s for room
+    # in the send buffer.
+    max_pending: int = 64
+    buffer_wait_s: float = 5.0
+    transfer_timeout_s: float = 30.0  # waiting for the language side's blocks
+    # One write into a language pool. The language side quarantines blocks it
+    # gave up on for as long (plus a margin) unless this encoder says Released.
+    write_timeout_s: float = 10.0
+    triton_check_s: float = 1.0  # how often Triton's readiness is probed
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -70,10 +78,10 @@ def _writers(config: EncoderConfig, source: EmbeddingPool) -> dict[Transport, Wr
         if transport is Transport.SHM:
             writers[transport] = ShmWriter()
         elif transport is Transport.GRPC:
-            writers[transport] = GrpcWriter(config.transfer_timeout_s)
+            writers[transport] = GrpcWriter(config.instance.instance_id, config.write_timeout_s)
         elif transport is Transport.NIXL and nixl_available():
             writers[transport] = NixlWriter(
-                f"epd-{config.instance.instance_id}", source, config.transfer_timeout_s
+                config.instance.instance_id, source, config.write_timeout_s
             )
         elif transport is Transport.CUDA_IPC and cuda_ipc_available():
             writers[transport] = CudaIpcWriter()
@@ -123,7 +131,12 @@ class EncoderServer:
             on_finished=lambda _, state: self.metrics.transfers.labels(state.name.lower()).inc(),
         )
         servicer = EncoderServicer(
-            self.pipeline, self.buffer, self.sender, self.metrics, config.buffer_wait_s
+            self.pipeline,
+            self.buffer,
+            self.sender,
+            self.metrics,
+            config.buffer_wait_s,
+            config.max_pending,
         )
         self.grpc = config.instance.server(
             encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
@@ -131,7 +144,8 @@ class EncoderServer:
             registry,
         )
         self.link: BrokerLink | None = None
-        self._upkeep: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.triton_ready: bool | None = None  # unknown until the first probe
 
     @property
     def address(self) -> str:
@@ -147,10 +161,11 @@ class EncoderServer:
         )
 
     def load(self) -> Load:
-        return Load(num_requests=len(self.sender.transfers))
+        return Load(num_requests=len(self.sender.transfers), unavailable=not self.triton_ready)
 
     async def start(self) -> None:
         await self.grpc.start()
+        await self._check_triton()
         if self.config.instance.broker:
             self.link = BrokerLink(
                 self.config.instance.broker,
@@ -161,7 +176,7 @@ class EncoderServer:
             )
             self.sender.link = self.link
             await self.link.start()
-        self._upkeep = asyncio.create_task(self._expire())
+        self._tasks = [asyncio.create_task(self._expire()), asyncio.create_task(self._watch())]
 
     async def _expire(self) -> None:
         while True:
@@ -169,11 +184,29 @@ class EncoderServer:
             await self.sender.expire()
             self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
 
+    async def _check_triton(self) -> None:
+        """Health follows Triton: NOT_SERVING (and unavailable to the broker's
+        routing) while it is unreachable or its model is not ready."""
+        ready = await self.vit.ready()
+        if ready == self.triton_ready:
+            return
+        self.triton_ready = ready
+        await self.grpc.set_serving(ready)
+        if self.link is not None and self.link.attached.is_set():
+            self.link.send(self.load())  # the broker routes by it: no waiting for a heartbeat
+        log = logger.info if ready else logger.warning
+        log("Triton at %s is %s", self.vit.url, "ready" if ready else "unreachable")
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.triton_check_s)
+            await self._check_triton()
+
     async def stop(self) -> None:
-        if self._upkeep is not None:
-            self._upkeep.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._upkeep
+                await task
         await self.grpc.stop(2.0)
         await self.sender.close()
         if self.link is not None:

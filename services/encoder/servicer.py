@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -12,12 +13,17 @@ from services.encoder.images import BadImageError
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Encoded, EncodePipeline
 from services.encoder.send_buffer import SendBuffer, SendBufferFullError
-from services.encoder.sender import Sender, UnknownPeerError
+from services.encoder.sender import Failure, Sender, TransferError, UnknownPeerError
 from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import tensor_bytes
 
 logger = logging.getLogger(__name__)
+
+
+class EncoderBusyError(RuntimeError):
+    """More encodes are pending than the encoder admits."""
+
 
 _STATUS = (
     (BadImageError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -25,12 +31,25 @@ _STATUS = (
     (BrokerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (UnknownPeerError, grpc.StatusCode.NOT_FOUND),
     (SendBufferFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EncoderBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TritonRequestError, grpc.StatusCode.INTERNAL),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 
+# A failed transfer: only UNAVAILABLE (this encoder cannot finish it) is worth
+# retrying on another encoder; the others say where the request ended.
+_TRANSFER_STATUS = {
+    Failure.ABORTED: grpc.StatusCode.ABORTED,
+    Failure.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Failure.WRITE_FAILED: grpc.StatusCode.INTERNAL,
+    Failure.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
 def _status_for(exc: Exception) -> grpc.StatusCode | None:
+    if isinstance(exc, TransferError):
+        return _TRANSFER_STATUS[exc.failure]
     return next((code for kind, code in _STATUS if isinstance(exc, kind)), None)
 
 
@@ -41,19 +60,27 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         buffer: SendBuffer,
         sender: Sender,
         metrics: EncoderMetrics,
-        buffer_wait_s: float = 30.0,
+        buffer_wait_s: float = 5.0,
+        max_pending: int = 64,
     ) -> None:
         self.pipeline = pipeline
         self.buffer = buffer
         self.sender = sender
         self.metrics = metrics
         self.buffer_wait_s = buffer_wait_s
+        self.max_pending = max_pending
+        self.pending = 0
 
     async def Encode(
         self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EncodeReply:
         self.metrics.in_flight.inc()
+        self.pending += 1
         try:
+            if self.pending > self.max_pending:
+                raise EncoderBusyError(
+                    f"this encoder has {self.max_pending} encodes pending, its limit; retry later"
+                )
             reply = await self._encode(request)
         except Exception as exc:
             code = _status_for(exc)
@@ -62,6 +89,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.metrics.requests.labels(code.name.lower()).inc()
             await context.abort(code, str(exc))
         finally:
+            self.pending -= 1
             self.metrics.in_flight.dec()
             self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
         self.metrics.requests.labels("ok").inc()
@@ -83,9 +111,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             return reply
         held = await self.buffer.hold(request.request_id, encoded.images, self.buffer_wait_s)
         try:
-            await self.sender.start(request.request_id, peer, held, encoded.grids)
+            outbound = self.sender.start(request.request_id, peer, held, encoded.grids)
         except BaseException:
             await self.buffer.release(request.request_id)
+            raise
+        try:
+            await asyncio.shield(outbound.done)  # the embeddings have landed
+        except asyncio.CancelledError:
+            self.sender.abort(request.request_id, "the encode caller went away")
             raise
         return reply
 

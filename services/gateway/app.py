@@ -1,4 +1,11 @@
-"""The FastAPI app: /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The FastAPI app: /v1/chat/completions, /v1/models, /health, /metrics.
+
+A request's response starts only once its first token (or its error) is
+known: whatever can fail before that, routing, validation on the language
+instance, the images, is an HTTP status, streaming or not. Admission, the
+in-flight gauge and the status counts live in one ASGI wrapper (InFlight),
+so no path through the app can leave them unbalanced.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +15,18 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.backend import GenerateCall, GenerationBackend
+from services.gateway.backend import GenerateCall, GenerationBackend, Responses
 from services.gateway.errors import ApiError
 from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
@@ -35,11 +43,15 @@ from services.proto import common_pb2, language_pb2
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 FINISH_REASONS = {
     language_pb2.FINISH_REASON_STOP: "stop",
     language_pb2.FINISH_REASON_LENGTH: "length",
     language_pb2.FINISH_REASON_ABORT: "abort",
 }
+GENERATION_PATHS = frozenset({"/v1/chat/completions"})
+CLIENT_LEFT = 499
 
 
 @dataclass
@@ -49,17 +61,52 @@ class Gateway:
     metrics: GatewayMetrics
     registry: CollectorRegistry
     api_key: str = ""
+    max_concurrent_requests: int = 512
+
+
+class InFlight:
+    """ASGI wrapper of the generation endpoints: admits at most `limit` requests
+    at once (429 beyond), and counts each one in flight from its first byte to
+    the end of its response, whatever ends it, a client that leaves included."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        metrics = self.gateway.metrics
+        if self.active >= self.gateway.max_concurrent_requests:
+            metrics.requests.labels("429").inc()
+            limit = self.gateway.max_concurrent_requests
+            busy = ApiError(429, f"the gateway has {limit} requests in flight, its limit")
+            await busy.response()(scope, receive, send)
+            return
+        status = CLIENT_LEFT  # unless a response starts
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        started = time.monotonic()
+        self.active += 1
+        metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            self.active -= 1
+            metrics.in_flight.dec()
+            metrics.requests.labels(str(status)).inc()
+            metrics.latency.observe(time.monotonic() - started)
 
 
 async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCall:
-    models = await gateway.backend.models()
-    if body.model not in models:
-        raise ApiError(
-            404,
-            f"The model `{body.model}` does not exist; served: {', '.join(models) or 'none'}",
-            param="model",
-            code="model_not_found",
-        )
+    await gateway.backend.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     urls = [p.image_url.url for m in body.messages for p in m.parts if isinstance(p, ImagePart)]
@@ -120,22 +167,75 @@ def _check_key(gateway: Gateway, request: Request) -> None:
         raise ApiError(401, "Incorrect or missing API key (Authorization: Bearer ...)")
 
 
+class _ClientLeft(Exception):
+    """The client went away before its response started."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read: only disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """The work's result; if the client leaves first, the work is cancelled
+    (aborting the request downstream) and _ClientLeft raised."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await task
+    raise _ClientLeft
+
+
+async def _first(stream: Responses) -> Any:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        raise ApiError(500, "the language instance ended the stream without completing") from None
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _count(gateway: Gateway, done: language_pb2.GenerateComplete) -> None:
+    gateway.metrics.prompt_tokens.inc(done.prompt_tokens)
+    gateway.metrics.completion_tokens.inc(done.completion_tokens)
+
+
+async def _responses(first: language_pb2.GenerateResponse, stream: Responses) -> Responses:
+    yield first
+    async for response in stream:
+        yield response
+
+
 async def _sse(
-    gateway: Gateway, call: GenerateCall, include_usage: bool, started: float
+    gateway: Gateway,
+    call: GenerateCall,
+    stream: Responses,
+    first: language_pb2.GenerateResponse,
+    include_usage: bool,
+    started: float,
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    first = True
-    status = 200
+    seen_text = False
     try:
         yield _event(
             chunk(call.request_id, call.model, created, {"role": "assistant", "content": ""})
         )
-        async for response in gateway.backend.generate(call):
+        async for response in _responses(first, stream):
             if response.HasField("chunk"):
                 c = response.chunk
-                if first and c.text:
+                if not seen_text and c.text:
                     gateway.metrics.ttft.observe(time.monotonic() - started)
-                    first = False
+                    seen_text = True
                 logprobs = logprob_content(list(c.logprobs)) if call.sampling.logprobs else None
                 if c.text or logprobs:
                     yield _event(
@@ -165,32 +265,23 @@ async def _sse(
                     body["usage"] = usage(done.prompt_tokens, done.completion_tokens)
                     yield _event(body)
         yield "data: [DONE]\n\n"
-    except ApiError as exc:  # headers are sent: the error travels in the stream
-        status = exc.status
+    except ApiError as exc:  # a failure after the response started: it travels in the stream
         yield _event(exc.body())
         yield "data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        status = 499
-        raise
     finally:
-        gateway.metrics.requests.labels(str(status)).inc()
-        gateway.metrics.latency.observe(time.monotonic() - started)
-        gateway.metrics.in_flight.dec()
+        await stream.aclose()  # a client that left mid-stream aborts the request downstream
 
 
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _count(gateway: Gateway, done: language_pb2.GenerateComplete) -> None:
-    gateway.metrics.prompt_tokens.inc(done.prompt_tokens)
-    gateway.metrics.completion_tokens.inc(done.completion_tokens)
-
-
-async def _collect(gateway: Gateway, call: GenerateCall, started: float) -> dict[str, Any]:
+async def _collect(
+    gateway: Gateway,
+    call: GenerateCall,
+    stream: Responses,
+    first: language_pb2.GenerateResponse,
+    started: float,
+) -> dict[str, Any]:
     text: list[str] = []
     logprobs: list[dict[str, Any]] = []
-    async for response in gateway.backend.generate(call):
+    async for response in _responses(first, stream):
         if response.HasField("chunk"):
             if not text:
                 gateway.metrics.ttft.observe(time.monotonic() - started)
@@ -211,13 +302,7 @@ async def _collect(gateway: Gateway, call: GenerateCall, started: float) -> dict
     raise ApiError(500, "the language instance ended the stream without completing")
 
 
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body was read: only disconnect is left)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def create_app(gateway: Gateway) -> FastAPI:
+def create_app(gateway: Gateway) -> ASGIApp:
     app = FastAPI(title="EPD gateway", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -233,39 +318,24 @@ def create_app(gateway: Gateway) -> FastAPI:
         started = time.monotonic()
         _check_key(gateway, request)
         body = await _parse(request)
-        gateway.metrics.in_flight.inc()
+        call = await _prepare(gateway, body)
+        stream = gateway.backend.generate(call)
         try:
-            call = await _prepare(gateway, body)
-        except ApiError as exc:
-            gateway.metrics.in_flight.dec()
-            gateway.metrics.requests.labels(str(exc.status)).inc()
-            raise
-        if body.stream:
-            return StreamingResponse(
-                _sse(gateway, call, body.include_usage, started), media_type="text/event-stream"
+            first = await _unless_disconnected(request, _first(stream))
+            if body.stream:
+                return StreamingResponse(
+                    _sse(gateway, call, stream, first, body.include_usage, started),
+                    media_type="text/event-stream",
+                )
+            reply = await _unless_disconnected(
+                request, _collect(gateway, call, stream, first, started)
             )
-        # A plain response: the request is aborted if the client goes away.
-        work = asyncio.ensure_future(_collect(gateway, call, started))
-        watch = asyncio.ensure_future(_until_disconnected(request))
-        status = 200
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                status = 499
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ApiError):
-                    await work
-                return Response(status_code=499)
-            try:
-                return JSONResponse(work.result())
-            except ApiError as exc:
-                status = exc.status
-                raise
-        finally:
-            watch.cancel()
-            gateway.metrics.requests.labels(str(status)).inc()
-            gateway.metrics.latency.observe(time.monotonic() - started)
-            gateway.metrics.in_flight.dec()
+        except _ClientLeft:
+            return Response(status_code=CLIENT_LEFT)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return JSONResponse(reply)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -278,18 +348,13 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            names = await gateway.backend.models()
-        except ApiError as exc:
-            return JSONResponse({"status": "unavailable", "reason": exc.message}, status_code=503)
-        if not names:
-            return JSONResponse(
-                {"status": "unavailable", "reason": "no language instance"}, status_code=503
-            )
-        return JSONResponse({"status": "ok", "models": names})
+        """200 while something can be served (status ok, or degraded: text only),
+        503 when nothing can; each component's state either way."""
+        report = await gateway.backend.health()
+        return JSONResponse(report, status_code=503 if report["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return InFlight(app, gateway)

@@ -1,15 +1,22 @@
 """Backend: the gateway's gRPC side. Routes a request, then runs
-Encoder.Encode and Language.Generate concurrently; a failed encode cancels the
-generation, and whatever ends a request early aborts it downstream."""
+Encoder.Encode and Language.Generate concurrently.
+
+Encode answers once the embeddings have landed in the language instance.
+If the encoder is unavailable (it died, its Triton is down, it is shutting
+down) before any of them landed, the request fails over: the broker keeps
+it on its language instance, with its preallocation, and names another
+encoder. Any other encode failure ends the generation; whatever ends a
+request early aborts it downstream.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -27,6 +34,11 @@ from services.proto import (
 
 logger = logging.getLogger(__name__)
 
+BROKER_TIMEOUT_S = 5.0
+
+# A request's stream from the language instance, as the gateway consumes it.
+Responses = AsyncGenerator[language_pb2.GenerateResponse, None]
+
 
 class GenerationBackend(Protocol):
     """What the gateway needs from what serves it: the disaggregated stack over
@@ -38,7 +50,12 @@ class GenerationBackend(Protocol):
 
     async def models(self) -> list[str]: ...
 
-    def generate(self, call: GenerateCall) -> AsyncIterator[language_pb2.GenerateResponse]: ...
+    async def check_model(self, model: str) -> None:
+        """ApiError 404 unless the model is served (or known while restarting)."""
+
+    async def health(self) -> dict[str, Any]: ...
+
+    def generate(self, call: GenerateCall) -> Responses: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,22 +67,33 @@ class GenerateCall:
     sampling: common_pb2.SamplingParams
 
 
-def _cancel_on_failure(
-    encode: asyncio.Task[encoder_pb2.EncodeReply], stream: grpc.aio.Call
-) -> None:
-    """An encoder error ends the stream at once instead of leaving the language
-    instance waiting for embeddings that will never come."""
-    if not encode.cancelled() and encode.exception() is not None:
+def _stop_on_failure(encode: asyncio.Task[None], stream: grpc.aio.Call) -> None:
+    """An encode that failed for good ends the stream at once instead of leaving
+    the language instance waiting for embeddings that will never come. (An
+    aborted one does not: the language side aborted it, and its stream says why.)"""
+    if encode.cancelled() or encode.exception() is None:
+        return
+    error = encode.exception()
+    if not (isinstance(error, ApiError) and error.aborted_downstream):
         stream.cancel()
 
 
 class Backend:
     def __init__(
-        self, broker: str, encode_timeout_s: float = 120.0, generate_timeout_s: float = 900.0
+        self,
+        broker: str,
+        encode_timeout_s: float = 60.0,
+        generate_timeout_s: float = 900.0,
+        served_models: Iterable[str] = (),
+        max_failovers: int = 2,
     ) -> None:
         self.broker_address = broker
         self.encode_timeout_s = encode_timeout_s
         self.generate_timeout_s = generate_timeout_s
+        self.max_failovers = max_failovers
+        # Models answered 503 (not 404) while no instance serves them: configured,
+        # or seen served since start.
+        self.known_models = set(served_models)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def start(self) -> None:
@@ -76,33 +104,85 @@ class Backend:
             self._channels[address] = channel(address)
         return self._channels[address]
 
+    @property
+    def _broker(self) -> broker_pb2_grpc.BrokerStub:
+        return broker_pb2_grpc.BrokerStub(self._channel(self.broker_address))
+
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
 
-    async def models(self) -> list[str]:
-        stub = broker_pb2_grpc.BrokerStub(self._channel(self.broker_address))
+    async def _instances(self) -> list[broker_pb2.InstanceInfo]:
         try:
-            reply = await stub.ListInstances(
-                broker_pb2.ListInstancesRequest(role=common_pb2.ROLE_LANGUAGE), timeout=5
+            reply = await self._broker.ListInstances(
+                broker_pb2.ListInstancesRequest(), timeout=BROKER_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc, "broker") from None
-        return sorted({i.registration.model for i in reply.instances})
+        return list(reply.instances)
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[language_pb2.GenerateResponse]:
-        """The language instance's stream; ApiError for anything that fails."""
-        stub = broker_pb2_grpc.BrokerStub(self._channel(self.broker_address))
+    async def models(self) -> list[str]:
+        """Served now, or known to this gateway (an instance may be restarting)."""
+        served = {
+            i.registration.model
+            for i in await self._instances()
+            if i.registration.role == common_pb2.ROLE_LANGUAGE
+        }
+        self.known_models |= served
+        return sorted(self.known_models)
+
+    async def health(self) -> dict[str, Any]:
+        """Each instance's state; ok with a language instance and an available
+        encoder, degraded (text only) without an encoder, unavailable otherwise."""
         try:
-            route = await stub.Route(
-                broker_pb2.RouteRequest(
-                    request_id=call.request_id, model=call.model, needs_encoder=bool(call.images)
-                ),
-                timeout=5,
-            )
+            instances = await self._instances()
+        except ApiError as exc:
+            return {"status": "unavailable", "reason": exc.message, "components": {}}
+        components = {
+            i.registration.instance_id: {
+                "role": common_pb2.Role.Name(i.registration.role).removeprefix("ROLE_").lower(),
+                "model": i.registration.model,
+                "state": "unavailable" if i.load.unavailable else "serving",
+                "requests": i.load.num_requests,
+            }
+            for i in instances
+        }
+        states = {(c["role"], c["state"]) for c in components.values()}
+        if ("language", "serving") not in states:
+            status = "unavailable"
+        elif ("encoder", "serving") not in states:
+            status = "degraded"
+        else:
+            status = "ok"
+        return {"status": status, "components": components}
+
+    async def check_model(self, model: str) -> None:
+        """Asks the broker only about a model this gateway does not know yet."""
+        if model in self.known_models or model in await self.models():
+            return
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist; served: {', '.join(sorted(self.known_models))}"
+            if self.known_models
+            else f"The model `{model}` does not exist; no model is served yet",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def _route(self, request: broker_pb2.RouteRequest) -> broker_pb2.RouteReply:
+        try:
+            return await self._broker.Route(request, timeout=BROKER_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc, "routing") from None
+
+    async def generate(self, call: GenerateCall) -> Responses:
+        """The language instance's stream; ApiError for anything that fails."""
+        route = await self._route(
+            broker_pb2.RouteRequest(
+                request_id=call.request_id, model=call.model, needs_encoder=bool(call.images)
+            )
+        )
         language = language_pb2_grpc.LanguageStub(self._channel(route.language_address))
         stream = language.Generate(
             language_pb2.GenerateRequest(
@@ -110,20 +190,10 @@ class Backend:
             ),
             timeout=self.generate_timeout_s,
         )
-        encode: asyncio.Task[encoder_pb2.EncodeReply] | None = None
+        encode: asyncio.Task[None] | None = None
         if call.images:
-            encoder = encoder_pb2_grpc.EncoderStub(self._channel(route.encoder_address))
-            encode = asyncio.ensure_future(
-                encoder.Encode(
-                    encoder_pb2.EncodeRequest(
-                        request_id=call.request_id,
-                        images=call.images,
-                        language_instance_id=route.language_id,
-                    ),
-                    timeout=self.encode_timeout_s,
-                )
-            )
-            encode.add_done_callback(lambda task: _cancel_on_failure(task, stream))
+            encode = asyncio.ensure_future(self._encode(call, route))
+            encode.add_done_callback(lambda task: _stop_on_failure(task, stream))
         finished = False
         try:
             async for response in stream:
@@ -134,15 +204,10 @@ class Backend:
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc, "language instance") from None
         except asyncio.CancelledError:
-            if (
-                encode is not None
-                and encode.done()
-                and not encode.cancelled()
-                and encode.exception()
-            ):
+            if encode is not None and encode.done() and not encode.cancelled():
                 error = encode.exception()
-                assert isinstance(error, grpc.aio.AioRpcError)
-                raise from_grpc(error, "encoder") from None
+                if isinstance(error, ApiError):
+                    raise error from None
             raise
         finally:
             if not finished:
@@ -151,8 +216,43 @@ class Backend:
             if encode is not None and not encode.done():
                 encode.cancel()
             if encode is not None:
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                with contextlib.suppress(asyncio.CancelledError, ApiError):
                     await encode
+
+    async def _encode(self, call: GenerateCall, route: broker_pb2.RouteReply) -> None:
+        """Encode on the routed encoder, failing over to another while it is unavailable."""
+        encoder_id, address = route.encoder_id, route.encoder_address
+        for attempt in range(self.max_failovers + 1):
+            encoder = encoder_pb2_grpc.EncoderStub(self._channel(address))
+            try:
+                await encoder.Encode(
+                    encoder_pb2.EncodeRequest(
+                        request_id=call.request_id,
+                        images=call.images,
+                        language_instance_id=route.language_id,
+                    ),
+                    timeout=self.encode_timeout_s,
+                )
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_failovers:
+                    raise from_grpc(exc, f"encoder {encoder_id}") from None
+                logger.warning(
+                    "%s: encoder %s unavailable (%s); failing over",
+                    call.request_id,
+                    encoder_id,
+                    exc.details(),
+                )
+            failover = await self._route(
+                broker_pb2.RouteRequest(
+                    request_id=call.request_id,
+                    model=call.model,
+                    needs_encoder=True,
+                    language_id=route.language_id,
+                    failed_encoder_id=encoder_id,
+                )
+            )
+            encoder_id, address = failover.encoder_id, failover.encoder_address
 
     async def _abort(self, language: language_pb2_grpc.LanguageStub, request_id: str) -> None:
         """Belt and braces: a cancelled stream already aborts the request on the

@@ -11,6 +11,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "request_cancelled",
@@ -20,15 +21,32 @@ _TYPES = {
 }
 
 
+# Overload and a component that is down or restarting: worth retrying soon.
+RETRY_AFTER_S = {429: 1, 503: 2}
+
+
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        aborted_downstream: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        # The component that failed was told to give up by another one, whose own
+        # error says why (an encode aborted by the language side).
+        self.aborted_downstream = aborted_downstream
+
+    @property
+    def headers(self) -> dict[str, str]:
+        retry = RETRY_AFTER_S.get(self.status)
+        return {"Retry-After": str(retry)} if retry else {}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -41,15 +59,17 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.NOT_FOUND: 503,  # an instance the broker routed to went away
+    grpc.StatusCode.ABORTED: 503,  # gave up because another component did
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.CANCELLED: 499,
 }
@@ -59,6 +79,7 @@ def from_grpc(error: grpc.aio.AioRpcError, what: str) -> ApiError:
     status = _STATUS.get(error.code(), 500)
     details = error.details() or error.code().name
     code = "context_length_exceeded" if "context length" in details else None
-    if status >= 500:
+    if status >= 429:
         details = f"{what}: {details}"
-    return ApiError(status, details, code=code)
+    aborted = error.code() == grpc.StatusCode.ABORTED
+    return ApiError(status, details, code=code, aborted_downstream=aborted)

@@ -9,14 +9,14 @@ disaggregated stack, so the two compare like for like.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from services.encoder.images import BadImageError, ImageLimits
 from services.encoder.preprocess import Preprocessor
-from services.gateway.backend import GenerateCall
+from services.gateway.backend import GenerateCall, Responses
 from services.gateway.errors import ApiError
 from services.language.engine.engine import (
     AsyncEngine,
@@ -30,7 +30,6 @@ from services.language.servicer import messages_from_proto, responses, sampling_
 from services.model.checkpoint import load_language_weights, load_vision_tower
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
-from services.proto import language_pb2
 
 
 class LocalBackend:
@@ -58,7 +57,19 @@ class LocalBackend:
     async def models(self) -> list[str]:
         return [self.model_name]
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[language_pb2.GenerateResponse]:
+    async def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; served: {self.model_name}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", "components": {"monolithic": {"state": "serving"}}}
+
+    async def generate(self, call: GenerateCall) -> Responses:
         try:
             messages, _ = messages_from_proto(call.messages)
             pre = await self.preprocessor.preprocess(list(enumerate(call.images)))

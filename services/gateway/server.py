@@ -30,6 +30,10 @@ class GatewayConfig:
     limits: ImageLimits = field(default_factory=ImageLimits)
     fetch: FetchPolicy = field(default_factory=FetchPolicy)
     generate_timeout_s: float = 900.0
+    encode_timeout_s: float = 60.0
+    # Answered 503 with Retry-After, not 404, while no instance serves them.
+    served_models: tuple[str, ...] = ()
+    max_concurrent_requests: int = 512  # beyond: 429 with Retry-After
 
 
 class GatewayServer:
@@ -41,11 +45,18 @@ class GatewayServer:
         registry = CollectorRegistry()
         rule = ImageTokenRule.from_checkpoint(config.checkpoint) if config.checkpoint else None
         self.gateway = Gateway(
-            backend=backend or Backend(config.broker, generate_timeout_s=config.generate_timeout_s),
+            backend=backend
+            or Backend(
+                config.broker,
+                encode_timeout_s=config.encode_timeout_s,
+                generate_timeout_s=config.generate_timeout_s,
+                served_models=config.served_models,
+            ),
             images=ImageLoader(config.limits, config.fetch, rule),
             metrics=GatewayMetrics(registry),
             registry=registry,
             api_key=config.api_key,
+            max_concurrent_requests=config.max_concurrent_requests,
         )
         self._server = uvicorn.Server(
             uvicorn.Config(

@@ -24,6 +24,10 @@ class LanguageMetrics:
         self.embedding_blocks_used = gauge(
             "epd_language_embedding_blocks_used", "Embedding pool blocks in use"
         )
+        self.embedding_blocks_quarantined = gauge(
+            "epd_language_embedding_blocks_quarantined",
+            "Embedding blocks given up while an encoder may still write them (in use)",
+        )
         self.embedding_blocks_total = gauge(
             "epd_language_embedding_blocks_total", "Embedding pool blocks"
         )
@@ -64,6 +68,7 @@ class LanguageMetrics:
         receiving: Callable[[], int],
         kv_pages_used: Callable[[], int],
         embedding_blocks_used: Callable[[], int],
+        embedding_blocks_quarantined: Callable[[], int],
     ) -> None:
         """Pool and queue gauges read the live state at scrape time, so they are
         right after an abort too (no step runs then)."""
@@ -72,6 +77,7 @@ class LanguageMetrics:
         self.receiving.set_function(receiving)
         self.kv_pages_used.set_function(kv_pages_used)
         self.embedding_blocks_used.set_function(embedding_blocks_used)
+        self.embedding_blocks_quarantined.set_function(embedding_blocks_quarantined)
 
     def on_step(self, stats: StepStats) -> None:
         """Called from the engine thread after every step."""

@@ -7,11 +7,18 @@
     TransferDone(sent == total) -> SUCCESS: wait() returns the metadata
     take()        -> the embeddings copied out (staged parts + the last part's blocks);
                      the blocks are free again before prefill even starts
-    Abort / PeerLost / timeout / release() -> FAILED, blocks freed
+    PeerLost      -> its encoder is gone before anything landed: forget its meta and
+                     wait, with the same blocks, for the encoder the gateway moves it to
+    Abort / timeout / release() -> FAILED
 
 A request only ever holds one part's blocks, so a small pool slows large
 requests down (more resumes) but never deadlocks them. Allocation waits when
-the pool is full, up to the transfer timeout.
+the pool is full, up to `pool_wait_s`.
+
+Blocks of a request that ends while an encoder may still be writing them
+(it was given them, and its last TransferDone has not come) are quarantined:
+they return to the pool when the encoder says Released, when the encoder is
+lost, or after `quarantine_s`, never while a write can still land.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from services.broker.messages import (
     EmbeddingMeta,
     PeerLost,
     Prealloc,
+    Released,
     Resume,
     TransferDone,
 )
@@ -57,12 +65,22 @@ class Inbound:
     meta: EmbeddingMeta | None = None
     staged: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     num_parts: int = 0
+    num_failovers: int = 0
 
     @property
     def part_tokens(self) -> int:
         """Tokens the current part carries."""
         assert self.meta is not None
         return min(self.meta.total_tokens - self.part_start, self.allocated_tokens)
+
+
+@dataclass(slots=True)
+class Quarantined:
+    """Blocks an encoder may still write into, kept out of the pool."""
+
+    blocks: list[int]
+    encoder_id: str  # "" when the request ended before its meta named the encoder
+    until: float
 
 
 class Receiver:
@@ -74,14 +92,20 @@ class Receiver:
         nixl: NixlReceiver | None = None,
         on_finished: Callable[[TransferState], None] = lambda state: None,
         pool_wait_s: float = 5.0,
+        quarantine_s: float = 15.0,
     ) -> None:
         self.pool = pool
         self.default_allocate_tokens = default_allocate_tokens
         self.timeout_s = timeout_s
         self.pool_wait_s = pool_wait_s
+        self.quarantine_s = quarantine_s
         self.nixl = nixl
         self.link: BrokerLink | None = None
         self.transfers: dict[str, Inbound] = {}
+        self.quarantine: dict[str, Quarantined] = {}
+        # Requests whose data comes over NIXL: read by the NIXL progress thread
+        # (len() only: never iterated there) to poll fast while it is not empty.
+        self.nixl_pending: set[str] = set()
         self._freed = asyncio.Condition()
         self._on_finished = on_finished
         self._tasks: set[asyncio.Task[None]] = set()
@@ -115,15 +139,9 @@ class Receiver:
         async with self._freed:
             self._freed.notify_all()
 
-    def awaiting_nixl(self) -> bool:
-        """Whether an unfinished transfer is (to be) written over NIXL: only then
-        does the target need fast progress polling."""
-        return any(
-            inbound.meta is not None
-            and inbound.meta.transport is Transport.NIXL
-            and not inbound.state.is_finished
-            for inbound in self.transfers.values()
-        )
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(q.blocks) for q in self.quarantine.values())
 
     async def expect(self, request_id: str, hint_tokens: int) -> None:
         """Preallocates for a request whose embeddings an encoder will send."""
@@ -184,13 +202,47 @@ class Receiver:
             if notify and inbound.state is not TransferState.BOOTSTRAPPING:
                 with contextlib.suppress(BrokerUnavailableError):
                     self._send(Abort(request_id, reason))
+        writable = inbound.state in (TransferState.WAITING_FOR_INPUT, TransferState.TRANSFERRING)
         inbound.state = TransferState.FAILED
         if not inbound.done.done():
             inbound.done.set_exception(TransferFailedError(reason))
             inbound.done.exception()  # consumed here if nobody waits
         inbound.staged.clear()
-        await self._free(inbound.blocks)
-        inbound.blocks = []
+        self.nixl_pending.discard(request_id)
+        if self.nixl is not None:
+            self.nixl.forget(request_id)
+        blocks, inbound.blocks = inbound.blocks, []
+        if writable and blocks:  # an encoder was given them: a write may still land
+            encoder = inbound.meta.encoder_instance_id if inbound.meta is not None else ""
+            held = self.quarantine.setdefault(
+                request_id, Quarantined([], encoder, time.monotonic() + self.quarantine_s)
+            )
+            held.blocks += blocks
+            return
+        await self._free(blocks)
+
+    async def _unquarantine(self, request_id: str) -> None:
+        held = self.quarantine.pop(request_id, None)
+        if held is not None:
+            await self._free(held.blocks)
+
+    async def _rewind(self, request_id: str, encoder_id: str) -> None:
+        """The request's encoder is gone and nothing of it had landed: forget that
+        encoder's meta, keep the blocks, wait for the next encoder's."""
+        inbound = self.transfers.get(request_id)
+        if inbound is None or inbound.state.is_finished:
+            return
+        if inbound.num_parts or inbound.staged:
+            await self.release(request_id, f"encoder {encoder_id} was lost mid-transfer")
+            return
+        inbound.meta = None
+        inbound.received_in_part = 0
+        inbound.num_failovers += 1
+        inbound.state = TransferState.WAITING_FOR_INPUT
+        inbound.updated = time.monotonic()
+        self.nixl_pending.discard(request_id)
+        if self.nixl is not None:
+            self.nixl.forget(request_id)
 
     def write_chunk(
         self,
@@ -199,11 +251,17 @@ class Receiver:
         num_tokens: int,
         embeddings: bytes,
         deepstack: bytes,
+        encoder_id: str,
     ) -> None:
         """gRPC data plane: a run of tokens of the current part."""
         inbound = self.transfers.get(request_id)
         if inbound is None or inbound.state.is_finished:
             raise TransferFailedError(f"request {request_id!r} is not receiving")
+        if inbound.meta is not None and inbound.meta.encoder_instance_id != encoder_id:
+            raise TransferFailedError(
+                f"request {request_id!r} is sent by {inbound.meta.encoder_instance_id}, "
+                f"not {encoder_id}"
+            )
         layout = self.pool.layout
         offset = start_token - inbound.part_start
         if offset < 0 or offset + num_tokens > inbound.allocated_tokens:
@@ -234,11 +292,14 @@ class Receiver:
                 self._spawn(self._on_done(inbound, message))
         elif isinstance(message, Abort):
             await self.release(message.request_id, message.reason, notify=False)
+        elif isinstance(message, Released):
+            await self._unquarantine(message.request_id)
         elif isinstance(message, PeerLost):
             for request_id in message.request_ids:
-                await self.release(
-                    request_id, f"encoder {message.instance_id} was lost", notify=False
-                )
+                await self._rewind(request_id, message.instance_id)
+            for request_id, held in list(self.quarantine.items()):
+                if held.encoder_id == message.instance_id:
+                    await self._unquarantine(request_id)
 
     async def _on_meta(self, meta: EmbeddingMeta) -> None:
         inbound = self.transfers.get(meta.request_id)
@@ -267,6 +328,7 @@ class Receiver:
         inbound.meta = meta
         inbound.updated = time.monotonic()
         if meta.transport is Transport.NIXL and self.nixl is not None:
+            self.nixl_pending.add(meta.request_id)
             self.nixl.wake()
 
     async def _on_done(self, inbound: Inbound, done: TransferDone) -> None:
@@ -290,7 +352,8 @@ class Receiver:
                 if self.nixl is None:
                     raise TransferFailedError("NIXL transfer, but this instance has no NIXL agent")
                 await self.nixl.wait_notification(
-                    notification(request_id, done.sent_tokens), self.timeout_s
+                    notification(request_id, inbound.meta.encoder_instance_id, done.sent_tokens),
+                    self.timeout_s,
                 )
         except (TransferFailedError, TimeoutError) as exc:
             await self.release(request_id, str(exc))
@@ -298,6 +361,7 @@ class Receiver:
         inbound.num_parts += 1
         inbound.updated = time.monotonic()
         if done.is_last:
+            self.nixl_pending.discard(request_id)
             inbound.state = TransferState.SUCCESS
             self._on_finished(TransferState.SUCCESS)
             inbound.done.set_result(inbound.meta)
@@ -330,6 +394,9 @@ class Receiver:
 
     async def expire(self) -> None:
         now = time.monotonic()
+        for request_id, held in list(self.quarantine.items()):
+            if now > held.until:
+                await self._unquarantine(request_id)
         for inbound in list(self.transfers.values()):
             if not inbound.state.is_finished and now - inbound.updated > self.timeout_s:
                 await self.release(
@@ -346,5 +413,7 @@ class Receiver:
     async def close(self) -> None:
         for request_id in list(self.transfers):
             await self.release(request_id, "language instance shutting down")
+        for request_id in list(self.quarantine):
+            await self._unquarantine(request_id)
         for task in list(self._tasks):
             task.cancel()

@@ -48,6 +48,9 @@ class LanguageConfig:
     # RESOURCE_EXHAUSTED at once; a request waits at most pool_wait_s for receive blocks.
     max_active_requests: int = 256
     pool_wait_s: float = 5.0
+    # Blocks given up while an encoder may still write them stay out of use until
+    # it says Released, or this long: more than the encoders' write timeout.
+    quarantine_s: float = 15.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -81,6 +84,7 @@ class LanguageServer:
             receiving=lambda: len(self.receiver.transfers),
             kv_pages_used=lambda: engine.blocks.num_used_pages,
             embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
+            embedding_blocks_quarantined=lambda: self.receiver.num_quarantined_blocks,
         )
         self.nixl: NixlReceiver | None = None
         if Transport.NIXL in config.instance.transports and nixl_available():
@@ -92,6 +96,7 @@ class LanguageServer:
             self.nixl,
             on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
             pool_wait_s=config.pool_wait_s,
+            quarantine_s=config.quarantine_s,
         )
         servicer = LanguageServicer(
             self.engine,
@@ -180,7 +185,8 @@ class LanguageServer:
             await self.link.start()
         self._tasks.append(asyncio.create_task(self._expire()))
         if self.nixl is not None:
-            self.nixl.start(busy=self.receiver.awaiting_nixl)
+            pending = self.receiver.nixl_pending
+            self.nixl.start(busy=lambda: bool(pending))
 
     async def _expire(self) -> None:
         while True:

@@ -232,6 +232,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     chunk.num_tokens,
                     chunk.embeddings,
                     chunk.deepstack,
+                    chunk.encoder_instance_id,
                 )
             except TransferFailedError as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))

@@ -3,6 +3,7 @@ and a property-based run over random interleavings."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,14 +13,15 @@ from services.broker.messages import (
     EmbeddingMeta,
     PeerLost,
     Prealloc,
+    Released,
     Resume,
     TransferDone,
 )
-from services.broker.rendezvous import Phase, Rendezvous
+from services.broker.rendezvous import FailoverError, Phase, Rendezvous
 from services.model.processor import ImageGrid
 from services.transfer.transport import Transport
 
-E, L = "enc", "lang"
+E, E2, L = "enc", "enc-2", "lang"
 
 
 def meta(rid: str = "r", total: int = 100) -> EmbeddingMeta:
@@ -74,7 +76,8 @@ def test_parts_resume_and_done() -> None:
 def test_abort_reaches_the_other_side_and_late_halves() -> None:
     r = Rendezvous()
     r.on_prealloc(L, prealloc())
-    assert r.on_abort(L, Abort("r", "client left")) == []  # no encoder known yet
+    # No encoder knows of it yet: nothing to tell, and no write can land in the blocks.
+    assert r.on_abort(L, Abort("r", "client left")) == [(L, Released("r"))]
     out = r.on_meta(E, meta())
     assert out == [(E, Abort("r", "client left"))]
 
@@ -93,7 +96,9 @@ def test_unmatched_half_expires_and_is_aborted() -> None:
     assert r.describe("r") is None
 
 
-def test_lost_instance_notifies_its_peers_once() -> None:
+def test_a_lost_encoder_leaves_its_requests_waiting_for_another() -> None:
+    """Nothing had landed: the language side hears PeerLost once for both, keeps
+    its preallocations, and the next encoder's meta pairs with them."""
     r = Rendezvous()
     for rid in ("a", "b"):
         r.on_meta(E, meta(rid))
@@ -102,7 +107,63 @@ def test_lost_instance_notifies_its_peers_once() -> None:
     assert len(out) == 1
     target, message = out[0]
     assert target == L and isinstance(message, PeerLost) and set(message.request_ids) == {"a", "b"}
-    assert r.active_requests(L) == []
+    assert sorted(r.active_requests(L)) == ["a", "b"]
+    assert r.describe("a").phase is Phase.WAITING and r.describe("a").num_failovers == 1
+    r.reroute("a", E, E2, L)
+    out = r.on_meta(E2, meta("a"))
+    assert {t: type(m) for t, m in out} == {L: EmbeddingMeta, E2: Prealloc}
+
+
+def test_a_lost_encoder_mid_transfer_aborts_the_request() -> None:
+    r = Rendezvous()
+    r.on_meta(E, meta(total=100))
+    r.on_prealloc(L, prealloc(tokens=64))
+    r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))
+    out = r.on_instance_lost(E)
+    assert out == [(L, Abort("r", f"instance {E} was lost"))]
+    assert r.describe("r").phase is Phase.ABORTED
+
+
+def test_a_lost_language_instance_aborts_and_tells_the_encoder() -> None:
+    r = Rendezvous()
+    r.on_meta(E, meta())
+    r.on_prealloc(L, prealloc())
+    assert r.on_instance_lost(L) == [(E, PeerLost(L, ("r",)))]
+    assert r.describe("r").phase is Phase.ABORTED
+
+
+def test_reroute_moves_the_request_and_refuses_the_old_encoders_meta() -> None:
+    r = Rendezvous()
+    r.route("r", E, L)
+    r.on_prealloc(L, prealloc())
+    r.on_meta(E, meta())  # paired: L has E's meta
+    out = r.reroute("r", E, E2, L)
+    assert out == [(L, PeerLost(E, ("r",)))]
+    assert r.on_meta(E, meta()) == [(E, Abort("r", f"the request moved to encoder {E2}"))]
+    out = r.on_meta(E2, meta())
+    assert {t: type(m) for t, m in out} == {L: EmbeddingMeta, E2: Prealloc}
+    relayed = next(m for t, m in out if t == L)
+    assert isinstance(relayed, EmbeddingMeta) and relayed.encoder_instance_id == E2
+
+
+def test_reroute_is_refused_once_part_of_the_request_landed() -> None:
+    r = Rendezvous()
+    r.on_meta(E, meta(total=100))
+    r.on_prealloc(L, prealloc(tokens=64))
+    r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))
+    with pytest.raises(FailoverError, match="part of it has landed") as info:
+        r.reroute("r", E, E2, L)
+    assert sorted(t for t, _ in info.value.deliveries) == [E, L]
+    assert r.describe("r").phase is Phase.ABORTED
+
+
+def test_released_reaches_the_language_side_after_an_abort() -> None:
+    r = Rendezvous()
+    r.on_meta(E, meta())
+    r.on_prealloc(L, prealloc())
+    r.on_abort(L, Abort("r", "client left"))
+    assert r.on_released(E, Released("r")) == [(L, Released("r"))]
+    assert r.on_released(E2, Released("r")) == []  # not this request's encoder
 
 
 def test_mismatched_target_aborts_both() -> None:
@@ -114,7 +175,19 @@ def test_mismatched_target_aborts_both() -> None:
 
 
 EVENTS = st.sampled_from(
-    ["meta", "prealloc", "done", "resume", "abort_e", "abort_l", "lost_e", "lost_l", "tick"]
+    [
+        "meta",
+        "meta_2",
+        "prealloc",
+        "done",
+        "resume",
+        "abort_e",
+        "abort_l",
+        "lost_e",
+        "lost_l",
+        "reroute",
+        "tick",
+    ]
 )
 
 
@@ -129,8 +202,8 @@ def test_random_interleavings_keep_the_invariants(events: list[tuple[int, str]])
     finished: set[str] = set()
     for index, event in events:
         rid = str(index)
-        if event == "meta":
-            out = r.on_meta(E, meta(rid, 100))
+        if event in ("meta", "meta_2"):
+            out = r.on_meta(E if event == "meta" else E2, meta(rid, 100))
         elif event == "prealloc":
             out = r.on_prealloc(L, prealloc(rid, 64))
         elif event == "done":
@@ -142,10 +215,15 @@ def test_random_interleavings_keep_the_invariants(events: list[tuple[int, str]])
             out = r.on_abort(E if event == "abort_e" else L, Abort(rid, "x"))
         elif event in ("lost_e", "lost_l"):
             out = r.on_instance_lost(E if event == "lost_e" else L)
+        elif event == "reroute":
+            try:
+                out = r.reroute(rid, E, E2, L)
+            except FailoverError as exc:
+                out = exc.deliveries
         else:
             clock.now += 2
             out = r.expire()
-        assert all(target in (E, L) for target, _ in out)
+        assert all(target in (E, E2, L) for target, _ in out)
         for rid_, pairing in ((k, r.describe(k)) for k in sent):
             if pairing is None:
                 continue
@@ -155,3 +233,4 @@ def test_random_interleavings_keep_the_invariants(events: list[tuple[int, str]])
                 finished.add(rid_)
             if pairing.phase is Phase.TRANSFERRING:
                 assert pairing.meta is not None and pairing.prealloc is not None
+                assert pairing.meta.encoder_instance_id == pairing.encoder_id

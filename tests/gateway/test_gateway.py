@@ -4,6 +4,7 @@ checked with the official openai client and raw HTTP."""
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.engine import EngineConfig
+from services.ports import free_port
 from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
 from tests.stack import MODEL, start_broker, start_encoder, start_language
@@ -57,7 +59,11 @@ async def test_models_and_health(gateway: GatewayServer) -> None:
     assert [m.id for m in models.data] == [MODEL]
     async with httpx.AsyncClient() as http:
         health = await http.get(gateway.url + "/health")
-        assert health.status_code == 200 and health.json()["models"] == [MODEL]
+    assert health.status_code == 200
+    report = health.json()
+    assert report["status"] == "ok"
+    roles = sorted((c["role"], c["state"], c["model"]) for c in report["components"].values())
+    assert roles == [("encoder", "serving", MODEL), ("language", "serving", MODEL)]
 
 
 async def test_api_key_is_required(gateway: GatewayServer) -> None:
@@ -229,3 +235,122 @@ async def test_metrics_endpoint(gateway: GatewayServer) -> None:
         text = (await http.get(gateway.url + "/metrics")).text
     assert "epd_gateway_requests_total" in text
     assert 'epd_gateway_requests_total{status="200"}' in text
+
+
+async def test_a_stream_over_the_context_length_is_a_400_before_any_byte(
+    gateway: GatewayServer,
+) -> None:
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "messages": [{"role": "user", "content": "word " * 600}],
+    }
+    async with httpx.AsyncClient(headers={"Authorization": "Bearer sesame"}) as http:
+        reply = await http.post(gateway.url + "/v1/chat/completions", json=body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_tiny_temperature_beside_a_live_stream(gateway: GatewayServer) -> None:
+    """temperature=1e-40 samples greedily, and the stream beside it is untouched."""
+    ai = client(gateway)
+    stream = await ai.chat.completions.create(
+        model=MODEL,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Go on and on."}],
+    )
+    chunks = [await anext(stream)]
+    cold = await ai.chat.completions.create(
+        model=MODEL,
+        max_tokens=8,
+        temperature=1e-40,
+        messages=[{"role": "user", "content": "Say hi"}],
+    )
+    greedy = await ai.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Say hi"}]
+    )
+    assert cold.choices[0].message.content == greedy.choices[0].message.content
+    chunks += [c async for c in stream]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_nothing_is_left_in_flight(gateway: GatewayServer) -> None:
+    """After every test above, good and bad requests alike."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(gateway.url + "/metrics")).text
+    assert "epd_gateway_in_flight 0.0" in text
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def without_triton(tiny_checkpoint: Path) -> AsyncIterator[GatewayServer]:
+    """A stack whose encoder's Triton is unreachable, and a gateway that admits one
+    request at a time."""
+    broker = await start_broker()
+    encoder = await start_encoder(
+        tiny_checkpoint, None, broker, triton_url=f"127.0.0.1:{free_port()}", triton_check_s=0.2
+    )
+    language = await start_language(tiny_checkpoint, broker, transports=(Transport.SHM,))
+    server = GatewayServer(
+        GatewayConfig(
+            broker=broker.address,
+            checkpoint=tiny_checkpoint,
+            port=0,
+            served_models=(MODEL,),
+            max_concurrent_requests=1,
+        )
+    )
+    await server.start()
+    yield server
+    await server.stop()
+    for s in (language, encoder, broker):
+        await s.stop()
+
+
+async def test_without_an_encoder_images_get_503_and_text_still_works(
+    without_triton: GatewayServer,
+) -> None:
+    url = without_triton.url
+    async with httpx.AsyncClient(timeout=30) as http:
+        health = await http.get(url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        states = {c["role"]: c["state"] for c in health.json()["components"].values()}
+        assert states == {"encoder": "unavailable", "language": "serving"}
+        image = await http.post(
+            url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [image_part(3)]}],
+            },
+        )
+        assert image.status_code == 503
+        assert image.headers["retry-after"] == "2"
+        assert "no available encoder" in image.json()["error"]["message"]
+        text = await http.post(
+            url + "/v1/chat/completions",
+            json={"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert text.status_code == 200
+
+
+async def test_beyond_the_gateways_limit_is_a_fast_429(without_triton: GatewayServer) -> None:
+    url = without_triton.url + "/v1/chat/completions"
+    long = {
+        "model": MODEL,
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Go on."}],
+    }
+    async with httpx.AsyncClient(timeout=30) as http, http.stream("POST", url, json=long) as busy:
+        assert busy.status_code == 200
+        started = time.monotonic()
+        refused = await http.post(
+            url,
+            json={"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert time.monotonic() - started < 1

@@ -27,12 +27,19 @@ from services.language.server import LanguageServer
 from services.model.checkpoint import load_vision_tower
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
-from services.proto import encoder_pb2
+from services.proto import broker_pb2, encoder_pb2
 from services.transfer.state import TransferFailedError
 from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
 from tests.processes import epd_process
-from tests.stack import encoder_stub, encoder_stub_at, start_broker, start_encoder, start_language
+from tests.stack import (
+    broker_stub,
+    encoder_stub,
+    encoder_stub_at,
+    start_broker,
+    start_encoder,
+    start_language,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -87,13 +94,8 @@ async def receive(
     broker: BrokerServer | None = None,
 ) -> torch.Tensor:
     """Preallocates on L and encodes on E (in either order); returns what landed in L."""
-    encode = encoder_stub(encoder).Encode(
-        encoder_pb2.EncodeRequest(
-            request_id=request_id, images=data, language_instance_id=language.instance_id
-        )
-    )
+    encode = encode_into(encoder, language, request_id, data)
     if meta_first:
-        await encode
         assert broker is not None
 
         def meta_waiting() -> bool:
@@ -101,13 +103,26 @@ async def receive(
             return pairing is not None and pairing.meta is not None and pairing.prealloc is None
 
         await _wait_until(meta_waiting, 5)
-        await language.receiver.expect(request_id, hint)
-    else:
-        await language.receiver.expect(request_id, hint)
-        await encode
+    await language.receiver.expect(request_id, hint)
+    await encode  # Encode answers once the embeddings have landed
     await language.receiver.wait(request_id)
     embeddings, _ = await language.receiver.take(request_id)
     return embeddings
+
+
+def encode_into(
+    encoder: EncoderServer | str, language: LanguageServer | str, request_id: str, data: list[bytes]
+) -> asyncio.Future[encoder_pb2.EncodeReply]:
+    """Encode on an encoder (a server or its address) for a language instance, started now."""
+    stub = encoder_stub(encoder) if isinstance(encoder, EncoderServer) else encoder_stub_at(encoder)
+    target = language.instance_id if isinstance(language, LanguageServer) else language
+    return asyncio.ensure_future(
+        stub.Encode(
+            encoder_pb2.EncodeRequest(
+                request_id=request_id, images=data, language_instance_id=target
+            )
+        )
+    )
 
 
 def assert_pools_full(language: LanguageServer, encoder: EncoderServer) -> None:
@@ -221,20 +236,18 @@ async def test_abort_from_the_language_side_frees_the_encoder(
 ) -> None:
     language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
     try:
-        await encoder_stub(encoder).Encode(
-            encoder_pb2.EncodeRequest(
-                request_id="aborted",
-                images=images(1, 9),
-                language_instance_id=language.instance_id,
-            )
-        )
-        assert "aborted" in encoder.sender.transfers
+        encode = encode_into(encoder, language, "aborted", images(1, 9))
+        await _wait_until(lambda: "aborted" in encoder.sender.transfers, 5)
         await language.receiver.expect("aborted", 0)
         await language.receiver.release("aborted", "client went away")
-        for _ in range(100):
-            if not encoder.sender.transfers:
-                break
-            await asyncio.sleep(0.02)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await encode
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        assert "client went away" in info.value.details()
+        await _wait_until(
+            lambda: not encoder.sender._closing and language.pool.allocator.num_used_blocks == 0,
+            5,
+        )
         assert_pools_full(language, encoder)
     finally:
         await language.stop()
@@ -265,34 +278,54 @@ def encoder_process_args(
     ]  # fmt: skip
 
 
-async def test_killed_encoder_frees_the_language_blocks(
-    tiny_checkpoint: Path, triton: TritonServer, broker: BrokerServer, tmp_path: Path
+async def test_a_killed_encoder_fails_over_to_another(
+    tiny_checkpoint: Path,
+    triton: TritonServer,
+    broker: BrokerServer,
+    encoder: EncoderServer,
+    tmp_path: Path,
 ) -> None:
+    """The encoder announced the embeddings and the language side took its meta,
+    then it died before any data moved: the language side forgets that meta and
+    keeps its blocks, the broker moves the request to another encoder, and the
+    embeddings arrive exact."""
     language = await language_with(
         tiny_checkpoint, broker, (Transport.SHM,), transfer_timeout_s=30.0
     )
     args = encoder_process_args(tiny_checkpoint, broker, triton, "doomed-encoder")
+    data = images(1, 11)
     try:
         with epd_process(args, tmp_path / "encoder.log") as process:
             await _wait_until(lambda: broker.broker.registry.get("doomed-encoder") is not None, 60)
             address = broker.broker.registry.get("doomed-encoder").registration.grpc_address
-            stub = encoder_stub_at(address)
-            # The encoder announces the embeddings, then dies before any data moves.
-            await stub.Encode(
-                encoder_pb2.EncodeRequest(
-                    request_id="orphan",
-                    images=images(1, 11),
-                    language_instance_id=language.instance_id,
-                )
-            )
+            first = encode_into(address, language, "orphan", data)
             await _wait_until(lambda: has_meta(broker, "orphan"), 5)
+            os.killpg(process.pid, signal.SIGSTOP)  # it will never see the preallocation
+            await language.receiver.expect("orphan", 0)
+            await _wait_until(lambda: language.receiver.transfers["orphan"].meta is not None, 5)
             os.killpg(process.pid, signal.SIGKILL)
             await _wait_until(lambda: broker.broker.registry.get("doomed-encoder") is None, 10)
-        await language.receiver.expect("orphan", 0)
-        assert language.pool.allocator.num_used_blocks > 0
-        with pytest.raises(TransferFailedError, match="doomed-encoder was lost"):
-            await asyncio.wait_for(language.receiver.wait("orphan"), 5)
-        await _wait_until(lambda: language.pool.allocator.num_used_blocks == 0, 5)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await first
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        await _wait_until(lambda: language.receiver.transfers["orphan"].meta is None, 5)
+        blocks = list(language.receiver.transfers["orphan"].blocks)
+        route = await broker_stub(broker).Route(
+            broker_pb2.RouteRequest(
+                request_id="orphan",
+                model="demo-tiny",
+                needs_encoder=True,
+                language_id=language.instance_id,
+                failed_encoder_id="doomed-encoder",
+            )
+        )
+        assert route.encoder_id == encoder.instance_id
+        await encode_into(encoder, language, "orphan", data)
+        await language.receiver.wait("orphan")
+        assert language.receiver.transfers["orphan"].blocks == blocks  # the same preallocation
+        got, _ = await language.receiver.take("orphan")
+        assert torch.equal(got, tower_output(tiny_checkpoint, data))
+        assert broker.broker.rendezvous.describe("orphan").num_failovers == 1
         language.pool.allocator.check_integrity()
     finally:
         await language.stop()
@@ -320,14 +353,14 @@ async def test_killed_language_frees_the_encoder_buffer(
     ]
     with epd_process(args, tmp_path / "language.log") as process:
         await _wait_until(lambda: "doomed-language" in encoder.sender.peers, 60)
-        await encoder_stub(encoder).Encode(
-            encoder_pb2.EncodeRequest(
-                request_id="stranded", images=images(1, 12), language_instance_id="doomed-language"
-            )
-        )
-        assert encoder.buffer.pool.allocator.num_used_blocks > 0
+        encode = encode_into(encoder, "doomed-language", "stranded", images(1, 12))
         await _wait_until(lambda: has_meta(broker, "stranded"), 5)
+        assert encoder.buffer.pool.allocator.num_used_blocks > 0
         os.killpg(process.pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await encode
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        assert "doomed-language was lost" in info.value.details()
         await _wait_until(lambda: encoder.buffer.pool.allocator.num_used_blocks == 0, 10)
     assert "stranded" not in encoder.sender.transfers
     assert "doomed-language" not in encoder.sender.peers
@@ -349,20 +382,18 @@ async def test_hung_encoder_times_out_on_the_language_side(
         with epd_process(args, tmp_path / "encoder.log") as process:
             await _wait_until(lambda: broker.broker.registry.get("frozen-encoder") is not None, 60)
             address = broker.broker.registry.get("frozen-encoder").registration.grpc_address
-            await encoder_stub_at(address).Encode(
-                encoder_pb2.EncodeRequest(
-                    request_id="hung",
-                    images=images(1, 13),
-                    language_instance_id=language.instance_id,
-                )
-            )
+            encode = encode_into(address, language, "hung", images(1, 13))
+            await _wait_until(lambda: has_meta(broker, "hung"), 5)
             os.killpg(process.pid, signal.SIGSTOP)  # alive, but answers nothing
             await language.receiver.expect("hung", 0)
             started = asyncio.get_running_loop().time()
             with pytest.raises(TransferFailedError, match="did not arrive within"):
                 await asyncio.wait_for(language.receiver.wait("hung"), 10)
             assert asyncio.get_running_loop().time() - started < 5
-            assert language.pool.allocator.num_used_blocks == 0
+            # It may still write into them: quarantined until the broker declares it lost.
+            assert language.receiver.num_quarantined_blocks > 0
+            await _wait_until(lambda: language.pool.allocator.num_used_blocks == 0, 10)
+            encode.cancel()
     finally:
         await language.stop()
 

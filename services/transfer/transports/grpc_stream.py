@@ -20,7 +20,8 @@ CHUNK_BYTES = 4 * 1024 * 1024
 class GrpcWriter:
     transport = Transport.GRPC
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
+    def __init__(self, instance_id: str, timeout_s: float = 60.0) -> None:
+        self.instance_id = instance_id  # named in every chunk: the receiver checks the sender
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -44,6 +45,7 @@ class GrpcWriter:
                     request_id=part.request_id,
                     start_token=start,
                     num_tokens=n,
+                    encoder_instance_id=self.instance_id,
                     embeddings=tensor_bytes(
                         read_tokens(source.embeddings, part.src_blocks, bs, start, n)
                     ),

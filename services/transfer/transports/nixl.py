@@ -2,7 +2,8 @@
 memory or TCP on one CPU host). The language pool is registered once at
 start-up and its agent metadata travels in the broker registration; the encoder
 registers its send buffer once and WRITEs one descriptor per contiguous run,
-with "request_id:sent_tokens" as the notification.
+with "request_id:encoder_id:sent_tokens" as the notification (naming the
+sender: a request that moved to another encoder never takes the old one's).
 
 Agents run without NIXL's progress thread: it spins a whole core even when idle
 (measured here: 3.0 CPU-seconds per 3 s). The initiator makes progress by
@@ -15,6 +16,7 @@ timers have a 1 ms floor), so the agents are created thread-safe."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +29,8 @@ from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, Run, copy_runs
 from services.transfer.transport import NixlEndpoint, Transport
 from services.transfer.transports.base import Part, check_compatible, receiver_layout
+
+logger = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.00005
 IDLE_POLL_S = 0.02
@@ -48,13 +52,18 @@ def _api() -> Any:
     return api
 
 
-def notification(request_id: str, sent_tokens: int) -> bytes:
-    return f"{request_id}:{sent_tokens}".encode()
+def notification(request_id: str, encoder_id: str, sent_tokens: int) -> bytes:
+    return f"{request_id}:{encoder_id}:{sent_tokens}".encode()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():  # a waiter that timed out has cancelled it
         future.set_result(None)
+
+
+def _fail(future: asyncio.Future[None], error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 def _memory_type(tensor: torch.Tensor) -> str:
@@ -117,23 +126,47 @@ class NixlReceiver:
 
     def start(self, busy: Callable[[], bool]) -> None:
         """Starts the progress thread; `busy()` says whether transfers are pending."""
-
-        def run() -> None:
-            while not self._stop.is_set():
-                if busy():
-                    time.sleep(BUSY_POLL_S)
-                else:
-                    self._wake.wait(IDLE_POLL_S)
-                    self._wake.clear()
-                notifications = self.agent.agent.get_new_notifs()
-                if notifications:
-                    with self._lock:
-                        for messages in notifications.values():
-                            for message in messages:
-                                self._arrived(message)
-
-        self._thread = threading.Thread(target=run, name="nixl-progress", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(busy,), name="nixl-progress", daemon=True
+        )
         self._thread.start()
+
+    def _run(self, busy: Callable[[], bool]) -> None:
+        """Never dies on an error: it logs it, fails the transfers waiting right
+        now (their data may never be seen), and goes on polling."""
+        while not self._stop.is_set():
+            try:
+                self._poll(busy())
+            except Exception as exc:
+                logger.exception("NIXL progress failed; failing the waiting transfers")
+                self._fail_waiters(exc)
+                time.sleep(IDLE_POLL_S)
+
+    def _poll(self, busy: bool) -> None:
+        if busy:
+            time.sleep(BUSY_POLL_S)
+        else:
+            self._wake.wait(IDLE_POLL_S)
+            self._wake.clear()
+        notifications = self.agent.agent.get_new_notifs()
+        if notifications:
+            with self._lock:
+                for messages in notifications.values():
+                    for message in messages:
+                        self._arrived(message)
+
+    def _fail_waiters(self, exc: Exception) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, {}
+        error = RuntimeError(f"NIXL progress failed: {exc}")
+        for loop, future in waiters.values():
+            loop.call_soon_threadsafe(_fail, future, error)
+
+    def forget(self, request_id: str) -> None:
+        """Drops notifications kept for a request that ended (or changed encoder)."""
+        prefix = f"{request_id}:".encode()
+        with self._lock:
+            self._seen = {m for m in self._seen if not m.startswith(prefix)}
 
     def wake(self) -> None:
         """A transfer is about to start: poll fast from now on."""
@@ -178,8 +211,9 @@ class NixlReceiver:
 class NixlWriter:
     transport = Transport.NIXL
 
-    def __init__(self, name: str, source: EmbeddingPool, timeout_s: float = 60.0) -> None:
-        self.agent = NixlAgent(name, source.tensors)
+    def __init__(self, instance_id: str, source: EmbeddingPool, timeout_s: float = 60.0) -> None:
+        self.instance_id = instance_id
+        self.agent = NixlAgent(f"epd-{instance_id}", source.tensors)
         self.timeout_s = timeout_s
         self._peers: dict[str, str] = {}
 
@@ -232,7 +266,7 @@ class NixlWriter:
             )
             src += deep_src
             dst += deep_dst
-        message = notification(part.request_id, part.start + part.count)
+        message = notification(part.request_id, self.instance_id, part.start + part.count)
         await asyncio.to_thread(
             self._transfer,
             src,

@@ -27,12 +27,14 @@ class Register(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., instance_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., pool: _Optional[_Union[_common_pb2.PoolDescriptor, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("num_requests", "free_blocks")
+    __slots__ = ("num_requests", "free_blocks", "unavailable")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     free_blocks: int
-    def __init__(self, num_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    unavailable: bool
+    def __init__(self, num_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class EmbeddingMeta(_message.Message):
     __slots__ = ("request_id", "language_instance_id", "encoder_instance_id", "total_tokens", "grids", "hidden_size", "dtype", "deepstack_levels", "transport")
@@ -100,6 +102,12 @@ class Abort(_message.Message):
     reason: str
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class Released(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
 class Registered(_message.Message):
     __slots__ = ("instance_id", "heartbeat_interval_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -123,7 +131,7 @@ class PeerLost(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "meta", "prealloc", "transfer_done", "resume", "abort")
+    __slots__ = ("register", "heartbeat", "meta", "prealloc", "transfer_done", "resume", "abort", "released")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +139,7 @@ class PeerMessage(_message.Message):
     TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     meta: EmbeddingMeta
@@ -138,10 +147,11 @@ class PeerMessage(_message.Message):
     transfer_done: TransferDone
     resume: Resume
     abort: Abort
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    released: Released
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ...) -> None: ...
 
 class BrokerMessage(_message.Message):
-    __slots__ = ("registered", "meta", "prealloc", "transfer_done", "resume", "abort", "peer_lost", "instance_joined")
+    __slots__ = ("registered", "meta", "prealloc", "transfer_done", "resume", "abort", "peer_lost", "instance_joined", "released")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     PREALLOC_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +160,7 @@ class BrokerMessage(_message.Message):
     ABORT_FIELD_NUMBER: _ClassVar[int]
     PEER_LOST_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_JOINED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     meta: EmbeddingMeta
     prealloc: Prealloc
@@ -158,7 +169,8 @@ class BrokerMessage(_message.Message):
     abort: Abort
     peer_lost: PeerLost
     instance_joined: InstanceJoined
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., instance_joined: _Optional[_Union[InstanceJoined, _Mapping]] = ...) -> None: ...
+    released: Released
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., instance_joined: _Optional[_Union[InstanceJoined, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
     __slots__ = ("registration", "load", "seconds_since_heartbeat")
@@ -171,14 +183,18 @@ class InstanceInfo(_message.Message):
     def __init__(self, registration: _Optional[_Union[Register, _Mapping]] = ..., load: _Optional[_Union[Heartbeat, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "needs_encoder")
+    __slots__ = ("request_id", "model", "needs_encoder", "language_id", "failed_encoder_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NEEDS_ENCODER_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     needs_encoder: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ...) -> None: ...
+    language_id: str
+    failed_encoder_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ...) -> None: ...
 
 class RouteReply(_message.Message):
     __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport")
@@ -213,7 +229,7 @@ class DescribeRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class RequestDescription(_message.Message):
-    __slots__ = ("request_id", "phase", "encoder_id", "language_id", "has_meta", "has_prealloc", "sent_tokens", "total_tokens", "num_resumes", "abort_reason", "age_s")
+    __slots__ = ("request_id", "phase", "encoder_id", "language_id", "has_meta", "has_prealloc", "sent_tokens", "total_tokens", "num_resumes", "abort_reason", "age_s", "num_failovers")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[RequestDescription.Phase]
@@ -239,6 +255,7 @@ class RequestDescription(_message.Message):
     NUM_RESUMES_FIELD_NUMBER: _ClassVar[int]
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: RequestDescription.Phase
     encoder_id: str
@@ -250,4 +267,5 @@ class RequestDescription(_message.Message):
     num_resumes: int
     abort_reason: str
     age_s: float
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[RequestDescription.Phase, str]] = ..., encoder_id: _Optional[str] = ..., language_id: _Optional[str] = ..., has_meta: _Optional[bool] = ..., has_prealloc: _Optional[bool] = ..., sent_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., num_resumes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
+    num_failovers: int
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[RequestDescription.Phase, str]] = ..., encoder_id: _Optional[str] = ..., language_id: _Optional[str] = ..., has_meta: _Optional[bool] = ..., has_prealloc: _Optional[bool] = ..., sent_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., num_resumes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., age_s: _Optional[float] = ..., num_failovers: _Optional[int] = ...) -> None: ...
