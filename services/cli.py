@@ -297,6 +297,8 @@ def _serve(args: argparse.Namespace) -> int:
             encoder_cpus=args.encoder_cpus,
             language_cpus=args.language_cpus,
             encoder_nice=args.encoder_nice,
+            max_restarts=args.max_restarts,
+            restart_window_s=args.restart_window,
         )
     )
 
@@ -512,6 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="niceness for Triton and the encoders (e.g. 10): the language "
         "engine gets the CPU first when they contend",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="a component that dies is restarted; this many restarts within "
+        "--restart-window seconds stop the stack",
+    )
+    p.add_argument("--restart-window", type=float, default=60.0)
     p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
     p.set_defaults(handler=_serve)
     return parser

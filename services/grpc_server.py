@@ -23,12 +23,17 @@ _SIZES = [
 ]
 # A peer that stops answering (a hung or frozen process keeps its TCP connection
 # up) fails its calls after ~keepalive time + timeout instead of at their deadline.
+# A peer that restarts is reached again within a second of serving (the default
+# reconnect backoff grows to two minutes).
 CHANNEL_OPTIONS = [
     *_SIZES,
     ("grpc.keepalive_time_ms", 5000),
     ("grpc.keepalive_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 SERVER_OPTIONS = [
     *_SIZES,

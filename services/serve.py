@@ -1,10 +1,16 @@
-"""`epd serve`: the whole stack on this machine, as child processes.
+"""`epd serve`: the whole stack on this machine, as supervised child processes.
 
 Starts tritonserver, the broker, the encoder and language instances and the
 gateway, waits for every health check while showing progress, prints the
-endpoints, and on Ctrl-C / SIGTERM stops everything in reverse order. If a
-component dies or never becomes healthy, it stops the rest and shows that
-component's log tail.
+endpoints, and on Ctrl-C / SIGTERM stops everything in reverse order. A
+component that fails to come up stops the start with its log tail.
+
+Once up, a component that dies is restarted on its own (its exit cause and
+log tail shown), after a backoff that doubles with each recent restart; the
+others keep serving, and restarted instances attach to the broker again. A
+component that keeps dying (`max_restarts` within `restart_window_s`) stops
+the stack. Each component creates its shared memory under a prefix of its
+own, which is swept before it restarts and when the stack stops.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -65,14 +72,22 @@ class Component:
     cpus: str = ""
     nice: int = 0
     process: subprocess.Popen[bytes] | None = None
+    shm_prefix: str = ""  # its shared-memory segments' names start with this
+    restarts: list[float] = field(default_factory=list)  # when it was restarted
+    restart_at: float | None = None  # a restart is due then
+    ready: bool = False  # healthy since its last start
 
     def start(self, environment: dict[str, str]) -> None:
+        environment = {**environment, env.SHM_PREFIX.name: self.shm_prefix}
         if self.cpus:
             environment = {**environment, env.CPUS.name: self.cpus}
         if self.nice:
             environment = {**environment, env.NICE.name: str(self.nice)}
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("wb") as out:
+        self.ready = False
+        with self.log.open("ab") as out:  # a restart appends: the crash stays readable
+            out.write(f"=== {self.name} started at {time.strftime('%H:%M:%S')} ===\n".encode())
+            out.flush()
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", *self.args],
                 stdout=out,
@@ -86,6 +101,15 @@ class Component:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def exit_cause(self) -> str:
+        code = self.process.returncode if self.process is not None else None
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
     def tail(self, lines: int = 25) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -93,16 +117,17 @@ class Component:
             return "(no log)"
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+                os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout_s)
+        # What is left of its process group when it was killed on its own.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +155,18 @@ class StackConfig:
     encoder_cpus: str = ""
     language_cpus: str = ""
     encoder_nice: int = 0  # > 0: Triton and the encoders yield the CPU to the language engine
+    # Supervision: a component that dies is restarted after restart_backoff_s,
+    # doubled for each restart within restart_window_s (at most 10 s); the stack
+    # stops when one is restarted max_restarts times within the window.
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
+    restart_backoff_s: float = 0.5
 
     def metrics_port(self, port: int) -> int:
         return port + self.metrics_offset
+
+    def restart_delay(self, recent: int) -> float:
+        return float(min(self.restart_backoff_s * 2**recent, 10.0))
 
 
 def _instance(config: StackConfig, role: str, index: int, port: int, extra: list[str]) -> Component:
@@ -240,16 +274,19 @@ class Stack:
     # whatever a crashed child leaves is removed when the stack stops.
     shm_prefix: str = field(default_factory=lambda: f"epd_{secrets.token_hex(3)}_")
 
+    environment: dict[str, str] = field(default_factory=dict)
+
     def start(self) -> None:
         self.parts = components(self.config)
-        environment = {**os.environ, env.SHM_PREFIX.name: self.shm_prefix}
+        self.environment = dict(os.environ)
         if not self.config.monolithic:
             # Several torch processes share these cores: idle OpenMP threads must
             # sleep, not spin on a core another process needs (measured: image
             # TTFT halves, text TPOT p99 drops ~20% on 2 cores).
-            environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            self.environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for part in self.parts:  # all at once: they come up in parallel
-            part.start(environment)
+            part.shm_prefix = f"{self.shm_prefix}{part.name}_"
+            part.start(self.environment)
         started = time.monotonic()
         for part in self.parts:
             self.say(f"  {part.name:<12} starting ...")
@@ -264,10 +301,40 @@ class Stack:
                         f"{part.name} not healthy after {limit:.0f}s; its log:\n{part.tail()}"
                     )
                 time.sleep(0.2)
+            part.ready = True
             self.say(f"  {part.name:<12} ready ({time.monotonic() - started:.1f}s)")
 
-    def dead(self) -> Component | None:
-        return next((p for p in self.parts if not p.alive), None)
+    def watch(self) -> None:
+        """One round of supervision: restarts what died (when its backoff is over)
+        and says when it serves again; StackError when one keeps dying."""
+        now = time.monotonic()
+        config = self.config
+        for part in self.parts:
+            if part.restart_at is not None:
+                if now >= part.restart_at:
+                    part.restart_at = None
+                    part.stop()  # what is left of its process group
+                    remove_segments(part.shm_prefix)  # and of its shared memory
+                    part.start(self.environment)
+            elif not part.alive:
+                recent = [t for t in part.restarts if now - t < config.restart_window_s]
+                if len(recent) >= config.max_restarts:
+                    raise StackError(
+                        f"{part.name} keeps failing: {len(recent)} restarts within "
+                        f"{config.restart_window_s:.0f}s, last {part.exit_cause}; "
+                        f"its log ({part.log}):\n{part.tail()}"
+                    )
+                delay = config.restart_delay(len(recent))
+                part.restarts = [*recent, now]
+                part.restart_at = now + delay
+                self.say(
+                    f"{part.name} exited ({part.exit_cause}); restarting in {delay:.1f}s "
+                    f"(restart {len(recent) + 1} of {config.max_restarts} allowed within "
+                    f"{config.restart_window_s:.0f}s). Its log ({part.log}):\n{part.tail()}"
+                )
+            elif not part.ready and part.healthy():
+                part.ready = True
+                self.say(f"{part.name} is serving again")
 
     def stop(self) -> None:
         for part in reversed(self.parts):
@@ -311,7 +378,7 @@ def banner(config: StackConfig) -> str:
 
 
 def run(config: StackConfig) -> int:
-    """Runs the stack until SIGINT/SIGTERM or until a component dies."""
+    """Runs the stack until SIGINT/SIGTERM, or until a component keeps dying."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -333,30 +400,30 @@ def run(config: StackConfig) -> int:
     print(banner(config), flush=True)
     try:
         while not stop.wait(0.5):
-            dead = stack.dead()
-            if dead is not None:
-                print(
-                    f"error: {dead.name} exited; its log:\n{dead.tail()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
+            stack.watch()
         print("stopping ...", flush=True)
         return 0
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         stack.stop()
         print("stopped.", flush=True)
 
 
-def launch(args: list[str], timeout_s: float = 300.0) -> subprocess.Popen[str]:
+def launch(
+    args: list[str], timeout_s: float = 300.0, command: Sequence[str] | None = None, **popen: Any
+) -> subprocess.Popen[str]:
     """`epd serve ARGS` as a child process, returned once it serves; its banner
-    has been read. For tests and benchmarks that drive the stack as a user does."""
+    has been read. For tests and benchmarks that drive the stack as a user does
+    (`command` replaces `python -m services.cli`, `popen` goes to Popen)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", *args],
+        [*(command or (sys.executable, "-m", "services.cli")), "serve", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         preexec_fn=die_with_parent,
+        **popen,
     )
     assert process.stdout is not None
     output: list[str] = []

@@ -64,3 +64,8 @@ def test_gpus_ipc_and_the_model_volume(config: dict[str, Any]) -> None:
         True,
     )
     assert "--model-config-name=gpu" in services["triton"]["command"]
+
+
+def test_every_service_restarts_when_it_dies(config: dict[str, Any]) -> None:
+    for name in ("triton", "broker", "encoder", "language", "gateway"):
+        assert config["services"][name]["restart"] == "unless-stopped", name

@@ -35,6 +35,7 @@ from services.proto import (
 logger = logging.getLogger(__name__)
 
 BROKER_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0  # for a channel that is not connected (its peer just restarted)
 
 # A request's stream from the language instance, as the gateway consumes it.
 Responses = AsyncGenerator[language_pb2.GenerateResponse, None]
@@ -99,14 +100,19 @@ class Backend:
     async def start(self) -> None:
         """Nothing to start: channels open on first use."""
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = channel(address)
-        return self._channels[address]
+    async def _channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to the address, given a moment to connect if it is not: an
+        instance that restarted is served again instead of failed fast."""
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        if ch.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)
+        return ch
 
-    @property
-    def _broker(self) -> broker_pb2_grpc.BrokerStub:
-        return broker_pb2_grpc.BrokerStub(self._channel(self.broker_address))
+    async def _broker(self) -> broker_pb2_grpc.BrokerStub:
+        return broker_pb2_grpc.BrokerStub(await self._channel(self.broker_address))
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -115,7 +121,7 @@ class Backend:
 
     async def _instances(self) -> list[broker_pb2.InstanceInfo]:
         try:
-            reply = await self._broker.ListInstances(
+            reply = await (await self._broker()).ListInstances(
                 broker_pb2.ListInstancesRequest(), timeout=BROKER_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
@@ -172,7 +178,7 @@ class Backend:
 
     async def _route(self, request: broker_pb2.RouteRequest) -> broker_pb2.RouteReply:
         try:
-            return await self._broker.Route(request, timeout=BROKER_TIMEOUT_S)
+            return await (await self._broker()).Route(request, timeout=BROKER_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc, "routing") from None
 
@@ -183,7 +189,7 @@ class Backend:
                 request_id=call.request_id, model=call.model, needs_encoder=bool(call.images)
             )
         )
-        language = language_pb2_grpc.LanguageStub(self._channel(route.language_address))
+        language = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
         stream = language.Generate(
             language_pb2.GenerateRequest(
                 request_id=call.request_id, messages=call.messages, sampling=call.sampling
@@ -202,7 +208,7 @@ class Backend:
                 yield response
             finished = True
         except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc, "language instance") from None
+            raise from_grpc(exc, f"language instance {route.language_id}") from None
         except asyncio.CancelledError:
             if encode is not None and encode.done() and not encode.cancelled():
                 error = encode.exception()
@@ -223,7 +229,7 @@ class Backend:
         """Encode on the routed encoder, failing over to another while it is unavailable."""
         encoder_id, address = route.encoder_id, route.encoder_address
         for attempt in range(self.max_failovers + 1):
-            encoder = encoder_pb2_grpc.EncoderStub(self._channel(address))
+            encoder = encoder_pb2_grpc.EncoderStub(await self._channel(address))
             try:
                 await encoder.Encode(
                     encoder_pb2.EncodeRequest(

@@ -278,15 +278,17 @@ class TritonServer:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+        if process is not None:
+            if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                    os.killpg(process.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=timeout_s)
+            # Whatever is left of its group: the Python backend's stubs outlive a
+            # tritonserver that was killed, holding their memory.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
         if self._log_thread is not None:
             self._log_thread.join(timeout=2)
         remove_segments(self._shm_prefix)

@@ -1,0 +1,155 @@
+"""SIGKILL each component of a loaded stack in turn (Triton, an encoder, a
+language instance, the broker): the stack stays up, only requests that touched
+the dead component fail, each within a bounded time and with a 5xx JSON error,
+the component comes back and serves, and afterwards every pool is whole and
+no shared memory is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+
+from services.transfer.shared_memory import SHM_DIR
+from tests.chaos.conftest import BOUND_S, Load, Outcome, Stack, chat_body, wait_for
+from tests.chaos.test_burst import pools_are_whole
+
+RECOVERY_S = 90.0
+
+
+def _kill(stack: Stack, *markers: str) -> float:
+    os.kill(stack.pid(*markers), signal.SIGKILL)
+    return time.monotonic()
+
+
+def _assert_failures_are_clean(outcomes: list[Outcome]) -> None:
+    for o in outcomes:
+        assert o.seconds < BOUND_S, f"{o.kind} took {o.seconds:.1f}s"
+        if o.status == 200:
+            continue
+        assert o.status in (502, 503, 504), o
+        assert isinstance(o.body, dict) and o.body["error"]["message"], o
+        if o.status == 503:
+            assert o.retry_after, o
+
+
+def _recovered(stack: Stack, name: str, instances: int = 4) -> None:
+    wait_for(lambda: stack.healthy(name), RECOVERY_S, f"{name} healthy")
+    wait_for(
+        lambda: sorted(stack.serving().values()) == ["serving"] * instances,
+        RECOVERY_S,
+        "every instance registered and serving",
+    )
+
+
+def _served_after(load: Load, moment: float, kinds: tuple[str, ...] = ("text", "image")) -> None:
+    """Requests started after the recovery all succeed."""
+    deadline = time.monotonic() + RECOVERY_S
+    while time.monotonic() < deadline:
+        after = [o for o in load.outcomes if o.started > moment]
+        if all(sum(o.kind == k and o.status == 200 for o in after) >= 3 for k in kinds):
+            break
+        time.sleep(0.2)
+    after = [o for o in load.outcomes if o.started > moment]
+    assert after and all(o.status == 200 for o in after), [o for o in after if o.status != 200]
+
+
+def test_the_stack_came_up_from_an_activated_venv(stack: Stack) -> None:
+    """`source .venv/bin/activate && epd serve`: Triton's stub used to load the
+    wrong Python's standard library and the stack never came up."""
+    assert stack.healthy("triton")
+    assert sorted(stack.serving().values()) == ["serving"] * 4
+
+
+def test_triton_killed(stack: Stack) -> None:
+    """Images fail fast with 503 while Triton restarts; text never notices."""
+    with Load(stack.url) as load:
+        time.sleep(2)
+        killed = _kill(stack, "bin/tritonserver", f"--grpc-port={stack.ports['triton_grpc']}")
+        wait_for(lambda: not stack.healthy("triton"), 10, "triton down")
+        _recovered(stack, "triton")
+        back = time.monotonic()
+        _served_after(load, back)
+    during = [o for o in load.outcomes if o.ended > killed]
+    _assert_failures_are_clean(during)
+    assert all(o.status == 200 for o in during if o.kind == "text")
+    assert any(o.status == 503 for o in during if o.kind == "image"), "images did need Triton"
+
+
+def test_an_encoder_killed_fails_over(stack: Stack) -> None:
+    """With a second encoder, the image requests that were on it move to the other
+    one: no request fails."""
+    with Load(stack.url) as load:
+        time.sleep(2)
+        killed = _kill(stack, "services.cli encoder", "--instance-id encoder-0")
+        _recovered(stack, "encoder-0")
+        _served_after(load, time.monotonic())
+    during = [o for o in load.outcomes if o.ended > killed]
+    assert all(o.status == 200 for o in during), [o for o in during if o.status != 200]
+    assert any("encoder-0 exited (killed by SIGKILL)" in line for line in stack.output)
+
+
+def test_a_language_instance_killed(stack: Stack) -> None:
+    """Only the requests it was serving fail; the other instance serves on."""
+    with Load(stack.url) as load:
+        time.sleep(2)
+        killed = _kill(stack, "services.cli language", "--instance-id language-1")
+        _recovered(stack, "language-1")
+        _served_after(load, time.monotonic())
+    _assert_failures_are_clean(load.outcomes)
+    failed = [o for o in load.outcomes if o.status != 200]
+    # Only what was on it: in flight when it died, or routed in the instant before
+    # the broker saw its stream close.
+    assert all(o.in_flight_at(killed) or o.started - killed < 1.0 for o in failed), failed
+    assert len(failed) <= load.workers + 2
+
+
+def test_the_broker_killed(stack: Stack) -> None:
+    """A text request already streaming finishes; new requests get a fast 503 until
+    the broker is back and every instance has attached to it again."""
+    body = {**chat_body("text", 424242, max_tokens=300), "stream": True}
+    with (
+        Load(stack.url) as load,
+        httpx.Client(timeout=BOUND_S) as http,
+        http.stream("POST", stack.url + "/v1/chat/completions", json=body) as streaming,
+    ):
+        lines = streaming.iter_lines()
+        assert streaming.status_code == 200
+        assert next(line for line in lines if '"content"' in line)  # routed and generating
+        killed = _kill(stack, "services.cli broker", f"--port {stack.ports['broker']}")
+        rest = [line for line in lines if line.startswith("data: {")]
+        _recovered(stack, "broker")
+        _served_after(load, time.monotonic())
+    assert json.loads(rest[-1][6:])["choices"][0]["finish_reason"] == "length"
+    _assert_failures_are_clean(load.outcomes)
+    refused = [o for o in load.outcomes if o.started > killed and o.status != 200]
+    assert refused, "requests did need the broker while it was down"
+    assert all(o.seconds < 5 for o in refused), refused
+
+
+def test_afterwards_everything_is_whole(stack: Stack) -> None:
+    wait_for(lambda: pools_are_whole(stack), 30, "every pool whole again")
+    for port in stack.language_ports():
+        assert stack.metric(port + 100, "epd_language_embedding_blocks_quarantined") == 0
+    assert stack.process.poll() is None, "the stack stayed up"
+    stack.process.send_signal(signal.SIGINT)
+    assert stack.process.wait(90) == 0
+    leftover = {p.name for p in SHM_DIR.iterdir()} - stack.shm_before
+    assert leftover == set()
+    stray = [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and _cmdline(pid).find(f":{stack.ports['broker']}") >= 0
+    ]
+    assert stray == []
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
