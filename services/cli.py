@@ -154,6 +154,8 @@ def _encoder(args: argparse.Namespace) -> int:
         limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
         cache_bytes=args.cache_mb * 1024 * 1024,
         send_buffer_tokens=args.send_buffer_tokens,
+        max_pending=args.max_pending,
+        buffer_wait_s=args.buffer_wait,
         dtype=args.dtype,
     )
     return run_until_signalled(lambda: EncoderServer(config))
@@ -170,6 +172,7 @@ def _language(args: argparse.Namespace) -> int:
         default_allocate_tokens=args.default_allocate_tokens,
         max_active_requests=args.max_active_requests,
         pool_wait_s=args.pool_wait,
+        quarantine_s=args.quarantine,
         engine=_engine_config(args),
     )
     return run_until_signalled(lambda: LanguageServer(config))
@@ -425,6 +428,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
     p.add_argument("--cache-mb", type=int, default=256)
     p.add_argument("--send-buffer-tokens", type=int, default=65536)
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=64,
+        help="encodes in progress beyond which new ones get RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--buffer-wait",
+        type=float,
+        default=5.0,
+        help="seconds an encode waits for send-buffer room",
+    )
     p.set_defaults(handler=_encoder)
 
     p = sub.add_parser("language", help="run a language instance")
@@ -441,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pool-wait", type=float, default=5.0, help="seconds a request waits for receive blocks"
+    )
+    p.add_argument(
+        "--quarantine",
+        type=float,
+        default=15.0,
+        help="seconds receive blocks stay out of use after their request ended while an "
+        "encoder may still write them (unless it says it stopped)",
     )
     p.set_defaults(handler=_language)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from services.bench.images import encode_image, random_image
+from services.ports import free_port_block
 from services.serve import grpc_serving, http_ok, launch
 from services.transfer.shared_memory import SHM_DIR
 
@@ -31,29 +31,6 @@ ENCODERS = 2
 # A request that fails must fail within this; one that a fault did not touch
 # finishes well inside it.
 BOUND_S = 30.0
-
-
-def _free_block(offsets: tuple[int, ...]) -> int:
-    """A base port such that base + each offset is free on loopback."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + max(offsets) >= 65536:
-            continue
-        sockets = []
-        try:
-            for offset in offsets:
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free block of ports")
 
 
 @dataclass
@@ -197,7 +174,7 @@ class Load:
 
 @pytest.fixture(scope="session")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    base = _free_block((0, 1, 2, 10, 11, 12, 13, 20, 21, 30, 31, 110, 111, 120, 121, 130))
+    base = free_port_block((0, 1, 2, 10, 11, 12, 20, 21, 30, 110, 111, 112, 120, 121))
     ports = {
         "gateway": base,
         "triton_http": base + 1,

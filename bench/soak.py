@@ -1,0 +1,273 @@
+"""Soak: a mixed load near capacity for a long while, with a fault every minute.
+
+    .venv/bin/python -m bench.soak [--minutes 10] [--fault-every 60] [--workers 6]
+
+Starts `epd serve` (two language instances, two encoders, the tiny demo
+checkpoint by default) and keeps `workers` requests in flight, text and image
+alternating, each image new (the encoder's cache never answers). Every
+`fault-every` seconds one component is killed with SIGKILL, in turn: Triton,
+encoder-1, language-1, the broker. encoder-0, language-0 and the gateway are
+never killed, so their memory tells whether anything leaks.
+
+Prints the requests completed and failed (by status and cause), the latency
+of those that completed (p50/p99), each component's resident memory at the
+start of the load and at its end, and the pools at the end (after the load
+stops and quarantines lapse): KV pages, embedding blocks and send buffers in
+use, requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.bench.images import encode_image, random_image
+from services.bench.stats import percentile
+from services.model.demo import cached_demo_checkpoint
+from services.ports import free_port_block
+from services.serve import launch
+
+MODEL = "soak"
+FAULTS = ("triton", "encoder-1", "language-1", "broker")
+
+
+@dataclass(frozen=True)
+class Ports:
+    """gateway, broker, Triton's three; encoders at base + 20, + 21 and languages at
+    base + 30, + 31 (their metrics 100 above)."""
+
+    base: int = field(
+        default_factory=lambda: free_port_block((0, 1, 2, 3, 4, 20, 21, 30, 31, 120, 121, 130, 131))
+    )
+
+    @property
+    def gateway(self) -> int:
+        return self.base
+
+    @property
+    def broker(self) -> int:
+        return self.base + 1
+
+    @property
+    def triton(self) -> tuple[int, int, int]:
+        return self.base + 2, self.base + 3, self.base + 4
+
+    @property
+    def encoder(self) -> int:
+        return self.base + 20
+
+    @property
+    def language(self) -> int:
+        return self.base + 30
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _pids(markers: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """Component name -> pid, by markers in the command line; Triton's Python
+    backend stub (which holds the vision tower) as `triton-stub`."""
+    found: dict[str, int] = {}
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            parents[int(entry.name)] = int((entry / "stat").read_text().split()[3])
+        except (OSError, IndexError, ValueError):
+            continue
+        for name, needles in markers.items():
+            if all(n in cmdline for n in needles):
+                found[name] = int(entry.name)
+    if "triton" in found:
+        stubs = [pid for pid, parent in parents.items() if parent == found["triton"]]
+        if stubs:
+            found["triton-stub"] = stubs[0]
+    return found
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@dataclass
+class Load:
+    url: str
+    workers: int
+    max_tokens: int
+    results: list[tuple[str, float, int, str]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def _body(self, kind: str, seed: int) -> dict[str, Any]:
+        content: list[dict[str, Any]] = [{"type": "text", "text": f"Tell me about {seed}."}]
+        if kind == "image":
+            image = encode_image(random_image(96 + seed % 160, 96 + seed % 96, seed=seed))
+            url = "data:image/png;base64," + base64.b64encode(image).decode()
+            content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+        return {
+            "model": MODEL,
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": content}],
+        }
+
+    def _work(self, worker: int) -> None:
+        n = 0
+        with httpx.Client(timeout=120) as http:
+            while not self.stop.is_set():
+                n += 1
+                kind = "image" if (n + worker) % 2 else "text"
+                started = time.monotonic()
+                try:
+                    reply = http.post(
+                        self.url + "/v1/chat/completions",
+                        json=self._body(kind, worker * 10_000_000 + n),
+                    )
+                    status = reply.status_code
+                    cause = "" if status == 200 else reply.json()["error"]["message"][:70]
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    status, cause = -1, type(exc).__name__
+                self.results.append((kind, time.monotonic() - started, status, cause))
+
+    def start(self) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(self.workers)
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--fault-every", type=float, default=60.0, help="seconds")
+    parser.add_argument("--workers", type=int, default=6, help="requests kept in flight")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--demo-size", choices=("tiny", "small"), default="tiny")
+    args = parser.parse_args()
+
+    ports = Ports()
+    checkpoint = cached_demo_checkpoint(args.demo_size)
+    # fmt: off
+    process = launch([
+        "--model", str(checkpoint), "--model-name", MODEL,
+        "--port", str(ports.gateway), "--broker-port", str(ports.broker),
+        "--encoder-port", str(ports.encoder), "--language-port", str(ports.language),
+        "--triton-http-port", str(ports.triton[0]), "--triton-grpc-port", str(ports.triton[1]),
+        "--triton-metrics-port", str(ports.triton[2]),
+        "--languages", "2", "--encoders", "2",
+        # Faults are planned: no crash loop should stop the stack.
+        "--max-restarts", "100",
+    ])
+    # fmt: on
+    supervisor: list[str] = []
+    threading.Thread(target=lambda: supervisor.extend(process.stdout or ()), daemon=True).start()
+    broker = f":{ports.broker}"
+    markers = {
+        "gateway": ("services.cli gateway", f"--broker 127.0.0.1{broker}"),
+        "broker": ("services.cli broker", f"--port {ports.broker}"),
+        "triton": ("bin/tritonserver", f"--grpc-port={ports.triton[1]}"),
+        **{
+            f"{role}-{i}": (f"services.cli {role}", f"--instance-id {role}-{i}", broker)
+            for role in ("encoder", "language")
+            for i in range(2)
+        },
+    }
+    load = Load(f"http://127.0.0.1:{ports.gateway}", args.workers, args.max_tokens)
+    try:
+        threads = load.start()
+        time.sleep(10)  # warm: every component has served, caches and pools are in use
+        rss_start = {name: _rss_mib(pid) for name, pid in _pids(markers).items()}
+        started = time.monotonic()
+        end = started + args.minutes * 60
+        faults: list[str] = []
+        while time.monotonic() < end:
+            time.sleep(max(0.0, min(args.fault_every, end - time.monotonic())))
+            if time.monotonic() >= end:
+                break
+            target = FAULTS[len(faults) % len(FAULTS)]
+            pid = _pids({target: markers[target]}).get(target)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                faults.append(target)
+                print(f"{time.monotonic() - started:6.0f}s  killed {target}", flush=True)
+        rss_end = {name: _rss_mib(pid) for name, pid in _pids(markers).items()}
+        load.stop.set()
+        for thread in threads:
+            thread.join(180)
+        _report(load, ports, rss_start, rss_end, faults, time.monotonic() - started)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _report(
+    load: Load,
+    ports: Ports,
+    rss_start: dict[str, float],
+    rss_end: dict[str, float],
+    faults: list[str],
+    seconds: float,
+) -> None:
+    done = [r for r in load.results if r[2] == 200]
+    failed = Counter((status, cause) for _, _, status, cause in load.results if status != 200)
+    print(f"\n{seconds / 60:.1f} min, {len(faults)} faults ({', '.join(faults)})")
+    print(f"requests: {len(done)} completed, {sum(failed.values())} failed")
+    for kind in ("text", "image"):
+        ok = sorted(s for k, s, status, _ in load.results if k == kind and status == 200)
+        if ok:
+            print(
+                f"  {kind:<6} {len(ok):>6} ok   latency p50 {percentile(ok, 50):.2f} s  "
+                f"p99 {percentile(ok, 99):.2f} s"
+            )
+    for (status, cause), count in failed.most_common():
+        print(f"  {count:>6} x {status}  {cause}")
+    print("resident memory (MiB), start of the load -> end (restarted ones are new processes):")
+    for name in sorted(rss_start):
+        kept = "" if name.removesuffix("-stub") in faults else "   (never killed)"
+        print(f"  {name:<12} {rss_start[name]:8.1f} -> {rss_end.get(name, 0.0):8.1f}{kept}")
+    time.sleep(20)  # quarantines lapse, restarted components settle
+    print("pools at the end:")
+    for i in range(2):
+        port = ports.language + i + 100
+        print(
+            f"  language-{i}: KV pages used "
+            f"{_metric(port, 'epd_language_kv_blocks_used'):.0f}, embedding blocks used "
+            f"{_metric(port, 'epd_language_embedding_blocks_used'):.0f} "
+            f"(quarantined {_metric(port, 'epd_language_embedding_blocks_quarantined'):.0f})"
+        )
+        port = ports.encoder + i + 100
+        print(
+            f"  encoder-{i}: send buffer bytes used "
+            f"{_metric(port, 'epd_encoder_send_buffer_bytes'):.0f}, embedding cache "
+            f"{_metric(port, 'epd_encoder_cache_bytes') / 2**20:.1f} MiB (bounded by --cache-mb)"
+        )
+    print(f"  gateway in flight: {_metric(ports.gateway, 'epd_gateway_in_flight'):.0f}")
+
+
+if __name__ == "__main__":
+    main()
