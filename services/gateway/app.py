@@ -37,7 +37,7 @@ from services.gateway.protocol import (
     completion,
     logprob_content,
     usage,
-    validation_message,
+    validation_error,
 )
 from services.proto import common_pb2, language_pb2
 
@@ -62,6 +62,7 @@ class Gateway:
     registry: CollectorRegistry
     api_key: str = ""
     max_concurrent_requests: int = 512
+    max_body_bytes: int = 64 * 1024 * 1024
 
 
 class InFlight:
@@ -128,6 +129,7 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
     sampling = common_pb2.SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=body.top_p or 1.0,
+        top_k=max(0, body.top_k or 0),
         max_tokens=body.max_output_tokens or 0,
         stop=body.stops,
         logprobs=body.logprobs,
@@ -145,18 +147,35 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
     )
 
 
-async def _parse(request: Request) -> ChatCompletionRequest:
-    raw = await request.body()
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes, over the limit of {limit}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+    return bytes(body)
+
+
+async def _parse(request: Request, limit: int) -> ChatCompletionRequest:
+    raw = await _body(request, limit)
     try:
         payload = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return ChatCompletionRequest.model_validate(payload)
     except ValidationError as exc:
-        raise ApiError(400, validation_message(exc.errors())) from None
+        raise ApiError(400, *validation_error(exc.errors())) from None
+    except RecursionError:
+        raise ApiError(400, "the request is nested too deeply") from None
 
 
 def _check_key(gateway: Gateway, request: Request) -> None:
@@ -311,13 +330,13 @@ def create_app(gateway: Gateway) -> ASGIApp:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(400, validation_message(list(exc.errors()))).response()
+        return ApiError(400, *validation_error(list(exc.errors()))).response()
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         started = time.monotonic()
         _check_key(gateway, request)
-        body = await _parse(request)
+        body = await _parse(request, gateway.max_body_bytes)
         call = await _prepare(gateway, body)
         stream = gateway.backend.generate(call)
         try:

@@ -101,6 +101,8 @@ class ImageLoader:
             )
         except socket.gaierror:
             raise _bad(index, f"cannot resolve host {host!r}") from None
+        except UnicodeError as exc:  # IDNA: a label over 63 characters, an empty label
+            raise _bad(index, f"invalid host name {host[:80]!r}: {exc}") from None
         addresses = [str(info[4][0]) for info in infos]
         if not self.policy.allow_private:
             for address in addresses:
@@ -115,10 +117,13 @@ class ImageLoader:
 
     async def _fetch(self, url: str, index: int) -> bytes:
         for _ in range(self.policy.max_redirects + 1):
-            parts = urlsplit(url)
+            try:
+                parts = urlsplit(url)
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+            except ValueError as exc:  # a port out of range, a broken IPv6 literal
+                raise _bad(index, f"invalid image URL: {exc}") from None
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise _bad(index, "image URLs must be data:, http: or https: URLs")
-            port = parts.port or (443 if parts.scheme == "https" else 80)
             address = await self._checked_address(parts.hostname, port, index)
             literal = f"[{address}]" if ":" in address else address
             pinned = urlunsplit(

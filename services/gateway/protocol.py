@@ -5,20 +5,66 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+# OpenAI parameters this server does not implement: refused by name, never ignored.
+UNSUPPORTED = (
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "logit_bias",
+    "prediction",
+    "audio",
+    "modalities",
+    "reasoning_effort",
+    "web_search_options",
+)
 
 
-class ImageURL(BaseModel):
-    url: str
-    detail: str | None = None
+def _valid_unicode(text: str) -> str:
+    """Text that UTF-8 can carry (JSON's \\ud800 escapes decode to lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode ({exc.reason} at index {exc.start})") from None
+    return text
 
 
-class TextPart(BaseModel):
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class _Strict(BaseModel):
+    """Fields keep their JSON types (no "5" for 5, no "yes" for true); unknown
+    fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ImageURL(_Strict):
+    url: Text
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ImagePart(BaseModel):
+class ImagePart(_Strict):
     type: Literal["image_url"]
     image_url: ImageURL
 
@@ -26,10 +72,10 @@ class ImagePart(BaseModel):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class Message(BaseModel):
+class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     @property
     def parts(self) -> list[TextPart | ImagePart]:
@@ -40,30 +86,40 @@ class Message(BaseModel):
         return list(self.content)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
+class ChatCompletionRequest(_Strict):
+    model: Text = Field(min_length=1, max_length=256)
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # vLLM's; -1 or 0: off
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False  # an extension (as in vLLM): fixed output lengths for benchmarks
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    user: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in UNSUPPORTED:
+                if name in data:
+                    raise PydanticCustomError(
+                        "unsupported", "{name} is not supported by this server", {"name": name}
+                    )
+        return data
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -82,6 +138,14 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> ChatCompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "stream_options", "stream_options is only allowed when stream is true"
+            )
+        return self
+
     @property
     def stops(self) -> list[str]:
         return self.stop if isinstance(self.stop, list) else []
@@ -95,11 +159,38 @@ class ChatCompletionRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-def validation_message(errors: list[Any]) -> str:
-    """pydantic's first error as one readable line: `messages.0.role: ...`."""
-    first = errors[0]
-    location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    return f"{location}: {first.get('msg', 'invalid value')}" if location else str(first.get("msg"))
+def _path(error: Any) -> list[str]:
+    """An error's location without the arms of unions (`str`, `list[...]`,
+    `function-after[...]`) and the tags of tagged unions that pydantic puts in it."""
+    path: list[str] = []
+    tag_next = False  # the next name after a tagged union is the tag, not a field
+    for part in error.get("loc", ()):
+        if isinstance(part, str) and "tagged-union[" in part:
+            tag_next = True
+        elif isinstance(part, str) and tag_next:
+            tag_next = False
+        elif not ((isinstance(part, str) and ("[" in part or part in _ARMS)) or part == "body"):
+            path.append(str(part))
+    return path
+
+
+_ARMS = ("str", "int", "float", "bool")
+
+
+def validation_error(errors: list[Any]) -> tuple[str, str | None]:
+    """pydantic's most specific error as one readable line and the parameter it
+    names: (`messages.0.role: ...`, `messages.0.role`). Of a union's failed arms,
+    the one that got deepest into the value says what is wrong with it."""
+    error = max(errors, key=lambda e: len(_path(e)))
+    path = _path(error)
+    message = str(error.get("msg", "invalid value"))
+    if error.get("type") == "extra_forbidden":
+        message = "unknown parameter, not supported by this server"
+    if error.get("type") == "unsupported":
+        path = [str(error.get("ctx", {}).get("name", ""))]
+        message = "not supported by this server"
+    location = ".".join(path)
+    return (f"{location}: {message}" if location else message), location or None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

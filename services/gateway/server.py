@@ -34,6 +34,7 @@ class GatewayConfig:
     # Answered 503 with Retry-After, not 404, while no instance serves them.
     served_models: tuple[str, ...] = ()
     max_concurrent_requests: int = 512  # beyond: 429 with Retry-After
+    max_body_bytes: int = 64 * 1024 * 1024  # beyond: 413
 
 
 class GatewayServer:
@@ -57,6 +58,7 @@ class GatewayServer:
             registry=registry,
             api_key=config.api_key,
             max_concurrent_requests=config.max_concurrent_requests,
+            max_body_bytes=config.max_body_bytes,
         )
         self._server = uvicorn.Server(
             uvicorn.Config(

@@ -19,6 +19,7 @@ from services.language.metrics import LanguageMetrics
 from services.language.receiver import Receiver
 from services.language.servicer import LanguageServicer
 from services.model.checkpoint import load_language_weights
+from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.proto import language_pb2, language_pb2_grpc
@@ -105,6 +106,7 @@ class LanguageServer:
             self.spec,
             self.metrics,
             config.max_active_requests,
+            ImageTokenRule.from_checkpoint(config.checkpoint).max_tokens,
         )
         self.grpc = config.instance.server(
             language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -13,7 +15,7 @@ from services.language.engine.request import SamplingParams, new_request
 from services.language.metrics import LanguageMetrics
 from services.language.receiver import Receiver
 from services.model.spec import ModelSpec
-from services.model.tokenizer import ChatMessages, build_prompt, count_images
+from services.model.tokenizer import ChatMessages, Prompt, build_prompt, count_images
 from services.proto import common_pb2, language_pb2, language_pb2_grpc
 from services.transfer.state import PoolExhaustedError, TransferFailedError
 
@@ -47,6 +49,22 @@ def messages_from_proto(
                 parts.append({"type": "text", "text": part.text})
         out.append({"role": message.role, "content": parts})
     return out, hints
+
+
+def check_hints(hints: Sequence[int], max_image_tokens: int | None, max_model_len: int) -> None:
+    """Token hints come from the caller: bounded by the largest image the model
+    takes and by the context, before anything is built from them."""
+    for index, hint in enumerate(hints):
+        if max_image_tokens is not None and hint > max_image_tokens:
+            raise ValueError(
+                f"image {index}: token_hint {hint} exceeds {max_image_tokens}, the tokens of "
+                "the largest image this model takes"
+            )
+    if sum(hints) > max_model_len:
+        raise ValueError(
+            f"the images' token hints ({sum(hints)}) exceed the context length of "
+            f"{max_model_len} tokens"
+        )
 
 
 def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
@@ -108,6 +126,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         spec: ModelSpec,
         metrics: LanguageMetrics,
         max_active_requests: int = 256,
+        max_image_tokens: int | None = None,
     ) -> None:
         self.engine = engine
         self.receiver = receiver
@@ -116,6 +135,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.metrics = metrics
         self.max_model_len = engine.engine.config.max_model_len
         self.max_active_requests = max_active_requests
+        self.max_image_tokens = max_image_tokens
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # Every request between Generate's start and its end, receiving or generating:
         # a second Generate under a live id is refused without touching the first.
         self._active: set[str] = set()
@@ -153,10 +174,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             messages, hints = messages_from_proto(request.messages)
             if count_images(messages) != len(hints):
                 raise ValueError("image parts and hints disagree")
+            check_hints(hints, self.max_image_tokens, self.max_model_len)
             known = all(h > 0 for h in hints)
-            prompt = build_prompt(
-                self.tokenizer, self.spec, messages, hints if known else [1] * len(hints)
-            )
+            prompt = await self._prompt(messages, hints if known else [1] * len(hints))
             sampling = sampling_from_proto(
                 request.sampling, self.max_model_len - len(prompt.token_ids)
             )
@@ -183,7 +203,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             counts = [g.num_tokens(merge) for g in grids]
             if counts != hints:  # the hints were unknown or wrong: tokenize again
                 try:
-                    prompt = build_prompt(self.tokenizer, self.spec, messages, counts)
+                    prompt = await self._prompt(messages, counts)
                     self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -205,6 +225,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         except RequestFailedError as exc:
             self.metrics.requests.labels("error").inc()
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
+
+    async def _prompt(self, messages: ChatMessages, image_tokens: list[int]) -> Prompt:
+        """Templating and tokenizing, on their own thread: a long prompt never holds
+        the event loop (one thread: a fast tokenizer must not run concurrently)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizing, build_prompt, self.tokenizer, self.spec, messages, image_tokens
+        )
 
     async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, Any]:
         """Preallocates, waits for the embeddings, takes them out of the pool."""

@@ -66,6 +66,11 @@ class ImageTokenRule:
             w_bar = math.ceil(width * beta / factor) * factor
         return h_bar, w_bar
 
+    @property
+    def max_tokens(self) -> int:
+        """Tokens of the largest image the resize rule lets through."""
+        return self.max_pixels // (self.factor * self.factor)
+
     def grid(self, height: int, width: int) -> ImageGrid:
         h, w = self.resized(height, width)
         return ImageGrid(1, h // self.patch_size, w // self.patch_size)

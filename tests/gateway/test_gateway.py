@@ -16,33 +16,11 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 
 from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayConfig, GatewayServer
-from services.language.engine.engine import EngineConfig
 from services.ports import free_port
 from services.transfer.transport import Transport
-from services.triton.launcher import TritonServer
 from tests.stack import MODEL, start_broker, start_encoder, start_language
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-@pytest_asyncio.fixture(loop_scope="session", scope="module")
-async def gateway(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[GatewayServer]:
-    broker = await start_broker()
-    encoder = await start_encoder(tiny_checkpoint, triton, broker)
-    language = await start_language(
-        tiny_checkpoint,
-        broker,
-        transports=(Transport.SHM,),
-        engine=EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20),
-    )
-    server = GatewayServer(
-        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0, api_key="sesame")
-    )
-    await server.start()
-    yield server
-    await server.stop()
-    for s in (language, encoder, broker):
-        await s.stop()
 
 
 def client(gateway: GatewayServer, key: str = "sesame") -> AsyncOpenAI:
@@ -354,3 +332,12 @@ async def test_beyond_the_gateways_limit_is_a_fast_429(without_triton: GatewaySe
         assert refused.status_code == 429
         assert refused.headers["retry-after"] == "1"
         assert time.monotonic() - started < 1
+
+
+async def test_an_api_key_of_disabled_means_none() -> None:
+    """compose requires EPD_API_KEY; "disabled" is how one asks for an open gateway."""
+    from services.cli import _gateway_config, build_parser
+
+    for given, expected in (("disabled", ""), ("k3y", "k3y")):
+        args = build_parser().parse_args(["gateway", "--api-key", given])
+        assert _gateway_config(args).api_key == expected
