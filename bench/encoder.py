@@ -65,7 +65,8 @@ async def service(
     )
     await server.start()
     try:
-        stub = encoder_pb2_grpc.EncoderStub(channel(server.address))
+        ch = channel(server.address)  # held: an intercepted call starts after this line
+        stub = encoder_pb2_grpc.EncoderStub(ch)
         await stub.Encode(encoder_pb2.EncodeRequest(images=images[:1]))  # warm-up (cached after)
         queue = list(images[1:])
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -188,12 +189,13 @@ def _gateway_config(args: argparse.Namespace) -> Any:
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key="" if args.api_key == NO_API_KEY else args.api_key,
         limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
         fetch=FetchPolicy(timeout_s=args.fetch_timeout, allow_private=args.allow_private_urls),
         encode_timeout_s=args.encode_timeout,
         served_models=tuple(args.served_model or ()),
         max_concurrent_requests=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_mb * 1024 * 1024,
     )
 
 
@@ -280,6 +282,8 @@ def _serve(args: argparse.Namespace) -> int:
         str(args.max_num_batched_tokens),
     ]
     gateway = ["--allow-private-urls"] if args.allow_private_urls else []
+    if not env.CLUSTER_TOKEN.get():  # one per stack: the children inherit it
+        os.environ[env.CLUSTER_TOKEN.name] = secrets.token_urlsafe(24)
     return run(
         StackConfig(
             checkpoint=checkpoint,
@@ -306,6 +310,10 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+# What compose's required EPD_API_KEY is set to for a gateway open to anyone.
+NO_API_KEY = "disabled"
+
+
 def _add_gateway_options(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=port)
@@ -315,7 +323,9 @@ def _add_gateway_options(p: argparse.ArgumentParser, port: int) -> None:
         help="the model folder, for image token hints ($EPD_CHECKPOINT)",
     )
     p.add_argument(
-        "--api-key", default=env.API_KEY.get(), help="require this bearer key ($EPD_API_KEY)"
+        "--api-key",
+        default=env.API_KEY.get(),
+        help=f"require this bearer key ($EPD_API_KEY; '{NO_API_KEY}': none, as when unset)",
     )
     p.add_argument("--max-images", type=int, default=16)
     p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
@@ -333,6 +343,9 @@ def _add_gateway_options(p: argparse.ArgumentParser, port: int) -> None:
         type=int,
         default=512,
         help="requests in flight beyond which new ones get 429 with Retry-After",
+    )
+    p.add_argument(
+        "--max-body-mb", type=int, default=64, help="request bodies over this are refused (413)"
     )
     p.add_argument(
         "--encode-timeout", type=float, default=60.0, help="seconds for one encoder's Encode"
@@ -372,6 +385,34 @@ def _add_instance_options(p: argparse.ArgumentParser, port: int) -> None:
     )
 
 
+def _add_security_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster-token",
+        help="secret every internal gRPC call carries ($EPD_CLUSTER_TOKEN; epd serve makes one)",
+    )
+    p.add_argument("--tls-cert", help="PEM certificate chain: gRPC over TLS ($EPD_TLS_CERT)")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert ($EPD_TLS_KEY)")
+    p.add_argument(
+        "--tls-ca",
+        help="PEM roots to verify peers with; servers then require client certificates "
+        "(mutual TLS) ($EPD_TLS_CA)",
+    )
+
+
+def export_security(args: argparse.Namespace) -> None:
+    """Security flags become this process's environment: its servers and channels
+    read it there (services.security), and its children inherit it."""
+    for flag, var in (
+        ("cluster_token", env.CLUSTER_TOKEN),
+        ("tls_cert", env.TLS_CERT),
+        ("tls_key", env.TLS_KEY),
+        ("tls_ca", env.TLS_CA),
+    ):
+        value = getattr(args, flag, None)
+        if value:
+            os.environ[var.name] = value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services.broker.server import DEFAULT_PORT as BROKER_PORT
     from services.encoder.server import DEFAULT_PORT as ENCODER_PORT
@@ -399,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--rendezvous-ttl", type=float, default=30.0)
+    _add_security_options(p)
     p.set_defaults(handler=_broker)
 
     p = sub.add_parser(
@@ -440,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds an encode waits for send-buffer room",
     )
+    _add_security_options(p)
     p.set_defaults(handler=_encoder)
 
     p = sub.add_parser("language", help="run a language instance")
@@ -464,11 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds receive blocks stay out of use after their request ended while an "
         "encoder may still write them (unless it says it stopped)",
     )
+    _add_security_options(p)
     p.set_defaults(handler=_language)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
     _add_gateway_options(p, GATEWAY_PORT)
     p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
+    _add_security_options(p)
     p.set_defaults(handler=_gateway)
 
     p = sub.add_parser(
@@ -488,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="check a gRPC service (host:port) or an HTTP URL")
     p.add_argument("target", help="host:port of a gRPC server, or http(s)://... for an HTTP check")
     p.add_argument("--service", default="", help="gRPC service name (default: the server)")
+    _add_security_options(p)
     p.set_defaults(handler=_health)
 
     p = sub.add_parser("serve", help="run the whole stack on this machine")
@@ -499,7 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one process, no Triton and no broker: the baseline to compare with",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the gateway binds (0.0.0.0: all); the other components listen "
+        "on 127.0.0.1 only",
+    )
     p.add_argument("--port", type=int, default=GATEWAY_PORT, help="the gateway's port")
     p.add_argument("--api-key", default=env.API_KEY.get())
     p.add_argument("--allow-private-urls", action="store_true")
@@ -545,6 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--restart-window", type=float, default=60.0)
     p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
+    _add_security_options(p)
     p.set_defaults(handler=_serve)
     return parser
 
@@ -569,6 +621,7 @@ def place_process() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    export_security(args)
     place_process()
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -79,4 +79,33 @@ NICE = EnvVar(
     "raise this process's niceness (lower its CPU priority) at start-up, threads included",
 )
 
-ALL = (BROKER, TRITON_URL, CHECKPOINT, HOST_ID, API_KEY, CACHE_DIR, SHM_PREFIX, CPUS, NICE)
+CLUSTER_TOKEN = EnvVar(
+    "EPD_CLUSTER_TOKEN",
+    str,
+    lambda: "",
+    "the secret every internal gRPC call carries (empty: the servers take any caller)",
+)
+TLS_CERT = EnvVar("EPD_TLS_CERT", str, lambda: "", "PEM certificate chain: gRPC over TLS")
+TLS_KEY = EnvVar("EPD_TLS_KEY", str, lambda: "", "PEM private key of EPD_TLS_CERT")
+TLS_CA = EnvVar(
+    "EPD_TLS_CA",
+    str,
+    lambda: "",
+    "PEM roots to verify peers with; servers then require client certs",
+)
+
+ALL = (
+    BROKER,
+    TRITON_URL,
+    CHECKPOINT,
+    HOST_ID,
+    API_KEY,
+    CACHE_DIR,
+    SHM_PREFIX,
+    CPUS,
+    NICE,
+    CLUSTER_TOKEN,
+    TLS_CERT,
+    TLS_KEY,
+    TLS_CA,
+)

@@ -14,6 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from services.security import Security, aio_channel, current
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -42,9 +44,10 @@ SERVER_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel with the project's message-size limits and keepalive."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, security: Security | None = None) -> grpc.aio.Channel:
+    """A channel with the project's message-size limits and keepalive, the cluster
+    token on every call and TLS when configured (this process's by default)."""
+    return aio_channel(address, CHANNEL_OPTIONS, security)
 
 
 class GrpcServer:
@@ -60,15 +63,19 @@ class GrpcServer:
         port: int = 0,
         metrics_port: int | None = 0,
         advertise_host: str | None = None,
+        security: Security | None = None,
     ) -> None:
         self.name = name
+        self.security = security or current()
         self.host = host
         # What peers dial: a wildcard bind is reachable under this host's name.
         self.advertise_host = advertise_host or (
             socket.gethostname() if host in ("0.0.0.0", "::", "[::]") else host
         )
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            options=SERVER_OPTIONS, interceptors=self.security.server_interceptors()
+        )
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -88,7 +95,11 @@ class GrpcServer:
         return f"{self.advertise_host}:{self.port}"
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self.host}:{self._requested_port}")
+        bind = f"{self.host}:{self._requested_port}"
+        if self.security.tls:
+            self.port = self.server.add_secure_port(bind, self.security.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self._requested_port}")
         await self.server.start()
@@ -98,6 +109,12 @@ class GrpcServer:
             )
             self.metrics_port = self._metrics_server.server_port
         await self.set_serving(True)
+        if not self.security.token:
+            logger.warning(
+                "%s: no cluster token (EPD_CLUSTER_TOKEN): any caller that reaches "
+                "this port is trusted",
+                self.name,
+            )
         logger.info(
             "%s serving on %s:%s as %s (metrics on %s)",
             self.name,

@@ -37,7 +37,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import env
 from services.children import die_with_parent
+from services.security import sync_channel
 from services.transfer.shared_memory import remove_segments
+
+# Every component but the gateway listens here: only the gateway is exposed.
+LOCAL = "127.0.0.1"
 
 
 class StackError(RuntimeError):
@@ -46,7 +50,7 @@ class StackError(RuntimeError):
 
 def grpc_serving(address: str, service: str = "") -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with sync_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=1
             )
@@ -135,7 +139,7 @@ class StackConfig:
     checkpoint: Path
     model_name: str
     log_dir: Path
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the gateway's; the rest listen on LOCAL only
     port: int = 8000
     broker_port: int = 50051
     encoder_port: int = 50061
@@ -178,7 +182,7 @@ def _instance(config: StackConfig, role: str, index: int, port: int, extra: list
         "--model-name", config.model_name,
         "--port", str(port),
         "--metrics-port", str(config.metrics_port(port)),
-        "--broker", f"{config.host}:{config.broker_port}",
+        "--broker", f"{LOCAL}:{config.broker_port}",
         "--instance-id", name,
         *extra,
     ]  # fmt: skip
@@ -188,7 +192,7 @@ def _instance(config: StackConfig, role: str, index: int, port: int, extra: list
     return Component(
         name,
         args,
-        partial(grpc_serving, f"{config.host}:{port}", service),
+        partial(grpc_serving, f"{LOCAL}:{port}", service),
         config.log_dir / f"{name}.log",
         cpus,
         nice,
@@ -198,11 +202,14 @@ def _instance(config: StackConfig, role: str, index: int, port: int, extra: list
 def components(config: StackConfig) -> list[Component]:
     """In start order; each waits only for its own health."""
     ck, model, logs = str(config.checkpoint), config.model_name, config.log_dir
-    broker = f"{config.host}:{config.broker_port}"
-    gateway_args = ["--port", str(config.port), "--checkpoint", ck, *config.gateway_args]
+    broker = f"{LOCAL}:{config.broker_port}"
+    gateway_args = [
+        *("--host", config.host, "--port", str(config.port)),
+        *("--checkpoint", ck, *config.gateway_args),
+    ]
     if config.api_key:
         gateway_args += ["--api-key", config.api_key]
-    gateway_url = f"http://{config.host}:{config.port}/health"
+    gateway_url = f"http://{_dial(config.host)}:{config.port}/health"
     if config.monolithic:
         return [
             Component(
@@ -219,7 +226,7 @@ def components(config: StackConfig) -> list[Component]:
             [
                 "broker",
                 "--host",
-                config.host,
+                LOCAL,
                 "--port",
                 str(config.broker_port),
                 "--metrics-port",
@@ -241,7 +248,7 @@ def components(config: StackConfig) -> list[Component]:
                 "--metrics-port",
                 str(metrics),
             ],
-            lambda: http_ok(f"http://{config.host}:{http}/v2/models/vit/ready"),
+            lambda: http_ok(f"http://{LOCAL}:{http}/v2/models/vit/ready"),
             logs / "triton.log",
             config.encoder_cpus,
             config.encoder_nice,
@@ -252,7 +259,7 @@ def components(config: StackConfig) -> list[Component]:
             _instance(config, "language", i, config.language_port + i, [*config.language_args])
         )
     for i in range(config.num_encoders):
-        triton = ["--triton", f"{config.host}:{grpc_port}"]
+        triton = ["--triton", f"{LOCAL}:{grpc_port}"]
         parts.append(_instance(config, "encoder", i, config.encoder_port + i, triton))
     parts.append(
         Component(
@@ -346,9 +353,21 @@ class Stack:
             )
 
 
+def _dial(host: str) -> str:
+    """Where this machine reaches a server bound to `host`."""
+    return LOCAL if host in ("0.0.0.0", "::", "[::]", "") else host
+
+
 def banner(config: StackConfig) -> str:
-    url = f"http://{config.host}:{config.port}"
+    url = f"http://{_dial(config.host)}:{config.port}"
     auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+    cluster_token = env.CLUSTER_TOKEN.get()
+    grpcurl = f" -H 'authorization: Bearer {cluster_token}'" if cluster_token else ""
+    if env.TLS_CERT.get():
+        ca = f" -cacert {env.TLS_CA.get()}" if env.TLS_CA.get() else " -insecure"
+        grpcurl = f"{ca} -cert {env.TLS_CERT.get()} -key {env.TLS_KEY.get()}{grpcurl}"
+    else:
+        grpcurl = f" -plaintext{grpcurl}"
     body = json.dumps(
         {
             "model": config.model_name,
@@ -363,7 +382,8 @@ def banner(config: StackConfig) -> str:
     ]
     if not config.monolithic:
         lines += [
-            f"  broker gRPC  {config.host}:{config.broker_port}   (grpcurl -plaintext ... list)",
+            f"  broker gRPC  {LOCAL}:{config.broker_port}   (this machine only; grpcurl:",
+            f"    grpcurl{grpcurl} {LOCAL}:{config.broker_port} epd.v1.Broker/ListInstances)",
             f"  metrics      each gRPC component on its own port + {config.metrics_offset}",
         ]
     lines += [
@@ -412,11 +432,16 @@ def run(config: StackConfig) -> int:
 
 
 def launch(
-    args: list[str], timeout_s: float = 300.0, command: Sequence[str] | None = None, **popen: Any
+    args: list[str],
+    timeout_s: float = 300.0,
+    command: Sequence[str] | None = None,
+    banner: list[str] | None = None,
+    **popen: Any,
 ) -> subprocess.Popen[str]:
     """`epd serve ARGS` as a child process, returned once it serves; its banner
-    has been read. For tests and benchmarks that drive the stack as a user does
-    (`command` replaces `python -m services.cli`, `popen` goes to Popen)."""
+    has been read (into `banner`, if given). For tests and benchmarks that drive
+    the stack as a user does (`command` replaces `python -m services.cli`, `popen`
+    goes to Popen)."""
     process = subprocess.Popen(
         [*(command or (sys.executable, "-m", "services.cli")), "serve", *args],
         stdout=subprocess.PIPE,
@@ -426,7 +451,7 @@ def launch(
         **popen,
     )
     assert process.stdout is not None
-    output: list[str] = []
+    output: list[str] = [] if banner is None else banner
     deadline = time.monotonic() + timeout_s
     for line in process.stdout:
         output.append(line)

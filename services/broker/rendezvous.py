@@ -185,14 +185,19 @@ class Rendezvous:
         ]
 
     def on_meta(self, encoder_id: str, meta: EmbeddingMeta) -> list[Delivery]:
-        pairing = self._get(meta.request_id)
+        """Only from the encoder the request was routed to: any other is told no."""
+        pairing = self._pairings.get(meta.request_id)
+        if pairing is None or not pairing.encoder_id:
+            reason = "the request was not routed to this encoder"
+            return [(encoder_id, Abort(meta.request_id, reason))]
+        if pairing.encoder_id != encoder_id:  # a stranger, or the encoder it moved from
+            reason = f"the request is on encoder {pairing.encoder_id}"
+            return [(encoder_id, Abort(meta.request_id, reason))]
+        pairing.updated = self._clock()
         if pairing.phase is Phase.ABORTED:
             return [(encoder_id, Abort(meta.request_id, pairing.abort_reason))]
         if pairing.meta is not None or pairing.phase.is_finished:
             return [(encoder_id, Abort(meta.request_id, "duplicate embedding metadata"))]
-        if pairing.encoder_id and pairing.encoder_id != encoder_id:
-            reason = f"the request moved to encoder {pairing.encoder_id}"
-            return [(encoder_id, Abort(meta.request_id, reason))]
         if pairing.language_id and pairing.language_id != meta.language_instance_id:
             return self._abort(
                 pairing,
@@ -200,7 +205,6 @@ class Rendezvous:
                 f"but the request is on {pairing.language_id}",
                 (encoder_id, pairing.language_id),
             )
-        pairing.encoder_id = encoder_id
         pairing.language_id = meta.language_instance_id
         pairing.meta = replace(meta, encoder_instance_id=encoder_id)
         if pairing.prealloc is None:
@@ -210,6 +214,9 @@ class Rendezvous:
 
     def on_prealloc(self, language_id: str, prealloc: Prealloc) -> list[Delivery]:
         pairing = self._get(prealloc.request_id)
+        if pairing.language_id and pairing.language_id != language_id:
+            reason = "the request was not routed to this language instance"
+            return [(language_id, Abort(prealloc.request_id, reason))]
         if pairing.phase is Phase.ABORTED:
             return [(language_id, Abort(prealloc.request_id, pairing.abort_reason))]
         if pairing.prealloc is not None or pairing.phase.is_finished:
@@ -267,9 +274,14 @@ class Rendezvous:
         return [(pairing.language_id, released)]
 
     def on_abort(self, sender: str, abort: Abort) -> list[Delivery]:
-        pairing = self._get(abort.request_id)
-        if pairing.phase.is_finished:
+        """Only from the request's own pair; a request the broker never saw has no
+        encoder that could write into the sender's blocks."""
+        pairing = self._pairings.get(abort.request_id)
+        if pairing is None:
+            return [(sender, Released(abort.request_id))]
+        if pairing.phase.is_finished or not pairing.involves(sender):
             return []
+        pairing.updated = self._clock()
         # No encoder was given the preallocation: nothing can write into it, and the
         # language side may reuse it at once instead of waiting for its quarantine.
         unwritten = pairing.phase is not Phase.TRANSFERRING

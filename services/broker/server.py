@@ -14,6 +14,7 @@ from services.broker.rendezvous import Rendezvous
 from services.broker.servicer import BrokerServicer
 from services.grpc_server import GrpcServer
 from services.proto import broker_pb2, broker_pb2_grpc
+from services.security import Security, current
 
 DEFAULT_PORT = 50051
 
@@ -34,8 +35,9 @@ class BrokerConfig:
 
 
 class BrokerServer:
-    def __init__(self, config: BrokerConfig) -> None:
+    def __init__(self, config: BrokerConfig, security: Security | None = None) -> None:
         self.config = config
+        security = security or current()
         registry = CollectorRegistry()
         self.broker = Broker(
             BrokerMetrics(registry),
@@ -43,7 +45,7 @@ class BrokerServer:
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             rendezvous=Rendezvous(ttl_s=config.rendezvous_ttl_s),
         )
-        servicer = BrokerServicer(self.broker)
+        servicer = BrokerServicer(self.broker, show_endpoints=bool(security.token))
         self.grpc = GrpcServer(
             "broker",
             [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
@@ -52,6 +54,7 @@ class BrokerServer:
             host=config.host,
             port=config.port,
             metrics_port=config.metrics_port,
+            security=security,
         )
         self._upkeep: asyncio.Task[None] | None = None
 

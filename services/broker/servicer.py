@@ -18,7 +18,7 @@ from services.broker.messages import (
     peer_message_from_proto,
     transport_to_proto,
 )
-from services.broker.registry import NoRouteError, Session
+from services.broker.registry import DuplicateInstanceError, NoRouteError, Session
 from services.broker.rendezvous import FailoverError
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -26,8 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 class BrokerServicer(broker_pb2_grpc.BrokerServicer):
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, show_endpoints: bool = True) -> None:
         self.broker = broker
+        # Shared-memory names and NIXL metadata only for authenticated callers
+        # (with no cluster token, no caller is).
+        self.show_endpoints = show_endpoints
 
     async def Attach(
         self,
@@ -43,7 +46,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             registration = Registration.from_proto(first.register)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        session = self.broker.join(registration)
+        try:
+            session = self.broker.join(registration)
+        except DuplicateInstanceError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         reader = asyncio.create_task(self._read(session, request_iterator))
         try:
             while (message := await session.outbox.get()) is not None:
@@ -105,9 +111,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     ) -> broker_pb2.ListInstancesReply:
         role = Role(request.role) if request.role != common_pb2.ROLE_UNSPECIFIED else None
         now = time.monotonic()
-        return broker_pb2.ListInstancesReply(
+        reply = broker_pb2.ListInstancesReply(
             instances=[s.info(now).to_proto() for s in self.broker.registry.sessions(role)]
         )
+        if not self.show_endpoints:
+            for instance in reply.instances:
+                del instance.registration.pool.endpoints[:]
+        return reply
 
     async def DescribeRequest(
         self, request: broker_pb2.DescribeRequestRequest, context: grpc.aio.ServicerContext

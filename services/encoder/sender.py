@@ -173,6 +173,12 @@ class Sender:
                 self.peers[registration.instance_id] = registration
                 self._peer_joined.notify_all()
         elif isinstance(message, Prealloc):
+            if message.request_id not in self.transfers:
+                # Ended before its first blocks came: they will never be written,
+                # and the language side need not hold them in quarantine.
+                with contextlib.suppress(BrokerUnavailableError):
+                    self._send(Released(message.request_id))
+                return
             self._part(message.request_id, message.block_ids, message.allocated_tokens, 0)
         elif isinstance(message, Resume):
             self._part(

@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import pytest
 import pytest_asyncio
 import torch
 
-from services.broker.client import BrokerLink
 from services.broker.messages import (
-    BrokerMessage,
     EmbeddingMeta,
     InstanceJoined,
-    Load,
     PeerLost,
-    PoolInfo,
     Prealloc,
-    Registration,
-    Role,
     peer_message_to_proto,
 )
 from services.broker.server import BrokerServer
@@ -30,55 +23,12 @@ from services.grpc_server import channel
 from services.model.processor import ImageGrid
 from services.ports import free_port
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
-from services.transfer.transport import Endpoints, GrpcEndpoint, ShmEndpoint, Transport
+from services.transfer.transport import ShmEndpoint, Transport
+from tests.broker.peers import Peer, attach, encoder, language, wait_for
 from tests.reflection import call_json, list_services
 from tests.stack import broker_stub, start_broker
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-def language(
-    instance_id: str, host: str = "h1", shm: bool = True, model: str = "m"
-) -> Registration:
-    endpoints = Endpoints(
-        shm=ShmEndpoint("seg") if shm else None, grpc=GrpcEndpoint(f"{instance_id}:1")
-    )
-    pool = PoolInfo(16, 256, 8, 0, torch.float32, endpoints)
-    return Registration(
-        Role.LANGUAGE, instance_id, f"{instance_id}:1", host, endpoints.transports, model, pool
-    )
-
-
-def encoder(
-    instance_id: str,
-    host: str = "h1",
-    transports: tuple[Transport, ...] = (Transport.SHM, Transport.GRPC),
-    model: str = "m",
-) -> Registration:
-    return Registration(Role.ENCODER, instance_id, f"{instance_id}:1", host, transports, model)
-
-
-class Peer:
-    """A BrokerLink that records what it receives."""
-
-    def __init__(self, address: str, registration: Registration, load: int = 0) -> None:
-        self.received: list[BrokerMessage] = []
-        self.load = Load(num_requests=load)
-        self.link = BrokerLink(address, registration, self._on, lambda: self.load)
-
-    async def _on(self, message: BrokerMessage) -> None:
-        self.received.append(message)
-
-    def of(self, kind: type) -> list[Any]:
-        return [m for m in self.received if isinstance(m, kind)]
-
-
-async def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -86,12 +36,6 @@ async def broker() -> AsyncIterator[BrokerServer]:
     server = await start_broker(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
     yield server
     await server.stop()
-
-
-async def attach(broker: BrokerServer, registration: Registration, load: int = 0) -> Peer:
-    peer = Peer(broker.address, registration, load)
-    await peer.link.start()
-    return peer
 
 
 async def test_encoders_learn_about_language_instances(broker: BrokerServer) -> None:
@@ -106,10 +50,20 @@ async def test_encoders_learn_about_language_instances(broker: BrokerServer) -> 
         await peer.link.close()
 
 
+async def route(broker: BrokerServer, request_id: str) -> None:
+    """Route the request as the gateway does: the broker then hears its metadata
+    only from the encoder it picked, and its preallocation only from the language side."""
+    reply = await broker_stub(broker).Route(
+        broker_pb2.RouteRequest(request_id=request_id, needs_encoder=True)
+    )
+    assert (reply.encoder_id, reply.language_id) == ("E", "L")
+
+
 async def test_rendezvous_relays_over_the_streams(broker: BrokerServer) -> None:
     lang = await attach(broker, language("L"))
     enc = await attach(broker, encoder("E"))
     await wait_for(lambda: enc.of(InstanceJoined))
+    await route(broker, "r1")
     enc.link.send(EmbeddingMeta("r1", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32))
     lang.link.send(Prealloc("r1", (3,), 256))
     await wait_for(lambda: lang.of(EmbeddingMeta) and enc.of(Prealloc))
@@ -123,6 +77,7 @@ async def test_silent_instance_is_evicted_and_its_peers_hear_peer_lost(
     broker: BrokerServer,
 ) -> None:
     lang = await attach(broker, language("L"))
+    broker.broker.rendezvous.route("r2", "silent", "L")
     # A raw stream that registers, announces a request, then never heartbeats.
     outgoing: asyncio.Queue[broker_pb2.PeerMessage | None] = asyncio.Queue()
     for message in (
@@ -237,6 +192,7 @@ async def test_describe_request_shows_the_phase(broker: BrokerServer) -> None:
     lang = await attach(broker, language("L"))
     enc = await attach(broker, encoder("E"))
     await wait_for(lambda: enc.of(InstanceJoined))
+    await route(broker, "r9")
     lang.link.send(Prealloc("r9", (1,), 256))
     await wait_for(lambda: broker.broker.rendezvous.describe("r9") is not None)
     stub = broker_pb2_grpc.BrokerStub(channel(broker.address))

@@ -32,6 +32,14 @@ def prealloc(rid: str = "r", tokens: int = 64) -> Prealloc:
     return Prealloc(rid, (0, 1), tokens)
 
 
+def routed(*request_ids: str, **kwargs: object) -> Rendezvous:
+    """A rendezvous with each request routed to (E, L), as the gateway's Route does."""
+    r = Rendezvous(**kwargs)  # type: ignore[arg-type]
+    for rid in request_ids or ("r",):
+        r.route(rid, E, L)
+    return r
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -41,7 +49,7 @@ class Clock:
 
 
 def test_meta_first_then_prealloc_pairs() -> None:
-    r = Rendezvous()
+    r = routed()
     assert r.on_meta(E, meta()) == []
     assert r.describe("r").phase is Phase.WAITING
     out = r.on_prealloc(L, prealloc())
@@ -55,14 +63,14 @@ def test_meta_first_then_prealloc_pairs() -> None:
 
 
 def test_prealloc_first_then_meta_pairs() -> None:
-    r = Rendezvous()
+    r = routed()
     assert r.on_prealloc(L, prealloc()) == []
     out = r.on_meta(E, meta())
     assert {t for t, _ in out} == {E, L}
 
 
 def test_parts_resume_and_done() -> None:
-    r = Rendezvous()
+    r = routed()
     r.on_meta(E, meta(total=100))
     r.on_prealloc(L, prealloc(tokens=64))
     assert r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))[0][0] == L
@@ -74,17 +82,19 @@ def test_parts_resume_and_done() -> None:
 
 
 def test_abort_reaches_the_other_side_and_late_halves() -> None:
-    r = Rendezvous()
+    r = routed()
     r.on_prealloc(L, prealloc())
-    # No encoder knows of it yet: nothing to tell, and no write can land in the blocks.
-    assert r.on_abort(L, Abort("r", "client left")) == [(L, Released("r"))]
+    # The encoder was not given the blocks: no write can land in them, the language
+    # side may reuse them at once; the encoder stops what it was doing.
+    out = r.on_abort(L, Abort("r", "client left"))
+    assert out == [(E, Abort("r", "client left")), (L, Released("r"))]
     out = r.on_meta(E, meta())
     assert out == [(E, Abort("r", "client left"))]
 
 
 def test_unmatched_half_expires_and_is_aborted() -> None:
     clock = Clock()
-    r = Rendezvous(ttl_s=5, history_s=10, clock=clock)
+    r = routed(ttl_s=5, history_s=10, clock=clock)
     r.on_meta(E, meta())
     clock.now = 6
     out = r.expire()
@@ -99,7 +109,7 @@ def test_unmatched_half_expires_and_is_aborted() -> None:
 def test_a_lost_encoder_leaves_its_requests_waiting_for_another() -> None:
     """Nothing had landed: the language side hears PeerLost once for both, keeps
     its preallocations, and the next encoder's meta pairs with them."""
-    r = Rendezvous()
+    r = routed("a", "b")
     for rid in ("a", "b"):
         r.on_meta(E, meta(rid))
         r.on_prealloc(L, prealloc(rid))
@@ -115,7 +125,7 @@ def test_a_lost_encoder_leaves_its_requests_waiting_for_another() -> None:
 
 
 def test_a_lost_encoder_mid_transfer_aborts_the_request() -> None:
-    r = Rendezvous()
+    r = routed()
     r.on_meta(E, meta(total=100))
     r.on_prealloc(L, prealloc(tokens=64))
     r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))
@@ -125,7 +135,7 @@ def test_a_lost_encoder_mid_transfer_aborts_the_request() -> None:
 
 
 def test_a_lost_language_instance_aborts_and_tells_the_encoder() -> None:
-    r = Rendezvous()
+    r = routed()
     r.on_meta(E, meta())
     r.on_prealloc(L, prealloc())
     assert r.on_instance_lost(L) == [(E, PeerLost(L, ("r",)))]
@@ -139,7 +149,7 @@ def test_reroute_moves_the_request_and_refuses_the_old_encoders_meta() -> None:
     r.on_meta(E, meta())  # paired: L has E's meta
     out = r.reroute("r", E, E2, L)
     assert out == [(L, PeerLost(E, ("r",)))]
-    assert r.on_meta(E, meta()) == [(E, Abort("r", f"the request moved to encoder {E2}"))]
+    assert r.on_meta(E, meta()) == [(E, Abort("r", f"the request is on encoder {E2}"))]
     out = r.on_meta(E2, meta())
     assert {t: type(m) for t, m in out} == {L: EmbeddingMeta, E2: Prealloc}
     relayed = next(m for t, m in out if t == L)
@@ -147,7 +157,7 @@ def test_reroute_moves_the_request_and_refuses_the_old_encoders_meta() -> None:
 
 
 def test_reroute_is_refused_once_part_of_the_request_landed() -> None:
-    r = Rendezvous()
+    r = routed()
     r.on_meta(E, meta(total=100))
     r.on_prealloc(L, prealloc(tokens=64))
     r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))
@@ -158,7 +168,7 @@ def test_reroute_is_refused_once_part_of_the_request_landed() -> None:
 
 
 def test_released_reaches_the_language_side_after_an_abort() -> None:
-    r = Rendezvous()
+    r = routed()
     r.on_meta(E, meta())
     r.on_prealloc(L, prealloc())
     r.on_abort(L, Abort("r", "client left"))
@@ -168,10 +178,30 @@ def test_released_reaches_the_language_side_after_an_abort() -> None:
 
 def test_mismatched_target_aborts_both() -> None:
     r = Rendezvous()
+    r.route("r", E, "")
     r.on_prealloc("other-lang", prealloc())
     out = r.on_meta(E, meta())
     assert {t for t, _ in out} == {E, "other-lang"}
     assert all(isinstance(m, Abort) for _, m in out)
+
+
+def test_only_the_routed_pair_is_heard() -> None:
+    """Another encoder's metadata, another language instance's preallocation and
+    a stranger's abort change nothing; the routed pair still pairs."""
+    r = routed()
+    assert r.on_meta(E2, meta()) == [(E2, Abort("r", f"the request is on encoder {E}"))]
+    refused = r.on_prealloc("other-lang", prealloc())
+    assert [(t, type(m)) for t, m in refused] == [("other-lang", Abort)]
+    assert r.on_abort(E2, Abort("r", "x")) == []
+    assert r.on_meta(E, meta()) == []
+    assert {t for t, _ in r.on_prealloc(L, prealloc())} == {E, L}
+
+
+def test_metadata_for_a_request_never_routed_is_refused() -> None:
+    r = Rendezvous()
+    assert r.on_meta(E, meta()) == [(E, Abort("r", "the request was not routed to this encoder"))]
+    assert r.describe("r") is None
+    assert r.on_abort(L, Abort("r", "x")) == [(L, Released("r"))]
 
 
 EVENTS = st.sampled_from(
@@ -197,7 +227,7 @@ def test_random_interleavings_keep_the_invariants(events: list[tuple[int, str]])
     """Whatever the order: deliveries only go to the pair, a finished request
     never comes back to life, and every request ends finished or still pending."""
     clock = Clock()
-    r = Rendezvous(ttl_s=3, history_s=1000, clock=clock)
+    r = routed("0", "1", "2", "3", ttl_s=3, history_s=1000, clock=clock)
     sent = {rid: 0 for rid in map(str, range(4))}
     finished: set[str] = set()
     for index, event in events:

@@ -64,11 +64,12 @@ async def generate(
     language: LanguageServer | None = None,
 ) -> list[language_pb2.GenerateResponse]:
     """What the gateway does: Encode and Generate concurrently."""
-    _, encoder, default_language = stack
+    broker, encoder, default_language = stack
     language = language or default_language
     hints = hints_for(checkpoint, images)
     calls: list[Any] = []
-    if images:
+    if images:  # routed to this pair, as the gateway's Route does
+        broker.broker.rendezvous.route(request_id, encoder.instance_id, language.instance_id)
         calls.append(
             encoder_stub(encoder).Encode(
                 encoder_pb2.EncodeRequest(

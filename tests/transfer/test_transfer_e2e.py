@@ -85,18 +85,17 @@ def tower_output(checkpoint: Path, data: list[bytes]) -> torch.Tensor:
 
 
 async def receive(
+    broker: BrokerServer,
     language: LanguageServer,
     encoder: EncoderServer,
     request_id: str,
     data: list[bytes],
     hint: int,
     meta_first: bool = False,
-    broker: BrokerServer | None = None,
 ) -> torch.Tensor:
     """Preallocates on L and encodes on E (in either order); returns what landed in L."""
-    encode = encode_into(encoder, language, request_id, data)
+    encode = encode_into(broker, encoder, language, request_id, data)
     if meta_first:
-        assert broker is not None
 
         def meta_waiting() -> bool:
             pairing = broker.broker.rendezvous.describe(request_id)
@@ -111,11 +110,20 @@ async def receive(
 
 
 def encode_into(
-    encoder: EncoderServer | str, language: LanguageServer | str, request_id: str, data: list[bytes]
+    broker: BrokerServer,
+    encoder: EncoderServer | tuple[str, str],
+    language: LanguageServer | str,
+    request_id: str,
+    data: list[bytes],
 ) -> asyncio.Future[encoder_pb2.EncodeReply]:
-    """Encode on an encoder (a server or its address) for a language instance, started now."""
-    stub = encoder_stub(encoder) if isinstance(encoder, EncoderServer) else encoder_stub_at(encoder)
+    """Routes the request to this pair, as the gateway's Route does, then encodes on
+    the encoder (a server, or its (instance id, address)); started now."""
+    if isinstance(encoder, EncoderServer):
+        encoder_id, stub = encoder.instance_id, encoder_stub(encoder)
+    else:
+        encoder_id, stub = encoder[0], encoder_stub_at(encoder[1])
     target = language.instance_id if isinstance(language, LanguageServer) else language
+    broker.broker.rendezvous.route(request_id, encoder_id, target)
     return asyncio.ensure_future(
         stub.Encode(
             encoder_pb2.EncodeRequest(
@@ -148,7 +156,9 @@ async def test_embeddings_arrive_bit_exact(
     language = await language_with(tiny_checkpoint, broker, (transport,))
     try:
         data = images(num_images, seed=int(transport) * 7 + num_images)
-        got = await receive(language, encoder, f"exact-{transport.name}-{num_images}", data, hint=0)
+        got = await receive(
+            broker, language, encoder, f"exact-{transport.name}-{num_images}", data, hint=0
+        )
         assert torch.equal(got, tower_output(tiny_checkpoint, data))
         pairing = broker.broker.rendezvous.describe(f"exact-{transport.name}-{num_images}")
         assert pairing is not None and pairing.phase.name == "DONE"
@@ -165,7 +175,7 @@ async def test_both_arrival_orders(
     language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
     try:
         data = images(2, seed=40 + meta_first)
-        got = await receive(language, encoder, f"order-{meta_first}", data, 0, meta_first, broker)
+        got = await receive(broker, language, encoder, f"order-{meta_first}", data, 0, meta_first)
         assert torch.equal(got, tower_output(tiny_checkpoint, data))
     finally:
         await language.stop()
@@ -210,7 +220,7 @@ async def test_large_embedding_completes_through_resume(
     try:
         request_id = f"big-{transport.name}-{pool_tokens}"
         data, expected = big_request
-        got = await receive(language, encoder, request_id, data, hint=0)
+        got = await receive(broker, language, encoder, request_id, data, hint=0)
         assert got.shape[0] == 9800
         assert torch.equal(got, expected)
         pairing = broker.broker.rendezvous.describe(request_id)
@@ -236,7 +246,7 @@ async def test_abort_from_the_language_side_frees_the_encoder(
 ) -> None:
     language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
     try:
-        encode = encode_into(encoder, language, "aborted", images(1, 9))
+        encode = encode_into(broker, encoder, language, "aborted", images(1, 9))
         await _wait_until(lambda: "aborted" in encoder.sender.transfers, 5)
         await language.receiver.expect("aborted", 0)
         await language.receiver.release("aborted", "client went away")
@@ -298,7 +308,7 @@ async def test_a_killed_encoder_fails_over_to_another(
         with epd_process(args, tmp_path / "encoder.log") as process:
             await _wait_until(lambda: broker.broker.registry.get("doomed-encoder") is not None, 60)
             address = broker.broker.registry.get("doomed-encoder").registration.grpc_address
-            first = encode_into(address, language, "orphan", data)
+            first = encode_into(broker, ("doomed-encoder", address), language, "orphan", data)
             await _wait_until(lambda: has_meta(broker, "orphan"), 5)
             os.killpg(process.pid, signal.SIGSTOP)  # it will never see the preallocation
             await language.receiver.expect("orphan", 0)
@@ -320,7 +330,7 @@ async def test_a_killed_encoder_fails_over_to_another(
             )
         )
         assert route.encoder_id == encoder.instance_id
-        await encode_into(encoder, language, "orphan", data)
+        await encode_into(broker, encoder, language, "orphan", data)
         await language.receiver.wait("orphan")
         assert language.receiver.transfers["orphan"].blocks == blocks  # the same preallocation
         got, _ = await language.receiver.take("orphan")
@@ -353,7 +363,7 @@ async def test_killed_language_frees_the_encoder_buffer(
     ]
     with epd_process(args, tmp_path / "language.log") as process:
         await _wait_until(lambda: "doomed-language" in encoder.sender.peers, 60)
-        encode = encode_into(encoder, "doomed-language", "stranded", images(1, 12))
+        encode = encode_into(broker, encoder, "doomed-language", "stranded", images(1, 12))
         await _wait_until(lambda: has_meta(broker, "stranded"), 5)
         assert encoder.buffer.pool.allocator.num_used_blocks > 0
         os.killpg(process.pid, signal.SIGKILL)
@@ -382,7 +392,9 @@ async def test_hung_encoder_times_out_on_the_language_side(
         with epd_process(args, tmp_path / "encoder.log") as process:
             await _wait_until(lambda: broker.broker.registry.get("frozen-encoder") is not None, 60)
             address = broker.broker.registry.get("frozen-encoder").registration.grpc_address
-            encode = encode_into(address, language, "hung", images(1, 13))
+            encode = encode_into(
+                broker, ("frozen-encoder", address), language, "hung", images(1, 13)
+            )
             await _wait_until(lambda: has_meta(broker, "hung"), 5)
             os.killpg(process.pid, signal.SIGSTOP)  # alive, but answers nothing
             await language.receiver.expect("hung", 0)
@@ -433,15 +445,7 @@ async def test_random_load_returns_every_block(
         request_id = f"stress-{next(counter)}"
         exact = sum(tokens[:num_images])
         hint = {"exact": exact, "low": max(1, exact // 3), "none": 0, "high": exact * 2}[hint_mode]
-        encode = asyncio.ensure_future(
-            encoder_stub(encoder).Encode(
-                encoder_pb2.EncodeRequest(
-                    request_id=request_id,
-                    images=data[:num_images],
-                    language_instance_id=language.instance_id,
-                )
-            )
-        )
+        encode = encode_into(broker, encoder, language, request_id, data[:num_images])
         try:
             await language.receiver.expect(request_id, hint)
             if abandon == "early":
