@@ -128,9 +128,18 @@ class Component:
                 os.killpg(self.process.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout_s)
-        # What is left of its process group when it was killed on its own.
+        # What is left of its process group when it was killed on its own, and
+        # until it is gone: only then can its shared memory be swept.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         self.process.wait()
 
 

@@ -35,8 +35,10 @@ def hf_greedy(
     messages: Sequence[dict[str, Any]],
     images: Sequence[Image.Image] = (),
     max_new_tokens: int = 16,
+    **processors: Any,
 ) -> list[int]:
-    """Greedy tokens from HF generate() for a chat (image parts in order of `images`)."""
+    """Greedy tokens from HF generate() for a chat (image parts in order of `images`);
+    `processors`: generate()'s logits-processor arguments (repetition_penalty, ...)."""
     folder = str(folder)
     model = _hf_model(folder)
     tokenizer, image_processor = _hf_parts(folder)
@@ -66,6 +68,7 @@ def hf_greedy(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             **kwargs,
+            **processors,
         )
     return [int(t) for t in out[0, enc["input_ids"].shape[1] :]]
 

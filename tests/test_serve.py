@@ -28,6 +28,7 @@ from PIL import Image
 from services import env
 from services.bench.images import encode_image, random_image
 from services.model.processor import load_image_processor
+from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.ports import free_port
 from services.serve import launch
@@ -166,6 +167,61 @@ def test_completions_equal_hf_generate(
         ]
         image_tokens = int(grids.prod(-1).sum()) // 4
     assert usage.prompt_tokens == len(tokenizer(prompt)["input_ids"]) - num_images + image_tokens
+
+
+PENALTIES = {
+    "repetition and bias": (
+        {"repetition_penalty": 1.5, "logit_bias": {"40": 3.0, "41": -100.0}},
+        {"repetition_penalty": 1.5, "sequence_bias": {(40,): 3.0, (41,): -100.0}},
+    ),
+    # EOS pushed up by 100: the request stops right after min_tokens.
+    "min_tokens against a biased EOS": (
+        {"min_tokens": 6, "logit_bias": {"EOS": 100.0}},
+        {"min_new_tokens": 6, "sequence_bias": {("EOS",): 100.0}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PENALTIES))
+def test_penalised_greedy_equals_hf_generate(
+    served: Served, tiny_checkpoint: Path, case: str
+) -> None:
+    """The logits processors end to end (one image): the same tokens as HF
+    generate() with its own processors for the same parameters."""
+    ours, theirs = PENALTIES[case]
+    eos = load_spec(tiny_checkpoint).eos_token_ids[0]
+
+    def with_eos(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {with_eos(k): v for k, v in value.items()}
+        if isinstance(value, tuple):
+            return tuple(eos if t == "EOS" else t for t in value)
+        return str(eos) if value == "EOS" else value
+
+    ours = {k: with_eos(v) for k, v in ours.items()}
+    theirs = {k: with_eos(v) for k, v in theirs.items()}
+    image = random_image(120, 90, seed=5)
+    decoded = [Image.open(io.BytesIO(encode_image(image))).convert("RGB")]
+    text = "Describe it, twice."
+    expected = hf_greedy(tiny_checkpoint, chat(text, 1), decoded, 20, eos_token_id=eos, **theirs)
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    expected_tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in expected]
+    content = [{"type": "image_url", "image_url": {"url": image_url(image)}}]
+    reply = served.openai.chat.completions.create(
+        model=MODEL,
+        max_tokens=20,
+        temperature=0,
+        messages=[{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+        logit_bias=ours.pop("logit_bias"),
+        logprobs=True,  # token by token, not text (a trailing half character is held back)
+        extra_body=ours,
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [t.token for t in logprobs.content] == expected_tokens
+    assert reply.usage is not None and reply.usage.completion_tokens == len(expected)
+    if "min_tokens" in ours:
+        assert (len(expected), reply.choices[0].finish_reason) == (7, "stop")
 
 
 def test_eight_concurrent_requests(served: Served) -> None:

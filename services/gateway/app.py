@@ -135,6 +135,12 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
         ignore_eos=body.ignore_eos,
+        stop_token_ids=body.stop_token_ids,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens,
+        logit_bias=body.logit_bias or {},
     )
     if body.seed is not None:
         sampling.seed = body.seed

@@ -26,7 +26,6 @@ UNSUPPORTED = (
     "functions",
     "function_call",
     "parallel_tool_calls",
-    "logit_bias",
     "prediction",
     "audio",
     "modalities",
@@ -45,6 +44,9 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+# logit_bias: {"token id": bias}; JSON keys are strings, hence lax for the key.
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1, strict=False)]
+Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -108,6 +110,11 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False  # an extension (as in vLLM): fixed output lengths for benchmarks
     presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[TokenId, Bias] | None = Field(default=None, max_length=1024)
+    # Extensions, as in vLLM:
+    repetition_penalty: float = Field(default=1.0, gt=0, le=100, allow_inf_nan=False)
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     user: Text | None = None
 
     @model_validator(mode="before")
@@ -120,13 +127,6 @@ class ChatCompletionRequest(_Strict):
                         "unsupported", "{name} is not supported by this server", {"name": name}
                     )
         return data
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _unsupported_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported; leave them at 0")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -142,7 +142,20 @@ class ChatCompletionRequest(_Strict):
     def _stream_options_need_stream(self) -> ChatCompletionRequest:
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError(
-                "stream_options", "stream_options is only allowed when stream is true"
+                "stream_options",
+                "stream_options is only allowed when stream is true",
+                {"param": "stream_options"},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max_tokens(self) -> ChatCompletionRequest:
+        limit = self.max_output_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise PydanticCustomError(
+                "min_tokens",
+                "min_tokens ({min}) must not exceed max_tokens ({max})",
+                {"min": self.min_tokens, "max": limit, "param": "min_tokens"},
             )
         return self
 
@@ -189,6 +202,8 @@ def validation_error(errors: list[Any]) -> tuple[str, str | None]:
     if error.get("type") == "unsupported":
         path = [str(error.get("ctx", {}).get("name", ""))]
         message = "not supported by this server"
+    elif "param" in error.get("ctx", {}):  # a check across fields names the one at fault
+        path = [str(error["ctx"]["param"])]
     location = ".".join(path)
     return (f"{location}: {message}" if location else message), location or None
 

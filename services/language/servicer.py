@@ -79,6 +79,11 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int) 
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs or pb.top_logprobs > 0,
         top_logprobs=pb.top_logprobs,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        min_tokens=pb.min_tokens,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
     )
 
 
@@ -180,6 +185,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             sampling = sampling_from_proto(
                 request.sampling, self.max_model_len - len(prompt.token_ids)
             )
+            self.engine.engine.check_sampling(sampling)
             if known:
                 self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
         except ValueError as exc:

@@ -86,13 +86,18 @@ CASES: list[tuple[str, Any, int, str | None, str]] = [
     ("top_logprobs without logprobs", _with(top_logprobs=2), 400, "top_logprobs", "requires logprobs"),
     ("top_logprobs 21", _with(logprobs=True, top_logprobs=21), 400, "top_logprobs", "less than or equal to 20"),
     ("logprobs a string", _with(logprobs="true"), 400, "logprobs", "valid boolean"),
-    ("a presence penalty", _with(presence_penalty=1), 400, "presence_penalty", "not supported"),
+    ("presence penalty out of range", _with(presence_penalty=-2.5), 400, "presence_penalty", "greater than or equal to -2"),
+    ("repetition penalty 0", _with(repetition_penalty=0), 400, "repetition_penalty", "greater than 0"),
+    ("min_tokens over max_tokens", _with(min_tokens=9, max_tokens=8), 400, "min_tokens", "must not exceed max_tokens (8)"),
+    ("a logit_bias key that is no token id", _with(logit_bias={"five": 10}), 400, "logit_bias.five", "valid integer"),
+    ("a logit_bias over 100", _with(logit_bias={"5": 101}), 400, "logit_bias.5", "less than or equal to 100"),
+    ("a logit_bias token out of the vocabulary", _with(logit_bias={"999999": 1}), 400, None, "must be in [0, "),
+    ("a stop token out of the vocabulary", _with(stop_token_ids=[999999]), 400, None, "must be in [0, "),
     ("frequency penalty out of range", _with(frequency_penalty=3), 400, "frequency_penalty", "less than or equal to 2"),
     # parameters this server does not implement
     ("response_format", _with(response_format={"type": "json_object"}), 400, "response_format", "not supported"),
     ("tools", _with(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
     ("tool_choice", _with(tool_choice="auto"), 400, "tool_choice", "not supported"),
-    ("logit_bias", _with(logit_bias={"5": 10}), 400, "logit_bias", "not supported"),
     ("an unknown parameter", _with(frobnicate=True), 400, "frobnicate", "unknown parameter"),
     # images
     ("data URL not base64", _with(messages=_image("data:image/png,abc")), 400, "messages", "must be base64"),
@@ -150,7 +155,7 @@ async def test_bad_input_streaming(
 
 async def test_stream_options_without_stream(gateway: GatewayServer) -> None:
     reply = await _post(gateway, _with(stream_options={"include_usage": True}))
-    _check(reply, 400, None, "stream_options is only allowed when stream is true")
+    _check(reply, 400, "stream_options", "stream_options is only allowed when stream is true")
 
 
 async def test_no_api_key(gateway: GatewayServer) -> None:

@@ -132,9 +132,9 @@ BAD = [
         "requires logprobs",
     ),
     (
-        {"model": MODEL, "presence_penalty": 1, "messages": [{"role": "user", "content": "x"}]},
+        {"model": MODEL, "presence_penalty": 3, "messages": [{"role": "user", "content": "x"}]},
         400,
-        "not supported",
+        "presence_penalty",
     ),
     (
         {

@@ -23,11 +23,12 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped = False
 
-    def push(self, token_id: int) -> None:
+    def push(self, token_id: int, stop: bool = True) -> None:
+        """Appends a token's text; with `stop`, ends at a stop string."""
         piece = self._stream.step(self._backend, token_id)
         if piece:
             self.text += piece
-        if self._stop and not self.stopped:
+        if stop and self._stop and not self.stopped:
             search_from = max(0, self._emitted - self._hold)
             found = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
             if found:

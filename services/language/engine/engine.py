@@ -18,7 +18,7 @@ from services.language.engine.attention import AttentionBackend, FlashInferAtten
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
 from services.language.engine.model import LanguageModel
-from services.language.engine.request import Request, RequestStatus
+from services.language.engine.request import Request, RequestStatus, SamplingParams
 from services.language.engine.runner import ModelRunner, Scheduled
 from services.language.engine.sampler import Sample, Sampler, SamplingError
 from services.language.engine.scheduler import Scheduler, SchedulerConfig
@@ -108,7 +108,7 @@ class LLMEngine:
         )
         self.blocks = KVBlockManager(kv_config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(set(spec.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
@@ -134,8 +134,18 @@ class LLMEngine:
                 f"context length of {self.config.max_model_len} tokens"
             )
 
-    def add_request(self, request: Request) -> None:
+    def check_sampling(self, params: SamplingParams) -> None:
+        """ValueError unless the token ids the parameters name are in the vocabulary."""
+        vocab = self.spec.text.vocab_size
+        if any(not 0 <= t < vocab for t in params.token_ids):
+            raise ValueError(f"token ids in logit_bias and stop_token_ids must be in [0, {vocab})")
+
+    def check(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.check_sampling(request.sampling)
+
+    def add_request(self, request: Request) -> None:
+        self.check(request)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
@@ -197,7 +207,8 @@ class LLMEngine:
             request.first_token_time = now
             ttfts.append(now - request.arrival_time)
         detok = self.detokenizers[request.request_id]
-        detok.push(sample.token_id)
+        # Stop strings count only from min_tokens on (stop tokens are masked until then).
+        detok.push(sample.token_id, stop=request.num_output_tokens >= request.sampling.min_tokens)
         status = self._stop_status(request, sample.token_id, detok)
         if status is not None:
             self.scheduler.finish(request, status)
@@ -354,7 +365,7 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes; leaving early aborts it."""
-        self.engine.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.engine.check(request)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
         self._inbox.put(("add", request))

@@ -53,6 +53,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Logits processors (OpenAI / vLLM semantics; services/language/engine/sampler.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -67,10 +73,37 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias {token}: {bias} must be in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_processors(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+        )
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token id these parameters name (to check against the vocabulary)."""
+        return [*self.stop_token_ids, *(token for token, _ in self.logit_bias)]
 
 
 @dataclass(slots=True)

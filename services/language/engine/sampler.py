@@ -1,4 +1,6 @@
-"""Sampler: greedy, temperature, top-k, top-p; logprobs of the raw distribution.
+"""Sampler: logits processors (logit_bias, min_tokens, repetition / frequency /
+presence penalties), then greedy or temperature, top-k, top-p; logprobs of the
+raw distribution.
 
 A request with a seed draws from its own generator, so its samples do not
 depend on which other requests share the batch. A request whose sampling
@@ -26,6 +28,31 @@ class SamplingError(RuntimeError):
     """One request could not be sampled; it ends with this error, the batch goes on."""
 
 
+def apply_processors(
+    row: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    stop_ids: set[int],
+) -> None:
+    """One request's logits [vocab], in place, in vLLM's order: logit_bias and
+    min_tokens, then the penalties. `stop_ids`: the ids min_tokens holds back
+    (EOS unless ignored, and the request's stop_token_ids)."""
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias, strict=True)
+        row.index_add_(0, torch.tensor(ids), torch.tensor(biases, dtype=row.dtype))
+    if len(output_ids) < params.min_tokens and stop_ids:
+        row[torch.tensor(sorted(stop_ids))] = float("-inf")
+    if params.repetition_penalty != 1.0:  # HF's RepetitionPenaltyLogitsProcessor
+        seen = torch.tensor(prompt_ids + output_ids).unique()
+        values = row[seen]
+        penalty = params.repetition_penalty
+        row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids), minlength=row.numel())
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [vocab] after temperature, top-k and top-p."""
     logits = logits / params.temperature
@@ -43,15 +70,31 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 class Sampler:
+    def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        eos = set() if params.ignore_eos else self.eos_token_ids
+        return eos | set(params.stop_token_ids)
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample | SamplingError]:
         """logits [N, vocab] float32, one row per request; a Sample or a SamplingError each."""
-        greedy = logits.argmax(dim=-1).tolist()
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         logprobs = (
             torch.log_softmax(logits, dim=-1)
             if any(r.sampling.logprobs for r in requests)
             else None
         )
+        processed = [i for i, r in enumerate(requests) if r.sampling.has_processors]
+        if processed:  # a copy: logprobs stay those of the model
+            logits = logits.clone()
+            for i in processed:
+                r = requests[i]
+                stop_ids = self._stop_ids(r.sampling)
+                apply_processors(
+                    logits[i], r.sampling, r.prompt_token_ids, r.output_token_ids, stop_ids
+                )
+        greedy = logits.argmax(dim=-1).tolist()
         samples: list[Sample | SamplingError] = []
         for i, request in enumerate(requests):
             if not finite[i]:
