@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from services.language.engine.engine import EngineConfig
 from services.language.server import LanguageConfig, LanguageServer
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
 from services.security import Security, current
+from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
 
 MODEL = "demo-tiny"
@@ -82,6 +85,21 @@ def _kept_channel(address: str, security: Security) -> grpc.aio.Channel:
 
 def _channel(address: str) -> grpc.aio.Channel:
     return _kept_channel(address, current())
+
+
+@contextlib.asynccontextmanager
+async def backend(
+    checkpoint: Path, triton: TritonServer
+) -> AsyncIterator[tuple[BrokerServer, EncoderServer, LanguageServer]]:
+    """A broker, an encoder and a language instance (shared memory between them)."""
+    broker = await start_broker()
+    encoder = await start_encoder(checkpoint, triton, broker)
+    language = await start_language(checkpoint, broker, transports=(Transport.SHM,))
+    try:
+        yield broker, encoder, language
+    finally:
+        for server in (language, encoder, broker):
+            await server.stop()
 
 
 def encoder_stub(server: EncoderServer) -> encoder_pb2_grpc.EncoderStub:

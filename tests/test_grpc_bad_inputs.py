@@ -18,15 +18,12 @@ from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
 from services.language.server import LanguageServer
 from services.proto import broker_pb2, common_pb2, encoder_pb2, language_pb2
-from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
 from tests.stack import (
+    backend,
     broker_stub,
     encoder_stub,
     language_stub,
-    start_broker,
-    start_encoder,
-    start_language,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -36,12 +33,8 @@ Stack = tuple[BrokerServer, EncoderServer, LanguageServer]
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def stack(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[Stack]:
-    broker = await start_broker()
-    encoder = await start_encoder(tiny_checkpoint, triton, broker)
-    language = await start_language(tiny_checkpoint, broker, transports=(Transport.SHM,))
-    yield broker, encoder, language
-    for server in (language, encoder, broker):
-        await server.stop()
+    async with backend(tiny_checkpoint, triton) as servers:
+        yield servers
 
 
 def _messages(text: str = "hi", hints: tuple[int, ...] = ()) -> list[language_pb2.ChatMessage]:

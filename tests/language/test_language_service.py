@@ -24,7 +24,12 @@ from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
 from tests.reference import chat, hf_greedy
 from tests.reflection import list_services, server_streaming_json
-from tests.stack import encoder_stub, language_stub, start_broker, start_encoder, start_language
+from tests.stack import (
+    backend,
+    encoder_stub,
+    language_stub,
+    start_language,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -33,12 +38,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 async def stack(
     tiny_checkpoint: Path, triton: TritonServer
 ) -> AsyncIterator[tuple[BrokerServer, EncoderServer, LanguageServer]]:
-    broker = await start_broker()
-    encoder = await start_encoder(tiny_checkpoint, triton, broker)
-    language = await start_language(tiny_checkpoint, broker, transports=(Transport.SHM,))
-    yield broker, encoder, language
-    for server in (language, encoder, broker):
-        await server.stop()
+    async with backend(tiny_checkpoint, triton) as servers:
+        yield servers
 
 
 def proto_messages(text: str, hints: list[int]) -> list[language_pb2.ChatMessage]:
