@@ -288,7 +288,9 @@ class Stack:
     parts: list[Component] = field(default_factory=list)
     # Every shared-memory segment the children create carries this prefix, so
     # whatever a crashed child leaves is removed when the stack stops.
-    shm_prefix: str = field(default_factory=lambda: f"epd_{secrets.token_hex(3)}_")
+    shm_prefix: str = field(
+        default_factory=lambda: f"{env.SHM_PREFIX.get()}{secrets.token_hex(3)}_"
+    )
 
     environment: dict[str, str] = field(default_factory=dict)
 

@@ -73,6 +73,24 @@ def hf_greedy(
     return [int(t) for t in out[0, enc["input_ids"].shape[1] :]]
 
 
+def hf_greedy_prompt(
+    folder: str | Path, token_ids: Sequence[int], max_new_tokens: int, **processors: Any
+) -> list[int]:
+    """Greedy tokens from HF generate() continuing raw token ids (no chat template)."""
+    model = _hf_model(str(folder))
+    input_ids = torch.tensor([list(token_ids)])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            mm_token_type_ids=torch.zeros_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **processors,
+        )
+    return [int(t) for t in out[0, input_ids.shape[1] :]]
+
+
 def chat(text: str, num_images: int = 0) -> list[dict[str, Any]]:
     """One user turn: the images first, then the text."""
     parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]

@@ -20,7 +20,7 @@ from services.bench.images import encode_image, random_image
 from services.model.tokenizer import load_tokenizer
 from services.ports import free_port
 from services.serve import launch
-from tests.reference import chat, hf_greedy
+from tests.reference import chat, hf_greedy, hf_greedy_prompt
 
 MODEL = "demo-tiny"
 
@@ -75,6 +75,27 @@ def test_image_request_equals_hf_generate(monolithic: str, tiny_checkpoint: Path
         expected, skip_special_tokens=True
     )
     assert reply.usage is not None and reply.usage.completion_tokens == len(expected)
+
+
+def test_completions_and_penalties_equal_hf_generate(
+    monolithic: str, tiny_checkpoint: Path
+) -> None:
+    """/v1/completions and the logits processors run in the monolithic engine too."""
+    client = OpenAI(base_url=monolithic + "/v1", api_key="none", max_retries=0)
+    prompt = [5, 17, 42, 99, 7]
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        logprobs=0,
+        extra_body={"repetition_penalty": 1.5},
+    )
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    expected = hf_greedy_prompt(tiny_checkpoint, prompt, 10, repetition_penalty=1.5)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in expected]
 
 
 def test_bad_image_is_a_400(monolithic: str) -> None:

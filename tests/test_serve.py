@@ -38,6 +38,7 @@ from tests.reference import chat, hf_greedy
 from tests.reflection import grpcurl
 
 MODEL = "demo-tiny"
+SHM_PREFIX = "epdserve_"
 
 
 @dataclass
@@ -45,7 +46,6 @@ class Served:
     process: subprocess.Popen[str]
     url: str
     ports: dict[str, int]
-    shm_before: set[str]
     banner: str
 
     @property
@@ -78,7 +78,6 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     ports = {
         name: free_port() for name in ("gateway", "broker", "encoder", "language", "th", "tg", "tm")
     }
-    shm_before = {p.name for p in SHM_DIR.iterdir()}
     banner: list[str] = []
     process = launch(
         [
@@ -108,10 +107,13 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             str(tmp_path_factory.mktemp("logs")),
         ],
         banner=banner,
-        env={k: v for k, v in os.environ.items() if k != env.CLUSTER_TOKEN.name},
+        env={
+            **{k: v for k, v in os.environ.items() if k != env.CLUSTER_TOKEN.name},
+            env.SHM_PREFIX.name: SHM_PREFIX,  # this stack's segments, apart from the tests'
+        },
     )
     url = f"http://127.0.0.1:{ports['gateway']}"
-    served = Served(process, url, ports, shm_before, "".join(banner))
+    served = Served(process, url, ports, "".join(banner))
     yield served
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
@@ -466,7 +468,8 @@ def test_only_the_stacks_token_opens_its_control_plane(served: Served) -> None:
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:
     marker = f"--broker {served.url.split(':')[1][2:]}:{served.ports['broker']}"
     assert _our_processes(f":{served.ports['broker']}"), "the stack's processes are running"
+    assert list(SHM_DIR.glob(SHM_PREFIX + "*")), "the stack's shared memory is there"
     served.process.send_signal(signal.SIGINT)
     assert served.process.wait(60) == 0
     assert _our_processes(f":{served.ports['broker']}") == [], marker
-    assert {p.name for p in SHM_DIR.iterdir()} - served.shm_before == set()
+    assert list(SHM_DIR.glob(SHM_PREFIX + "*")) == []

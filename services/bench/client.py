@@ -62,7 +62,8 @@ async def send(
                     result.prompt_tokens = event["usage"]["prompt_tokens"]
                     result.output_tokens = event["usage"]["completion_tokens"]
                 for choice in event.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
+                    # A chat delta's content, or a text completion's text.
+                    if (choice.get("delta") or {}).get("content") or choice.get("text"):
                         chunks += 1
                         if result.ttft is None:
                             result.ttft = now - started

@@ -22,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
     p.add_argument("--model", help="default: the first model the server lists")
     p.add_argument("--api-key", default="")
+    p.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions, or /v1/completions (text prompts only: --image-ratio 0)",
+    )
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--input-len", type=int, default=64, help="words of text per prompt")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
@@ -115,6 +121,7 @@ def main(args: argparse.Namespace) -> int:
         image_dir=Path(args.image_dir) if args.image_dir else None,
         ignore_eos=not args.no_ignore_eos,
         seed=args.seed,
+        endpoint=args.endpoint,
     )
     slo = parse_slo(args.goodput)
     model = args.model or first_model(args.base_url, args.api_key)

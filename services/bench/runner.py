@@ -49,13 +49,13 @@ def arrival_times(count: int, rate: float, seed: int) -> list[float]:
 
 async def run(config: RunConfig, requests: list[BenchRequest]) -> RunResult:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    url = config.base_url.rstrip("/") + "/chat/completions"
+    base = config.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
         timeout=config.timeout_s, headers=headers, limits=limits
     ) as client:
         for request in requests[: config.warmup]:
-            await send(client, url, request, time.perf_counter())
+            await send(client, base + request.path, request, time.perf_counter())
         gate = asyncio.Semaphore(config.max_concurrency or len(requests))
         done: list[RequestResult] = []
         start = time.perf_counter()
@@ -63,7 +63,7 @@ async def run(config: RunConfig, requests: list[BenchRequest]) -> RunResult:
         async def one(request: BenchRequest, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
             async with gate:
-                result = await send(client, url, request, start)
+                result = await send(client, base + request.path, request, start)
             done.append(result)
             if config.progress:
                 errors = sum(not r.ok for r in done)

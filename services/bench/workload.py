@@ -79,8 +79,11 @@ class Workload:
     image_dir: Path | None = None
     ignore_eos: bool = True
     seed: int = 0
+    endpoint: Literal["chat", "completions"] = "chat"  # /v1/completions: text prompts only
 
     def __post_init__(self) -> None:
+        if self.endpoint == "completions" and self.image_ratio:
+            raise ValueError("/v1/completions takes no images: use --image-ratio 0")
         if not 0 <= self.image_ratio <= 1:
             raise ValueError("image_ratio must be in [0, 1]")
         if self.image_format not in FORMATS:
@@ -94,6 +97,7 @@ class BenchRequest:
     index: int
     kind: Literal["image", "text"]
     body: dict[str, Any]
+    path: str = "/chat/completions"  # under the base URL
 
 
 def _folder_images(folder: Path) -> list[tuple[bytes, str]]:
@@ -133,9 +137,14 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
                 url = f"data:{kind};base64,{base64.b64encode(data).decode()}"
                 content.append({"type": "image_url", "image_url": {"url": url}})
         content.append({"type": "text", "text": text})
+        prompt: dict[str, Any] = (
+            {"prompt": text}
+            if workload.endpoint == "completions"
+            else {"messages": [{"role": "user", "content": content}]}
+        )
         body = {
             "model": model,
-            "messages": [{"role": "user", "content": content}],
+            **prompt,
             "max_tokens": workload.output_len,
             "temperature": 0,
             "stream": True,
@@ -143,5 +152,8 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
         }
         if workload.ignore_eos:
             body["ignore_eos"] = True
-        requests.append(BenchRequest(index, "image" if index in with_images else "text", body))
+        path = "/completions" if workload.endpoint == "completions" else "/chat/completions"
+        requests.append(
+            BenchRequest(index, "image" if index in with_images else "text", body, path)
+        )
     return requests

@@ -32,10 +32,13 @@ from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     ImagePart,
     chunk,
     completion,
     logprob_content,
+    text_completion,
+    text_logprobs,
     usage,
     validation_error,
 )
@@ -44,13 +47,14 @@ from services.proto import common_pb2, language_pb2
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
 FINISH_REASONS = {
     language_pb2.FINISH_REASON_STOP: "stop",
     language_pb2.FINISH_REASON_LENGTH: "length",
     language_pb2.FINISH_REASON_ABORT: "abort",
 }
-GENERATION_PATHS = frozenset({"/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 CLIENT_LEFT = 499
 
 
@@ -126,14 +130,48 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
                 parts.append(language_pb2.ContentPart(text=part.text))
         role = "system" if message.role == "developer" else message.role
         messages.append(language_pb2.ChatMessage(role=role, content=parts))
+    return GenerateCall(
+        request_id=f"chatcmpl-{secrets.token_hex(12)}",
+        model=body.model,
+        messages=messages,
+        images=[image.data for image in loaded],
+        sampling=_sampling(body, body.logprobs, body.top_logprobs or 0),
+    )
+
+
+async def _prepare_completion(gateway: Gateway, body: CompletionRequest) -> list[GenerateCall]:
+    """One call per prompt (its choice index); text-only, no chat template."""
+    await gateway.backend.check_model(body.model)
+    prompts = body.prompts
+    if body.stream and len(prompts) > 1:
+        raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
+    sampling = _sampling(body, body.logprobs is not None, body.logprobs or 0)
+    request_id = f"cmpl-{secrets.token_hex(12)}"
+    return [
+        GenerateCall(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}",
+            model=body.model,
+            messages=[],
+            images=[],
+            sampling=sampling,
+            prompt=prompt if isinstance(prompt, str) else "",
+            prompt_token_ids=[] if isinstance(prompt, str) else prompt,
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+
+
+def _sampling(
+    body: ChatCompletionRequest | CompletionRequest, logprobs: bool, top_logprobs: int
+) -> common_pb2.SamplingParams:
     sampling = common_pb2.SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=body.top_p or 1.0,
         top_k=max(0, body.top_k or 0),
         max_tokens=body.max_output_tokens or 0,
         stop=body.stops,
-        logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         ignore_eos=body.ignore_eos,
         stop_token_ids=body.stop_token_ids,
         presence_penalty=body.presence_penalty,
@@ -144,13 +182,7 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
     )
     if body.seed is not None:
         sampling.seed = body.seed
-    return GenerateCall(
-        request_id=f"chatcmpl-{secrets.token_hex(12)}",
-        model=body.model,
-        messages=messages,
-        images=[image.data for image in loaded],
-        sampling=sampling,
-    )
+    return sampling
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -166,7 +198,7 @@ async def _body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _parse(request: Request, limit: int) -> ChatCompletionRequest:
+async def _parse(request: Request, limit: int, model: type[R]) -> R:
     raw = await _body(request, limit)
     try:
         payload = json.loads(raw)
@@ -177,7 +209,7 @@ async def _parse(request: Request, limit: int) -> ChatCompletionRequest:
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return ChatCompletionRequest.model_validate(payload)
+        return model.model_validate(payload)
     except ValidationError as exc:
         raise ApiError(400, *validation_error(exc.errors())) from None
     except RecursionError:
@@ -241,6 +273,24 @@ async def _responses(first: language_pb2.GenerateResponse, stream: Responses) ->
         yield response
 
 
+def _piece(
+    call: GenerateCall, created: int, text: str, entries: list[Any], finish: str | None
+) -> dict[str, Any]:
+    """One stream chunk: a chat delta, or a text completion's piece."""
+    want_logprobs = call.sampling.logprobs and bool(entries)
+    if call.is_completion:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": text_logprobs(entries) if want_logprobs else None,
+            "finish_reason": finish,
+        }
+        return text_completion(call.request_id, call.model, [choice], None)
+    delta = {"content": text} if finish is None else {}
+    logprobs = logprob_content(entries) if want_logprobs else None
+    return chunk(call.request_id, call.model, created, delta, finish, logprobs=logprobs)
+
+
 async def _sse(
     gateway: Gateway,
     call: GenerateCall,
@@ -252,40 +302,25 @@ async def _sse(
     created = int(time.time())
     seen_text = False
     try:
-        yield _event(
-            chunk(call.request_id, call.model, created, {"role": "assistant", "content": ""})
-        )
+        if not call.is_completion:
+            opening = {"role": "assistant", "content": ""}
+            yield _event(chunk(call.request_id, call.model, created, opening))
         async for response in _responses(first, stream):
             if response.HasField("chunk"):
                 c = response.chunk
                 if not seen_text and c.text:
                     gateway.metrics.ttft.observe(time.monotonic() - started)
                     seen_text = True
-                logprobs = logprob_content(list(c.logprobs)) if call.sampling.logprobs else None
-                if c.text or logprobs:
-                    yield _event(
-                        chunk(
-                            call.request_id,
-                            call.model,
-                            created,
-                            {"content": c.text},
-                            logprobs=logprobs,
-                        )
-                    )
+                if c.text or (call.sampling.logprobs and c.logprobs):
+                    yield _event(_piece(call, created, c.text, list(c.logprobs), None))
             elif response.HasField("complete"):
                 done = response.complete
                 _count(gateway, done)
-                yield _event(
-                    chunk(
-                        call.request_id,
-                        call.model,
-                        created,
-                        {},
-                        FINISH_REASONS.get(done.finish_reason, "stop"),
-                    )
-                )
+                finish = FINISH_REASONS.get(done.finish_reason, "stop")
+                yield _event(_piece(call, created, "", [], finish))
                 if include_usage:
                     body = chunk(call.request_id, call.model, created, {})
+                    body["object"] = "text_completion" if call.is_completion else body["object"]
                     body["choices"] = []
                     body["usage"] = usage(done.prompt_tokens, done.completion_tokens)
                     yield _event(body)
@@ -297,34 +332,59 @@ async def _sse(
         await stream.aclose()  # a client that left mid-stream aborts the request downstream
 
 
+@dataclass(frozen=True, slots=True)
+class _Generated:
+    """One call's whole output."""
+
+    text: str
+    logprobs: list[Any]  # TokenLogprob messages
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
 async def _collect(
-    gateway: Gateway,
-    call: GenerateCall,
-    stream: Responses,
-    first: language_pb2.GenerateResponse,
-    started: float,
-) -> dict[str, Any]:
+    gateway: Gateway, stream: Responses, first: language_pb2.GenerateResponse, started: float
+) -> _Generated:
     text: list[str] = []
-    logprobs: list[dict[str, Any]] = []
+    logprobs: list[Any] = []
     async for response in _responses(first, stream):
         if response.HasField("chunk"):
             if not text:
                 gateway.metrics.ttft.observe(time.monotonic() - started)
             text.append(response.chunk.text)
-            logprobs += logprob_content(list(response.chunk.logprobs))
+            logprobs += list(response.chunk.logprobs)
         elif response.HasField("complete"):
             done = response.complete
             _count(gateway, done)
-            return completion(
-                call.request_id,
-                call.model,
-                "".join(text),
-                FINISH_REASONS.get(done.finish_reason, "stop"),
-                done.prompt_tokens,
-                done.completion_tokens,
-                logprobs if call.sampling.logprobs else None,
+            finish = FINISH_REASONS.get(done.finish_reason, "stop")
+            return _Generated(
+                "".join(text), logprobs, finish, done.prompt_tokens, done.completion_tokens
             )
     raise ApiError(500, "the language instance ended the stream without completing")
+
+
+async def _generate(
+    gateway: Gateway, request: Request, call: GenerateCall, started: float
+) -> tuple[Responses, language_pb2.GenerateResponse]:
+    """The call's stream and its first response: a failure before it is an HTTP
+    status, streaming or not."""
+    stream = gateway.backend.generate(call)
+    try:
+        return stream, await _unless_disconnected(request, _first(stream))
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
+async def _complete(
+    gateway: Gateway, request: Request, call: GenerateCall, started: float
+) -> _Generated:
+    stream, first = await _generate(gateway, request, call, started)
+    try:
+        return await _unless_disconnected(request, _collect(gateway, stream, first, started))
+    finally:
+        await stream.aclose()
 
 
 def create_app(gateway: Gateway) -> ASGIApp:
@@ -342,25 +402,59 @@ def create_app(gateway: Gateway) -> ASGIApp:
     async def chat_completions(request: Request) -> Response:
         started = time.monotonic()
         _check_key(gateway, request)
-        body = await _parse(request, gateway.max_body_bytes)
+        body = await _parse(request, gateway.max_body_bytes, ChatCompletionRequest)
         call = await _prepare(gateway, body)
-        stream = gateway.backend.generate(call)
         try:
-            first = await _unless_disconnected(request, _first(stream))
             if body.stream:
+                stream, first = await _generate(gateway, request, call, started)
                 return StreamingResponse(
                     _sse(gateway, call, stream, first, body.include_usage, started),
                     media_type="text/event-stream",
                 )
-            reply = await _unless_disconnected(
-                request, _collect(gateway, call, stream, first, started)
-            )
+            out = await _complete(gateway, request, call, started)
         except _ClientLeft:
             return Response(status_code=CLIENT_LEFT)
-        except BaseException:
-            await stream.aclose()
-            raise
-        return JSONResponse(reply)
+        logprobs = logprob_content(out.logprobs) if call.sampling.logprobs else None
+        return JSONResponse(
+            completion(
+                call.request_id,
+                call.model,
+                out.text,
+                out.finish_reason,
+                out.prompt_tokens,
+                out.completion_tokens,
+                logprobs,
+            )
+        )
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        started = time.monotonic()
+        _check_key(gateway, request)
+        body = await _parse(request, gateway.max_body_bytes, CompletionRequest)
+        calls = await _prepare_completion(gateway, body)
+        try:
+            if body.stream:
+                stream, first = await _generate(gateway, request, calls[0], started)
+                return StreamingResponse(
+                    _sse(gateway, calls[0], stream, first, body.include_usage, started),
+                    media_type="text/event-stream",
+                )
+            outs = await asyncio.gather(*(_complete(gateway, request, c, started) for c in calls))
+        except _ClientLeft:
+            return Response(status_code=CLIENT_LEFT)
+        choices = [
+            {
+                "index": index,
+                "text": out.text,
+                "logprobs": text_logprobs(out.logprobs) if body.logprobs is not None else None,
+                "finish_reason": out.finish_reason,
+            }
+            for index, out in enumerate(outs)
+        ]
+        total = usage(sum(o.prompt_tokens for o in outs), sum(o.completion_tokens for o in outs))
+        request_id = calls[0].request_id.removesuffix("-0")  # several prompts: ID-0, ID-1, ...
+        return JSONResponse(text_completion(request_id, body.model, choices, total))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

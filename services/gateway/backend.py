@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -66,6 +66,13 @@ class GenerateCall:
     messages: list[language_pb2.ChatMessage]
     images: list[bytes]
     sampling: common_pb2.SamplingParams
+    # A completion (/v1/completions) instead of a chat: messages and images empty.
+    prompt: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_completion(self) -> bool:
+        return bool(self.prompt or self.prompt_token_ids)
 
 
 def _stop_on_failure(encode: asyncio.Task[None], stream: grpc.aio.Call) -> None:
@@ -192,7 +199,11 @@ class Backend:
         language = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
         stream = language.Generate(
             language_pb2.GenerateRequest(
-                request_id=call.request_id, messages=call.messages, sampling=call.sampling
+                request_id=call.request_id,
+                messages=call.messages,
+                sampling=call.sampling,
+                prompt=call.prompt,
+                prompt_token_ids=call.prompt_token_ids,
             ),
             timeout=self.generate_timeout_s,
         )

@@ -29,7 +29,7 @@ from services.language.engine.vision import VisionTower
 from services.language.servicer import messages_from_proto, responses, sampling_from_proto
 from services.model.checkpoint import load_language_weights, load_vision_tower
 from services.model.spec import load_spec
-from services.model.tokenizer import build_prompt, load_tokenizer
+from services.model.tokenizer import build_prompt, completion_prompt, load_tokenizer
 
 
 class LocalBackend:
@@ -71,13 +71,18 @@ class LocalBackend:
 
     async def generate(self, call: GenerateCall) -> Responses:
         try:
-            messages, _ = messages_from_proto(call.messages)
             pre = await self.preprocessor.preprocess(list(enumerate(call.images)))
             grids = [p.grid for p in pre]
             merge = self.spec.vision.spatial_merge_size
-            prompt = build_prompt(
-                self.tokenizer, self.spec, messages, [g.num_tokens(merge) for g in grids]
-            )
+            if call.prompt or call.prompt_token_ids:
+                prompt = completion_prompt(
+                    self.tokenizer, self.spec, call.prompt, call.prompt_token_ids
+                )
+            else:
+                messages, _ = messages_from_proto(call.messages)
+                prompt = build_prompt(
+                    self.tokenizer, self.spec, messages, [g.num_tokens(merge) for g in grids]
+                )
             sampling = sampling_from_proto(
                 call.sampling, self.max_model_len - len(prompt.token_ids)
             )

@@ -1,9 +1,9 @@
-"""The OpenAI chat-completions request, validated, and the response shapes."""
+"""The OpenAI chat- and text-completion requests, validated, and the response shapes."""
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -92,11 +92,11 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Strict):
+class _GenerationRequest(_Strict):
+    """What chat and text completions share: the model, sampling, streaming."""
+
     model: Text = Field(min_length=1, max_length=256)
-    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # vLLM's; -1 or 0: off
@@ -104,8 +104,6 @@ class ChatCompletionRequest(_Strict):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False  # an extension (as in vLLM): fixed output lengths for benchmarks
     presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
@@ -139,7 +137,7 @@ class ChatCompletionRequest(_Strict):
         return stops
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> ChatCompletionRequest:
+    def _stream_options_need_stream(self) -> Self:
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError(
                 "stream_options",
@@ -149,7 +147,7 @@ class ChatCompletionRequest(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _min_tokens_within_max_tokens(self) -> ChatCompletionRequest:
+    def _min_tokens_within_max_tokens(self) -> Self:
         limit = self.max_output_tokens
         if limit is not None and self.min_tokens > limit:
             raise PydanticCustomError(
@@ -165,11 +163,53 @@ class ChatCompletionRequest(_Strict):
 
     @property
     def max_output_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+PromptText = Annotated[Text, Field(min_length=1)]
+PromptTokens = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
+Prompts = Annotated[list[PromptText] | list[PromptTokens], Field(min_length=1)]
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions: one prompt or several (text or token ids), each a choice."""
+
+    prompt: PromptText | PromptTokens | Prompts
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)  # OpenAI's default
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy form: top-k alternatives
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=1)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported by this server")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: its text or its token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [[t for t in self.prompt if isinstance(t, int)]]
+        return [p for p in self.prompt if not isinstance(p, int)]
 
 
 def _path(error: Any) -> list[str]:
@@ -256,6 +296,37 @@ def completion(
         ],
         "usage": usage(prompt_tokens, completion_tokens),
     }
+
+
+def text_logprobs(entries: list[Any]) -> dict[str, Any]:
+    """GenerateChunk TokenLogprobs -> the legacy completions `logprobs`."""
+    offsets, offset = [], 0
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def text_completion(
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None
+) -> dict[str, Any]:
+    """A /v1/completions response or stream chunk; each choice {index, text,
+    logprobs, finish_reason}."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
 
 
 def chunk(

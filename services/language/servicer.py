@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,7 +15,13 @@ from services.language.engine.request import SamplingParams, new_request
 from services.language.metrics import LanguageMetrics
 from services.language.receiver import Receiver
 from services.model.spec import ModelSpec
-from services.model.tokenizer import ChatMessages, Prompt, build_prompt, count_images
+from services.model.tokenizer import (
+    ChatMessages,
+    Prompt,
+    build_prompt,
+    completion_prompt,
+    count_images,
+)
 from services.proto import common_pb2, language_pb2, language_pb2_grpc
 from services.transfer.state import PoolExhaustedError, TransferFailedError
 
@@ -176,12 +182,25 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
     ) -> AsyncIterator[language_pb2.GenerateResponse]:
         request_id = request.request_id
         try:
-            messages, hints = messages_from_proto(request.messages)
-            if count_images(messages) != len(hints):
-                raise ValueError("image parts and hints disagree")
-            check_hints(hints, self.max_image_tokens, self.max_model_len)
-            known = all(h > 0 for h in hints)
-            prompt = await self._prompt(messages, hints if known else [1] * len(hints))
+            if request.prompt or request.prompt_token_ids:
+                if request.messages:
+                    raise ValueError("a request has messages or a prompt, not both")
+                hints: list[int] = []
+                known = True
+                prompt = await self._tokenize(
+                    completion_prompt,
+                    self.tokenizer,
+                    self.spec,
+                    request.prompt,
+                    list(request.prompt_token_ids),
+                )
+            else:
+                messages, hints = messages_from_proto(request.messages)
+                if count_images(messages) != len(hints):
+                    raise ValueError("image parts and hints disagree")
+                check_hints(hints, self.max_image_tokens, self.max_model_len)
+                known = all(h > 0 for h in hints)
+                prompt = await self._prompt(messages, hints if known else [1] * len(hints))
             sampling = sampling_from_proto(
                 request.sampling, self.max_model_len - len(prompt.token_ids)
             )
@@ -233,12 +252,12 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
 
     async def _prompt(self, messages: ChatMessages, image_tokens: list[int]) -> Prompt:
+        return await self._tokenize(build_prompt, self.tokenizer, self.spec, messages, image_tokens)
+
+    async def _tokenize(self, build: Callable[..., Prompt], *args: Any) -> Prompt:
         """Templating and tokenizing, on their own thread: a long prompt never holds
         the event loop (one thread: a fast tokenizer must not run concurrently)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._tokenizing, build_prompt, self.tokenizer, self.spec, messages, image_tokens
-        )
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, build, *args)
 
     async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, Any]:
         """Preallocates, waits for the embeddings, takes them out of the pool."""

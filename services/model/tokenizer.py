@@ -66,6 +66,24 @@ def count_images(messages: ChatMessages) -> int:
     )
 
 
+def completion_prompt(
+    tokenizer: Any, spec: ModelSpec, text: str, token_ids: Sequence[int]
+) -> Prompt:
+    """A completion's prompt as it is (no chat template): its text tokenized, or
+    its token ids, checked against the vocabulary."""
+    if text and token_ids:
+        raise ValueError("a prompt is text or token ids, not both")
+    ids = list(token_ids) if token_ids else tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    vocab = spec.text.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if spec.image_token_id in ids:
+        raise ValueError("a completion prompt holds no image placeholder tokens: no image comes")
+    return Prompt(ids, [], [])
+
+
 def build_prompt(
     tokenizer: Any, spec: ModelSpec, messages: ChatMessages, image_token_counts: Sequence[int]
 ) -> Prompt:

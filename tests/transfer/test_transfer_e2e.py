@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -242,18 +243,34 @@ async def test_unknown_target_is_not_found(encoder: EncoderServer) -> None:
 
 
 async def test_abort_from_the_language_side_frees_the_encoder(
-    tiny_checkpoint: Path, broker: BrokerServer, encoder: EncoderServer
+    tiny_checkpoint: Path,
+    broker: BrokerServer,
+    encoder: EncoderServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The language side aborts while the encoder's write is in flight (held
+    until then, so that the order is certain): the encode fails at once, and
+    the blocks come back once the write is over."""
     language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
+    writer = encoder.sender.writers[Transport.SHM]
+    write, gate = writer.write, asyncio.Event()
+
+    async def held(*args: Any) -> None:
+        await gate.wait()
+        await write(*args)
+
+    monkeypatch.setattr(writer, "write", held)
     try:
         encode = encode_into(broker, encoder, language, "aborted", images(1, 9))
         await _wait_until(lambda: "aborted" in encoder.sender.transfers, 5)
         await language.receiver.expect("aborted", 0)
+        await _wait_until(lambda: encoder.sender.transfers["aborted"].write is not None, 5)
         await language.receiver.release("aborted", "client went away")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await encode
         assert info.value.code() == grpc.StatusCode.ABORTED
         assert "client went away" in info.value.details()
+        gate.set()
         await _wait_until(
             lambda: not encoder.sender._closing and language.pool.allocator.num_used_blocks == 0,
             5,
