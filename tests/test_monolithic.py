@@ -98,6 +98,20 @@ def test_completions_and_penalties_equal_hf_generate(
     assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in expected]
 
 
+def test_structured_output(monolithic: str) -> None:
+    schema = {"type": "string", "enum": ["red", "green", "blue"]}
+    client = OpenAI(base_url=monolithic + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=16,
+        temperature=0,
+        messages=[{"role": "user", "content": "A colour?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert json.loads(reply.choices[0].message.content or "") in schema["enum"]
+
+
 def test_bad_image_is_a_400(monolithic: str) -> None:
     url = "data:image/png;base64," + base64.b64encode(b"\x89PNG broken").decode()
     reply = httpx.post(

@@ -28,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="chat",
         help="/v1/chat/completions, or /v1/completions (text prompts only: --image-ratio 0)",
     )
+    p.add_argument(
+        "--schema-ratio",
+        type=float,
+        default=0.0,
+        help="share of requests with a response_format JSON schema (structured output)",
+    )
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--input-len", type=int, default=64, help="words of text per prompt")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
@@ -122,6 +128,7 @@ def main(args: argparse.Namespace) -> int:
         ignore_eos=not args.no_ignore_eos,
         seed=args.seed,
         endpoint=args.endpoint,
+        schema_ratio=args.schema_ratio,
     )
     slo = parse_slo(args.goodput)
     model = args.model or first_model(args.base_url, args.api_key)

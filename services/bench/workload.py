@@ -67,6 +67,18 @@ FORMATS = {
 }
 
 
+# What a response_format request asks for (--schema-ratio): a small record.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "score": {"type": "number"},
+    },
+    "required": ["title", "tags", "score"],
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     num_prompts: int = 100
@@ -80,8 +92,11 @@ class Workload:
     ignore_eos: bool = True
     seed: int = 0
     endpoint: Literal["chat", "completions"] = "chat"  # /v1/completions: text prompts only
+    schema_ratio: float = 0.0  # share of chat requests with a response_format JSON schema
 
     def __post_init__(self) -> None:
+        if not 0 <= self.schema_ratio <= 1 or (self.schema_ratio and self.endpoint != "chat"):
+            raise ValueError("schema_ratio must be in [0, 1], with the chat endpoint")
         if self.endpoint == "completions" and self.image_ratio:
             raise ValueError("/v1/completions takes no images: use --image-ratio 0")
         if not 0 <= self.image_ratio <= 1:
@@ -113,6 +128,9 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
     with_images = set(
         rng.sample(range(workload.num_prompts), round(workload.image_ratio * workload.num_prompts))
     )
+    schema_rng = random.Random(workload.seed + 1)
+    count = round(workload.schema_ratio * workload.num_prompts)
+    with_schema = set(schema_rng.sample(range(workload.num_prompts), count))
     folder = _folder_images(workload.image_dir) if workload.image_dir else []
     pil_format, mime = FORMATS[workload.image_format]
     requests = []
@@ -152,6 +170,11 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
         }
         if workload.ignore_eos:
             body["ignore_eos"] = True
+        if index in with_schema:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": BENCH_SCHEMA},
+            }
         path = "/completions" if workload.endpoint == "completions" else "/chat/completions"
         requests.append(
             BenchRequest(index, "image" if index in with_images else "text", body, path)

@@ -34,6 +34,8 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ImagePart,
+    JsonObjectFormat,
+    JsonSchemaFormat,
     chunk,
     completion,
     logprob_content,
@@ -135,8 +137,21 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
         model=body.model,
         messages=messages,
         images=[image.data for image in loaded],
-        sampling=_sampling(body, body.logprobs, body.top_logprobs or 0),
+        sampling=_structured(body, _sampling(body, body.logprobs, body.top_logprobs or 0)),
     )
+
+
+def _structured(
+    body: ChatCompletionRequest, sampling: common_pb2.SamplingParams
+) -> common_pb2.SamplingParams:
+    """response_format: the language service compiles the grammar (a bad schema is
+    its 400)."""
+    form = body.response_format
+    if isinstance(form, JsonObjectFormat):
+        sampling.json_object = True
+    elif isinstance(form, JsonSchemaFormat):
+        sampling.json_schema = json.dumps(form.json_schema.schema_)
+    return sampling
 
 
 async def _prepare_completion(gateway: Gateway, body: CompletionRequest) -> list[GenerateCall]:

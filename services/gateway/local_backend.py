@@ -86,6 +86,7 @@ class LocalBackend:
             sampling = sampling_from_proto(
                 call.sampling, self.max_model_len - len(prompt.token_ids)
             )
+            grammar = await self.engine.engine.grammars.compile(sampling)
             pixels = torch.cat([torch.from_numpy(p.pixel_values) for p in pre]) if pre else None
             request = new_request(
                 call.request_id,
@@ -95,6 +96,7 @@ class LocalBackend:
                 grids,
                 merge,
                 pixel_values=pixels,
+                grammar=grammar,
             )
             outputs = self.engine.generate(request)
             first = await anext(outputs)  # validation errors surface here

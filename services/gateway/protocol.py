@@ -20,7 +20,6 @@ UINT64_MAX = 2**64 - 1
 
 # OpenAI parameters this server does not implement: refused by name, never ignored.
 UNSUPPORTED = (
-    "response_format",
     "tools",
     "tool_choice",
     "functions",
@@ -170,8 +169,34 @@ class _GenerationRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+class JsonSchema(_Strict):
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[Message] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -224,6 +249,10 @@ def _path(error: Any) -> list[str]:
             tag_next = False
         elif not ((isinstance(part, str) and ("[" in part or part in _ARMS)) or part == "body"):
             path.append(str(part))
+            # A tagged union held by the field itself: no `tagged-union[...]` arm
+            # comes first, and the tag follows the field's name.
+            if path == ["response_format"]:
+                tag_next = True
     return path
 
 

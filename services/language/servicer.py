@@ -90,6 +90,8 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int) 
         repetition_penalty=pb.repetition_penalty or 1.0,
         min_tokens=pb.min_tokens,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
+        json_schema=pb.json_schema,
+        json_object=pb.json_object,
     )
 
 
@@ -205,6 +207,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 request.sampling, self.max_model_len - len(prompt.token_ids)
             )
             self.engine.engine.check_sampling(sampling)
+            grammar = await self.engine.engine.grammars.compile(sampling)
             if known:
                 self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
         except ValueError as exc:
@@ -240,6 +243,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             grids,
             self.spec.vision.spatial_merge_size,
             embeds,
+            grammar=grammar,
         )
         try:
             async for output in self.engine.generate(engine_request):

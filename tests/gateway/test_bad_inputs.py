@@ -95,7 +95,9 @@ CASES: list[tuple[str, Any, int, str | None, str]] = [
     ("a stop token out of the vocabulary", _with(stop_token_ids=[999999]), 400, None, "must be in [0, "),
     ("frequency penalty out of range", _with(frequency_penalty=3), 400, "frequency_penalty", "less than or equal to 2"),
     # parameters this server does not implement
-    ("response_format", _with(response_format={"type": "json_object"}), 400, "response_format", "not supported"),
+    ("an unknown response_format", _with(response_format={"type": "yaml"}), 400, "response_format", "does not match any of the expected tags"),
+    ("a json_schema without its schema name", _with(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), 400, "response_format.json_schema.name", "Field required"),
+    ("an unusable JSON schema", _with(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), 400, None, "unusable JSON schema"),
     ("tools", _with(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
     ("tool_choice", _with(tool_choice="auto"), 400, "tool_choice", "not supported"),
     ("an unknown parameter", _with(frobnicate=True), 400, "frobnicate", "unknown parameter"),

@@ -16,6 +16,7 @@ import torch
 
 from services.language.engine.attention import AttentionBackend, FlashInferAttention, TorchAttention
 from services.language.engine.detokenizer import IncrementalDetokenizer
+from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
 from services.language.engine.model import LanguageModel
 from services.language.engine.request import Request, RequestStatus, SamplingParams
@@ -109,6 +110,7 @@ class LLMEngine:
         self.blocks = KVBlockManager(kv_config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.sampler = Sampler(set(spec.eos_token_ids))
+        self.grammars = Grammars(tokenizer, spec)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
@@ -203,6 +205,8 @@ class LLMEngine:
     ) -> RequestOutput:
         """Appends a sampled token; finishes the request if it stops here."""
         request.output_token_ids.append(sample.token_id)
+        if request.matcher is not None and not request.matcher.accept_token(sample.token_id):
+            raise SamplingError(f"token {sample.token_id} breaks the request's grammar")
         if request.first_token_time is None:
             request.first_token_time = now
             ttfts.append(now - request.arrival_time)
@@ -241,6 +245,7 @@ class LLMEngine:
             (token in self.eos and not params.ignore_eos)
             or token in params.stop_token_ids
             or detok.stopped
+            or (request.matcher is not None and request.matcher.is_terminated())
         ):
             return RequestStatus.FINISHED_STOPPED
         if (

@@ -7,8 +7,10 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import xgrammar as xgr
 
 from services.model.mrope import mrope_positions
 from services.model.processor import ImageGrid
@@ -59,6 +61,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    # Structured output (services/language/engine/grammar.py).
+    json_schema: str = ""
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -126,6 +131,7 @@ class Request:
     first_token_time: float | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    matcher: Any = None  # xgrammar.GrammarMatcher of a guided request: its tokens so far
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
@@ -167,6 +173,7 @@ def new_request(
     spatial_merge_size: int = 2,
     image_embeds: torch.Tensor | None = None,
     pixel_values: torch.Tensor | None = None,
+    grammar: Any = None,
 ) -> Request:
     """A request with its M-RoPE positions and image placeholder positions computed.
 
@@ -183,7 +190,7 @@ def new_request(
                 f"{image_positions.numel()} image placeholders but "
                 f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings"
             )
-    return Request(
+    request = Request(
         request_id,
         list(token_ids),
         sampling,
@@ -194,3 +201,6 @@ def new_request(
         pixel_values=pixel_values,
         image_grids=tuple(grids),
     )
+    if grammar is not None:
+        request.matcher = xgr.GrammarMatcher(grammar)
+    return request

@@ -1,6 +1,6 @@
-"""Sampler: logits processors (logit_bias, min_tokens, repetition / frequency /
-presence penalties), then greedy or temperature, top-k, top-p; logprobs of the
-raw distribution.
+"""Sampler: the grammar mask of guided requests and logits processors
+(logit_bias, min_tokens, repetition / frequency / presence penalties), then
+greedy or temperature, top-k, top-p; logprobs of the raw distribution.
 
 A request with a seed draws from its own generator, so its samples do not
 depend on which other requests share the batch. A request whose sampling
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.language.engine.grammar import mask_logits
 from services.language.engine.request import Request, SamplingParams
 
 
@@ -86,8 +87,10 @@ class Sampler:
             else None
         )
         processed = [i for i, r in enumerate(requests) if r.sampling.has_processors]
-        if processed:  # a copy: logprobs stay those of the model
+        guided = any(r.matcher is not None for r in requests)
+        if processed or guided:  # a copy: logprobs stay those of the model
             logits = logits.clone()
+            mask_logits(logits, requests)
             for i in processed:
                 r = requests[i]
                 stop_ids = self._stop_ids(r.sampling)

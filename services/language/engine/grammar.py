@@ -1,0 +1,57 @@
+"""Structured output: JSON grammars compiled by xgrammar (the engine vLLM and
+SGLang use), off the engine loop and cached by schema; each guided request
+gets its own matcher, which masks its logits and follows its tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from services.language.engine.request import Request, SamplingParams
+from services.model.spec import ModelSpec
+
+# json_object: any JSON object (OpenAI's JSON mode), as a schema.
+ANY_OBJECT = json.dumps({"type": "object"})
+
+
+class Grammars:
+    def __init__(self, tokenizer: Any, spec: ModelSpec) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=spec.text.vocab_size, stop_token_ids=list(spec.eos_token_ids)
+        )
+        self.vocab_size = info.vocab_size
+        # The compiler caches what it compiled, keyed by the schema.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+    async def compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
+        """The request's grammar (None when its output is free); ValueError for a
+        schema xgrammar cannot use."""
+        schema = ANY_OBJECT if params.json_object else params.json_schema
+        if not schema:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            # Compact JSON: free whitespace would let a weak model pad forever.
+            return await loop.run_in_executor(
+                self._pool, lambda: self.compiler.compile_json_schema(schema, any_whitespace=False)
+            )
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"response_format: unusable JSON schema: {exc}") from None
+
+
+def mask_logits(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Sets, in place, the logits of tokens each guided request's grammar does
+    not allow next to -inf; rows of free requests are not touched."""
+    guided = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if not guided:
+        return
+    bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
+    for i in guided:
+        requests[i].matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=guided)
