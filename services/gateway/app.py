@@ -392,6 +392,17 @@ async def _generate(
         raise
 
 
+async def _streamed(
+    gateway: Gateway, request: Request, call: GenerateCall, include_usage: bool, started: float
+) -> StreamingResponse:
+    """An SSE response, started once the first response is in."""
+    stream, first = await _generate(gateway, request, call, started)
+    return StreamingResponse(
+        _sse(gateway, call, stream, first, include_usage, started),
+        media_type="text/event-stream",
+    )
+
+
 async def _complete(
     gateway: Gateway, request: Request, call: GenerateCall, started: float
 ) -> _Generated:
@@ -421,11 +432,7 @@ def create_app(gateway: Gateway) -> ASGIApp:
         call = await _prepare(gateway, body)
         try:
             if body.stream:
-                stream, first = await _generate(gateway, request, call, started)
-                return StreamingResponse(
-                    _sse(gateway, call, stream, first, body.include_usage, started),
-                    media_type="text/event-stream",
-                )
+                return await _streamed(gateway, request, call, body.include_usage, started)
             out = await _complete(gateway, request, call, started)
         except _ClientLeft:
             return Response(status_code=CLIENT_LEFT)
@@ -450,11 +457,7 @@ def create_app(gateway: Gateway) -> ASGIApp:
         calls = await _prepare_completion(gateway, body)
         try:
             if body.stream:
-                stream, first = await _generate(gateway, request, calls[0], started)
-                return StreamingResponse(
-                    _sse(gateway, calls[0], stream, first, body.include_usage, started),
-                    media_type="text/event-stream",
-                )
+                return await _streamed(gateway, request, calls[0], body.include_usage, started)
             outs = await asyncio.gather(*(_complete(gateway, request, c, started) for c in calls))
         except _ClientLeft:
             return Response(status_code=CLIENT_LEFT)
