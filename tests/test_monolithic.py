@@ -50,7 +50,9 @@ def monolithic(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
     assert process.wait(60) == 0
 
 
-def test_image_request_equals_hf_generate(monolithic: str, tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_image_request_equals_hf_generate(monolithic: str, tiny_checkpoint: Path, n: int) -> None:
+    """n=3: the vision tower encodes once, every choice equals HF."""
     image = random_image(200, 140, seed=31)
     data = encode_image(image)
     url = "data:image/png;base64," + base64.b64encode(data).decode()
@@ -59,6 +61,7 @@ def test_image_request_equals_hf_generate(monolithic: str, tiny_checkpoint: Path
         model=MODEL,
         max_tokens=16,
         temperature=0,
+        n=n,
         messages=[
             {
                 "role": "user",
@@ -71,10 +74,23 @@ def test_image_request_equals_hf_generate(monolithic: str, tiny_checkpoint: Path
     )
     decoded = Image.open(io.BytesIO(data)).convert("RGB")
     expected = hf_greedy(tiny_checkpoint, chat("What is it?", 1), [decoded], 16)
-    assert reply.choices[0].message.content == load_tokenizer(tiny_checkpoint).decode(
-        expected, skip_special_tokens=True
-    )
-    assert reply.usage is not None and reply.usage.completion_tokens == len(expected)
+    text = load_tokenizer(tiny_checkpoint).decode(expected, skip_special_tokens=True)
+    assert [c.message.content for c in reply.choices] == [text] * n
+    assert reply.usage is not None and reply.usage.completion_tokens == n * len(expected)
+
+
+def test_seeded_choices_are_reproducible(monolithic: str) -> None:
+    client = OpenAI(base_url=monolithic + "/v1", api_key="none", max_retries=0)
+
+    def sampled(seed: int, n: int) -> list[str]:
+        reply = client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=10, seed=seed, n=n
+        )
+        return [c.text for c in reply.choices]
+
+    three = sampled(9, 3)
+    assert three == sampled(9, 3) and len(set(three)) == 3
+    assert [sampled(9 + i, 1)[0] for i in range(3)] == three
 
 
 def test_completions_and_penalties_equal_hf_generate(

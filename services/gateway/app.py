@@ -36,6 +36,7 @@ from services.gateway.protocol import (
     ImagePart,
     JsonObjectFormat,
     JsonSchemaFormat,
+    chat_choice,
     chunk,
     completion,
     logprob_content,
@@ -194,6 +195,7 @@ def _sampling(
         repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens,
         logit_bias=body.logit_bias or {},
+        n=body.n,
     )
     if body.seed is not None:
         sampling.seed = body.seed
@@ -277,9 +279,18 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _count(gateway: Gateway, done: language_pb2.GenerateComplete) -> None:
-    gateway.metrics.prompt_tokens.inc(done.prompt_tokens)
+def _count(gateway: Gateway, response: language_pb2.GenerateResponse) -> None:
+    """Token counters, from each choice's completion (the prompt counts once)."""
+    done = response.complete
+    if response.index == 0:
+        gateway.metrics.prompt_tokens.inc(done.prompt_tokens)
     gateway.metrics.completion_tokens.inc(done.completion_tokens)
+
+
+def _choice_index(response: language_pb2.GenerateResponse, n: int) -> int:
+    if response.index >= n:
+        raise ApiError(500, f"the language instance sent choice {response.index} of {n}")
+    return response.index
 
 
 async def _responses(first: language_pb2.GenerateResponse, stream: Responses) -> Responses:
@@ -289,13 +300,18 @@ async def _responses(first: language_pb2.GenerateResponse, stream: Responses) ->
 
 
 def _piece(
-    call: GenerateCall, created: int, text: str, entries: list[Any], finish: str | None
+    call: GenerateCall,
+    created: int,
+    index: int,
+    text: str,
+    entries: list[Any],
+    finish: str | None,
 ) -> dict[str, Any]:
-    """One stream chunk: a chat delta, or a text completion's piece."""
+    """One stream chunk of one choice: a chat delta, or a text completion's piece."""
     want_logprobs = call.sampling.logprobs and bool(entries)
     if call.is_completion:
         choice = {
-            "index": 0,
+            "index": index,
             "text": text,
             "logprobs": text_logprobs(entries) if want_logprobs else None,
             "finish_reason": finish,
@@ -303,7 +319,7 @@ def _piece(
         return text_completion(call.request_id, call.model, [choice], None)
     delta = {"content": text} if finish is None else {}
     logprobs = logprob_content(entries) if want_logprobs else None
-    return chunk(call.request_id, call.model, created, delta, finish, logprobs=logprobs)
+    return chunk(call.request_id, call.model, created, delta, finish, logprobs, index)
 
 
 async def _sse(
@@ -315,29 +331,35 @@ async def _sse(
     started: float,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    n = max(1, call.sampling.n)
     seen_text = False
+    going, completion_tokens = n, 0
     try:
         if not call.is_completion:
             opening = {"role": "assistant", "content": ""}
-            yield _event(chunk(call.request_id, call.model, created, opening))
+            for index in range(n):
+                yield _event(chunk(call.request_id, call.model, created, opening, index=index))
         async for response in _responses(first, stream):
+            index = _choice_index(response, n)
             if response.HasField("chunk"):
                 c = response.chunk
                 if not seen_text and c.text:
                     gateway.metrics.ttft.observe(time.monotonic() - started)
                     seen_text = True
                 if c.text or (call.sampling.logprobs and c.logprobs):
-                    yield _event(_piece(call, created, c.text, list(c.logprobs), None))
+                    yield _event(_piece(call, created, index, c.text, list(c.logprobs), None))
             elif response.HasField("complete"):
                 done = response.complete
-                _count(gateway, done)
+                _count(gateway, response)
                 finish = FINISH_REASONS.get(done.finish_reason, "stop")
-                yield _event(_piece(call, created, "", [], finish))
-                if include_usage:
+                yield _event(_piece(call, created, index, "", [], finish))
+                going -= 1
+                completion_tokens += done.completion_tokens
+                if include_usage and not going:
                     body = chunk(call.request_id, call.model, created, {})
                     body["object"] = "text_completion" if call.is_completion else body["object"]
                     body["choices"] = []
-                    body["usage"] = usage(done.prompt_tokens, done.completion_tokens)
+                    body["usage"] = usage(done.prompt_tokens, completion_tokens)
                     yield _event(body)
         yield "data: [DONE]\n\n"
     except ApiError as exc:  # a failure after the response started: it travels in the stream
@@ -349,7 +371,7 @@ async def _sse(
 
 @dataclass(frozen=True, slots=True)
 class _Generated:
-    """One call's whole output."""
+    """One choice's whole output."""
 
     text: str
     logprobs: list[Any]  # TokenLogprob messages
@@ -358,24 +380,45 @@ class _Generated:
     completion_tokens: int
 
 
+def _usage(choices: list[_Generated]) -> dict[str, int]:
+    """The prompt once, every choice's completion."""
+    return usage(choices[0].prompt_tokens, sum(c.completion_tokens for c in choices))
+
+
 async def _collect(
-    gateway: Gateway, stream: Responses, first: language_pb2.GenerateResponse, started: float
-) -> _Generated:
-    text: list[str] = []
-    logprobs: list[Any] = []
+    gateway: Gateway,
+    call: GenerateCall,
+    stream: Responses,
+    first: language_pb2.GenerateResponse,
+    started: float,
+) -> list[_Generated]:
+    """Every choice's output, in choice order."""
+    n = max(1, call.sampling.n)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[Any]] = [[] for _ in range(n)]
+    done: dict[int, _Generated] = {}
+    seen = False
     async for response in _responses(first, stream):
+        index = _choice_index(response, n)
         if response.HasField("chunk"):
-            if not text:
+            if not seen:
                 gateway.metrics.ttft.observe(time.monotonic() - started)
-            text.append(response.chunk.text)
-            logprobs += list(response.chunk.logprobs)
+                seen = True
+            texts[index].append(response.chunk.text)
+            logprobs[index] += list(response.chunk.logprobs)
         elif response.HasField("complete"):
-            done = response.complete
-            _count(gateway, done)
-            finish = FINISH_REASONS.get(done.finish_reason, "stop")
-            return _Generated(
-                "".join(text), logprobs, finish, done.prompt_tokens, done.completion_tokens
+            end = response.complete
+            _count(gateway, response)
+            finish = FINISH_REASONS.get(end.finish_reason, "stop")
+            done[index] = _Generated(
+                "".join(texts[index]),
+                logprobs[index],
+                finish,
+                end.prompt_tokens,
+                end.completion_tokens,
             )
+            if len(done) == n:
+                return [done[i] for i in range(n)]
     raise ApiError(500, "the language instance ended the stream without completing")
 
 
@@ -405,10 +448,10 @@ async def _streamed(
 
 async def _complete(
     gateway: Gateway, request: Request, call: GenerateCall, started: float
-) -> _Generated:
+) -> list[_Generated]:
     stream, first = await _generate(gateway, request, call, started)
     try:
-        return await _unless_disconnected(request, _collect(gateway, stream, first, started))
+        return await _unless_disconnected(request, _collect(gateway, call, stream, first, started))
     finally:
         await stream.aclose()
 
@@ -433,21 +476,20 @@ def create_app(gateway: Gateway) -> ASGIApp:
         try:
             if body.stream:
                 return await _streamed(gateway, request, call, body.include_usage, started)
-            out = await _complete(gateway, request, call, started)
+            outs = await _complete(gateway, request, call, started)
         except _ClientLeft:
             return Response(status_code=CLIENT_LEFT)
-        logprobs = logprob_content(out.logprobs) if call.sampling.logprobs else None
-        return JSONResponse(
-            completion(
-                call.request_id,
-                call.model,
+        want_logprobs = call.sampling.logprobs
+        choices = [
+            chat_choice(
+                index,
                 out.text,
                 out.finish_reason,
-                out.prompt_tokens,
-                out.completion_tokens,
-                logprobs,
+                logprob_content(out.logprobs) if want_logprobs else None,
             )
-        )
+            for index, out in enumerate(outs)
+        ]
+        return JSONResponse(completion(call.request_id, call.model, choices, _usage(outs)))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -461,16 +503,20 @@ def create_app(gateway: Gateway) -> ASGIApp:
             outs = await asyncio.gather(*(_complete(gateway, request, c, started) for c in calls))
         except _ClientLeft:
             return Response(status_code=CLIENT_LEFT)
-        choices = [
+        choices = [  # prompt p's choice i is choice p * n + i (as OpenAI)
             {
-                "index": index,
+                "index": p * body.n + i,
                 "text": out.text,
                 "logprobs": text_logprobs(out.logprobs) if body.logprobs is not None else None,
                 "finish_reason": out.finish_reason,
             }
-            for index, out in enumerate(outs)
+            for p, prompt_outs in enumerate(outs)
+            for i, out in enumerate(prompt_outs)
         ]
-        total = usage(sum(o.prompt_tokens for o in outs), sum(o.completion_tokens for o in outs))
+        each = [_usage(prompt_outs) for prompt_outs in outs]
+        total = usage(
+            sum(u["prompt_tokens"] for u in each), sum(u["completion_tokens"] for u in each)
+        )
         request_id = calls[0].request_id.removesuffix("-0")  # several prompts: ID-0, ID-1, ...
         return JSONResponse(text_completion(request_id, body.model, choices, total))
 

@@ -103,7 +103,7 @@ class _GenerationRequest(_Strict):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=128)  # OpenAI's limit; the engine's seats may be fewer
     ignore_eos: bool = False  # an extension (as in vLLM): fixed output lengths for benchmarks
     presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
@@ -302,28 +302,27 @@ def logprob_content(entries: list[Any]) -> list[dict[str, Any]]:
 
 
 def completion(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    logprobs: list[dict[str, Any]] | None,
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
 ) -> dict[str, Any]:
+    """A chat completion; each choice from chat_choice()."""
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def chat_choice(
+    index: int, text: str, finish_reason: str, logprobs: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": {"content": logprobs} if logprobs is not None else None,
+        "finish_reason": finish_reason,
     }
 
 
@@ -365,6 +364,7 @@ def chunk(
     delta: dict[str, Any],
     finish_reason: str | None = None,
     logprobs: list[dict[str, Any]] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -373,7 +373,7 @@ def chunk(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": {"content": logprobs} if logprobs is not None else None,
                 "finish_reason": finish_reason,

@@ -21,6 +21,10 @@ class LanguageMetrics:
         self.receiving = gauge("epd_language_receiving_requests", "Requests waiting for embeddings")
         self.kv_pages_used = gauge("epd_language_kv_blocks_used", "KV cache pages in use")
         self.kv_pages_total = gauge("epd_language_kv_blocks_total", "KV cache pages")
+        self.kv_pages_shared = gauge(
+            "epd_language_kv_blocks_shared",
+            "KV cache pages shared by the choices of n > 1 requests",
+        )
         self.embedding_blocks_used = gauge(
             "epd_language_embedding_blocks_used", "Embedding pool blocks in use"
         )
@@ -67,6 +71,7 @@ class LanguageMetrics:
         waiting: Callable[[], int],
         receiving: Callable[[], int],
         kv_pages_used: Callable[[], int],
+        kv_pages_shared: Callable[[], int],
         embedding_blocks_used: Callable[[], int],
         embedding_blocks_quarantined: Callable[[], int],
     ) -> None:
@@ -76,6 +81,7 @@ class LanguageMetrics:
         self.waiting.set_function(waiting)
         self.receiving.set_function(receiving)
         self.kv_pages_used.set_function(kv_pages_used)
+        self.kv_pages_shared.set_function(kv_pages_shared)
         self.embedding_blocks_used.set_function(embedding_blocks_used)
         self.embedding_blocks_quarantined.set_function(embedding_blocks_quarantined)
 

@@ -84,6 +84,7 @@ class LanguageServer:
             waiting=lambda: len(engine.scheduler.waiting),
             receiving=lambda: len(self.receiver.transfers),
             kv_pages_used=lambda: engine.blocks.num_used_pages,
+            kv_pages_shared=lambda: engine.blocks.num_shared_pages,
             embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
             embedding_blocks_quarantined=lambda: self.receiver.num_quarantined_blocks,
         )

@@ -92,6 +92,7 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int) 
         logit_bias=tuple(sorted(pb.logit_bias.items())),
         json_schema=pb.json_schema,
         json_object=pb.json_object,
+        n=max(1, pb.n),
     )
 
 
@@ -102,6 +103,7 @@ def responses(output: RequestOutput, image_tokens: int) -> list[language_pb2.Gen
         out.append(
             language_pb2.GenerateResponse(
                 request_id=output.request_id,
+                index=output.index,
                 complete=language_pb2.GenerateComplete(
                     finish_reason=FINISH_REASONS[output.finish_reason],
                     prompt_tokens=output.num_prompt_tokens,
@@ -127,7 +129,9 @@ def chunk_to_proto(output: RequestOutput) -> language_pb2.GenerateResponse:
             for lp in output.logprobs
         ],
     )
-    return language_pb2.GenerateResponse(request_id=output.request_id, chunk=chunk)
+    return language_pb2.GenerateResponse(
+        request_id=output.request_id, index=output.index, chunk=chunk
+    )
 
 
 class LanguageServicer(language_pb2_grpc.LanguageServicer):

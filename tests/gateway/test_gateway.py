@@ -125,7 +125,7 @@ BAD = [
         400,
         "temperature",
     ),
-    ({"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "x"}]}, 400, "n"),
+    ({"model": MODEL, "n": 0, "messages": [{"role": "user", "content": "x"}]}, 400, "n"),
     (
         {"model": MODEL, "top_logprobs": 2, "messages": [{"role": "user", "content": "x"}]},
         400,

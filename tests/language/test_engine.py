@@ -204,8 +204,8 @@ def test_abort_frees_the_pages(tiny_checkpoint: Path) -> None:
     engine.add_request(request)
     engine.step()
     assert engine.blocks.num_used_pages > 0
-    final = engine.abort_request("x")
-    assert final is not None and final.finish_reason == "abort"
+    [final] = engine.abort_request("x")
+    assert final.finish_reason == "abort"
     assert engine.blocks.num_used_pages == 0
     assert not engine.has_work()
 

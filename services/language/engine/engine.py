@@ -62,6 +62,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set on the last output of a request that failed
+    index: int = 0  # the choice, for n > 1
 
     @property
     def finished(self) -> bool:
@@ -111,8 +112,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.sampler = Sampler(set(spec.eos_token_ids))
         self.grammars = Grammars(tokenizer, spec)
-        self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, list[Request]] = {}  # each request's choices
+        self.detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
         self.vision = vision
 
@@ -141,6 +142,9 @@ class LLMEngine:
         vocab = self.spec.text.vocab_size
         if any(not 0 <= t < vocab for t in params.token_ids):
             raise ValueError(f"token ids in logit_bias and stop_token_ids must be in [0, {vocab})")
+        seats = self.config.scheduler.max_num_seqs
+        if params.n > seats:
+            raise ValueError(f"n ({params.n}) exceeds the {seats} sequences a batch holds")
 
     def check(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
@@ -150,18 +154,22 @@ class LLMEngine:
         self.check(request)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.sampling.stop
-        )
+        request.forks = [request.choice(index) for index in range(1, request.sampling.n)]
+        self.requests[request.request_id] = [request, *request.forks]
+        for choice in self.requests[request.request_id]:
+            self.detokenizers[request.request_id, choice.index] = IncrementalDetokenizer(
+                self.tokenizer, request.sampling.stop
+            )
         self.scheduler.add(request)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        return self._output(request, [], [], final=True)
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """The final outputs of the request's choices that were still going."""
+        outputs = []
+        for choice in self.requests.get(request_id, []):
+            if not choice.is_finished:
+                self.scheduler.finish(choice, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._output(choice, [], [], final=True))
+        return outputs
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -172,10 +180,36 @@ class LLMEngine:
         batch = ModelRunner.order(self.scheduler.schedule())
         if not batch:
             return [], self._stats([], [], [])
+        self.runner.kv_cache.copy_pages(self.blocks.take_copies())
         logits = self.runner.execute(batch)
+        batch, logits = self._fork(batch, logits)
         sampling = [s.request for s in batch if s.samples]
         samples = self.sampler.sample(logits, sampling)
         return self.postprocess(batch, samples)
+
+    def _fork(
+        self, batch: list[Scheduled], logits: torch.Tensor
+    ) -> tuple[list[Scheduled], torch.Tensor]:
+        """The other choices of n > 1 requests whose prompt this step finished
+        join the running batch: each shares the prompt's pages and samples its
+        first token from the same logits (with its own generator)."""
+        forked: list[Scheduled] = []
+        rows = []
+        for row, s in enumerate(s for s in batch if s.samples):
+            parent = s.request
+            for choice in parent.forks:
+                self.blocks.share(parent, choice)
+                choice.num_computed_tokens = parent.num_computed_tokens + s.num_tokens
+                choice.image_embeds = parent.image_embeds  # encoded by now if it came as pixels
+                choice.status = RequestStatus.RUNNING
+                self.scheduler.running.append(choice)
+                forked.append(Scheduled(choice, 0, samples=True))
+                rows.append(row)
+            parent.forks = []
+        if not forked:
+            return batch, logits
+        rows = list(range(logits.shape[0])) + rows
+        return batch + forked, logits[rows]
 
     def postprocess(
         self, batch: list[Scheduled], samples: list[Sample | SamplingError]
@@ -188,7 +222,7 @@ class LLMEngine:
         for s in batch:
             request = s.request
             request.num_computed_tokens += s.num_tokens
-            if not s.samples:
+            if not s.samples or request.is_finished:  # another choice failed it this step
                 continue
             sample = next(sample_iter)
             try:
@@ -209,8 +243,9 @@ class LLMEngine:
             raise SamplingError(f"token {sample.token_id} breaks the request's grammar")
         if request.first_token_time is None:
             request.first_token_time = now
-            ttfts.append(now - request.arrival_time)
-        detok = self.detokenizers[request.request_id]
+            if request.index == 0:
+                ttfts.append(now - request.arrival_time)
+        detok = self.detokenizers[request.request_id, request.index]
         # Stop strings count only from min_tokens on (stop tokens are masked until then).
         detok.push(sample.token_id, stop=request.num_output_tokens >= request.sampling.min_tokens)
         status = self._stop_status(request, sample.token_id, detok)
@@ -221,11 +256,12 @@ class LLMEngine:
         return self._output(request, [sample.token_id], [sample], final=status is not None)
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
-        """Ends one request with an error; its pages are freed, the batch goes on."""
-        if not request.is_finished:
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self.requests.pop(request.request_id, None)
-        self.detokenizers.pop(request.request_id, None)
+        """Ends one request, all its choices, with an error; their pages are freed,
+        the batch goes on."""
+        for choice in self.requests.pop(request.request_id, [request]):
+            if not choice.is_finished:
+                self.scheduler.finish(choice, RequestStatus.FINISHED_ABORTED)
+            self.detokenizers.pop((request.request_id, choice.index), None)
         return RequestOutput(
             request.request_id,
             [],
@@ -235,6 +271,7 @@ class LLMEngine:
             request.num_prompt_tokens,
             request.num_output_tokens,
             error=error,
+            index=request.index,
         )
 
     def _stop_status(
@@ -258,7 +295,8 @@ class LLMEngine:
     def _output(
         self, request: Request, token_ids: list[int], samples: list[Sample], final: bool
     ) -> RequestOutput:
-        detok = self.detokenizers[request.request_id]
+        key = (request.request_id, request.index)
+        detok = self.detokenizers[key]
         logprobs = [
             TokenLogprob(
                 s.token_id,
@@ -271,8 +309,9 @@ class LLMEngine:
         ]
         text = detok.take(final)
         if final:
-            del self.requests[request.request_id]
-            del self.detokenizers[request.request_id]
+            del self.detokenizers[key]
+            if all(choice.is_finished for choice in self.requests[request.request_id]):
+                del self.requests[request.request_id]
         return RequestOutput(
             request.request_id,
             token_ids,
@@ -281,6 +320,7 @@ class LLMEngine:
             request.status.finish_reason if final else None,
             request.num_prompt_tokens,
             request.num_output_tokens,
+            index=request.index,
         )
 
     def _stats(self, batch: list[Scheduled], ttfts: list[float], tpots: list[float]) -> StepStats:
@@ -363,31 +403,30 @@ class AsyncEngine:
                 except ValueError as exc:
                     replies.append((payload.request_id, exc))
             else:
-                output = self.engine.abort_request(payload)
-                if output is not None:
-                    replies.append((payload, output))
+                replies += [(payload, output) for output in self.engine.abort_request(payload)]
         self._send(replies)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; leaving early aborts it."""
+        """Outputs of one request, its choices interleaved, until every choice
+        finishes; leaving early aborts it."""
         self.engine.check(request)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
         self._inbox.put(("add", request))
         self._wake.set()
-        finished = False
+        going = request.sampling.n
         try:
-            while not finished:
+            while going:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
                 if item.error is not None:
                     raise RequestFailedError(item.error)
+                going -= item.finished
                 yield item
         finally:
             del self._queues[request.request_id]
-            if not finished:
+            if going:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:

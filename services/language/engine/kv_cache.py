@@ -4,6 +4,11 @@ Per layer one tensor [num_pages, 2, page_size, kv_heads, head_dim] (FlashInfer's
 NHD layout: index 0 keys, 1 values). Token i of a request lives in page
 block_table[i // page_size], slot i % page_size; its flat slot is
 page * page_size + slot.
+
+The choices of an n > 1 request share their prompt's pages (reference
+counted). A page is copied on write: before a request writes into a page it
+shares, the page is copied to a fresh one (in practice the prompt's last,
+partly filled page, at each choice's first decode step).
 """
 
 from __future__ import annotations
@@ -49,6 +54,15 @@ class KVCache:
             torch.zeros(shape, dtype=config.dtype, device=device) for _ in range(spec.num_layers)
         ]
 
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copies page src to page dst in every layer, for each (src, dst)."""
+        if not copies:
+            return
+        pairs = torch.tensor(copies, device=self.layers[0].device)
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for layer in self.layers:
+            layer[dst] = layer[src]
+
 
 class KVBlockManager:
     """Grows and frees requests' block tables on the shared allocator."""
@@ -56,26 +70,67 @@ class KVBlockManager:
     def __init__(self, config: KVCacheConfig) -> None:
         self.page_size = config.page_size
         self.allocator = BlockAllocator(config.num_pages, config.page_size)
+        self.refs: dict[int, int] = {}  # holders of each shared page (absent: one)
+        self.copies: list[tuple[int, int]] = []  # (src, dst) to copy before the next forward
 
     @property
     def num_used_pages(self) -> int:
         return self.allocator.num_used_blocks
 
+    @property
+    def num_shared_pages(self) -> int:
+        return len(self.refs)
+
+    def _shared(self, request: Request) -> list[int]:
+        """Indices in the block table of shared pages the request writes next."""
+        first = request.num_computed_tokens // self.page_size
+        table = request.block_table
+        return [i for i in range(first, len(table)) if table[i] in self.refs]
+
     def pages_needed(self, request: Request, num_new_tokens: int) -> int:
         total = request.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.page_size) - len(request.block_table))
+        grow = max(0, -(-total // self.page_size) - len(request.block_table))
+        return grow + len(self._shared(request))
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Extends the block table to hold num_new_tokens more; False if pages ran out."""
+        """Extends the block table to hold num_new_tokens more, copying the shared
+        pages they land in; False if pages ran out."""
         need = self.pages_needed(request, num_new_tokens)
         if need == 0:
             return True
         pages = self.allocator.allocate_blocks(need)
         if pages is None:
             return False
+        for i in self._shared(request):
+            page = pages.pop()
+            self.copies.append((request.block_table[i], page))
+            self._release([request.block_table[i]])
+            request.block_table[i] = page
         request.block_table.extend(pages)
         return True
 
+    def share(self, source: Request, request: Request) -> None:
+        """Gives request the source's pages (its prompt, for a choice of the same request)."""
+        assert not request.block_table
+        for page in source.block_table:
+            self.refs[page] = self.refs.get(page, 1) + 1
+        request.block_table = list(source.block_table)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    def _release(self, pages: list[int]) -> None:
+        """Drops one holder of each page; frees those no one holds any more."""
+        free = []
+        for page in pages:
+            holders = self.refs.pop(page, 1) - 1
+            if holders > 1:
+                self.refs[page] = holders
+            elif holders == 0:
+                free.append(page)
+        self.allocator.free(free)
+
     def free(self, request: Request) -> None:
-        self.allocator.free(request.block_table)
+        self._release(request.block_table)
         request.block_table = []

@@ -6,7 +6,7 @@ import enum
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -64,8 +64,11 @@ class SamplingParams:
     # Structured output (services/language/engine/grammar.py).
     json_schema: str = ""
     json_object: bool = False
+    n: int = 1  # choices: the prompt is prefilled once, its KV pages shared by all
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -131,11 +134,37 @@ class Request:
     first_token_time: float | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    matcher: Any = None  # xgrammar.GrammarMatcher of a guided request: its tokens so far
+    grammar: Any = None  # xgrammar.CompiledGrammar of a guided request
+    matcher: Any = None  # its xgrammar.GrammarMatcher: the grammar's state after the tokens so far
+    # Choice `index` of an n > 1 request; choice 0 carries the choices it has not
+    # forked yet (they start from its prefilled prompt: Request.fork).
+    index: int = 0
+    forks: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        if self.grammar is not None:
+            self.matcher = xgr.GrammarMatcher(self.grammar)
+
+    def choice(self, index: int) -> Request:
+        """Choice `index` of this request: the same prompt and images, its own
+        state, and with a seed its own generator (seed + index, as in vLLM)."""
+        seed = self.sampling.seed
+        sampling = replace(self.sampling, seed=None if seed is None else (seed + index) % 2**64)
+        return Request(
+            self.request_id,
+            self.prompt_token_ids,
+            sampling,
+            self.positions,
+            self.mrope_delta,
+            self.image_embeds,
+            self.image_positions,
+            image_grids=self.image_grids,
+            arrival_time=self.arrival_time,
+            grammar=self.grammar,
+            index=index,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -190,7 +219,7 @@ def new_request(
                 f"{image_positions.numel()} image placeholders but "
                 f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings"
             )
-    request = Request(
+    return Request(
         request_id,
         list(token_ids),
         sampling,
@@ -200,7 +229,5 @@ def new_request(
         image_positions,
         pixel_values=pixel_values,
         image_grids=tuple(grids),
+        grammar=grammar,
     )
-    if grammar is not None:
-        request.matcher = xgr.GrammarMatcher(grammar)
-    return request

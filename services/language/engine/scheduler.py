@@ -7,6 +7,9 @@ running request cannot get pages, the newest running request is preempted:
 its pages are freed and it goes back to the front of the queue to be
 recomputed later. Admission checks that every request fits the cache alone,
 so the oldest one always makes progress: no deadlock however small the pool.
+
+An n > 1 request holds n of the max_num_seqs seats from its admission on: its
+other choices join the running batch when its prompt is prefilled.
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ class Scheduler:
             break  # the request itself was preempted: everything after it is too
         # Newly freed pages go to the preempted first, so nothing new is admitted
         # in a step that had to preempt.
+        seats = sum(1 + len(r.forks) for r in self.running)
         while (
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and seats + 1 + len(self.waiting[0].forks) <= self.config.max_num_seqs
         ):
             request = self.waiting[0]
             num_tokens = min(request.num_uncomputed_tokens, budget)
@@ -89,6 +93,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(Scheduled.of(request, num_tokens))
             budget -= num_tokens
+            seats += 1 + len(request.forks)
         return scheduled
 
     def finish(self, request: Request, status: RequestStatus) -> None:

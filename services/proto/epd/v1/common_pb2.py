@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\",\n\tImageGrid\x12\t\n\x01t\x18\x01 \x01(\r\x12\t\n\x01h\x18\x02 \x01(\r\x12\t\n\x01w\x18\x03 \x01(\r\"\xd1\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x39\n\nlogit_bias\x18\x0f \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x13\n\x0bjson_object\x18\x11 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\":\n\x07ShmPool\x12\x17\n\x0f\x65mbeddings_name\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x65pstack_name\x18\x02 \x01(\t\"\x8f\x01\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x17\n\x0f\x65mbeddings_addr\x18\x03 \x01(\x04\x12\x16\n\x0e\x64\x65\x65pstack_addr\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\"U\n\x0b\x43udaIpcPool\x12\x19\n\x11\x65mbeddings_handle\x18\x01 \x01(\x0c\x12\x18\n\x10\x64\x65\x65pstack_handle\x18\x02 \x01(\x0c\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x1b\n\x08GrpcPool\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\xa3\x01\n\x0cPoolEndpoint\x12\x1e\n\x03shm\x18\x01 \x01(\x0b\x32\x0f.epd.v1.ShmPoolH\x00\x12 \n\x04nixl\x18\x02 \x01(\x0b\x32\x10.epd.v1.NixlPoolH\x00\x12\'\n\x08\x63uda_ipc\x18\x03 \x01(\x0b\x32\x13.epd.v1.CudaIpcPoolH\x00\x12 \n\x04grpc\x18\x04 \x01(\x0b\x32\x10.epd.v1.GrpcPoolH\x00\x42\x06\n\x04kind\"\xae\x01\n\x0ePoolDescriptor\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x18\n\x10\x64\x65\x65pstack_levels\x18\x04 \x01(\r\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\'\n\tendpoints\x18\x06 \x03(\x0b\x32\x14.epd.v1.PoolEndpoint*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ENCODER\x10\x01\x12\x11\n\rROLE_LANGUAGE\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*y\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x01\x12\x12\n\x0eTRANSPORT_NIXL\x10\x02\x12\x11\n\rTRANSPORT_SHM\x10\x03\x12\x12\n\x0eTRANSPORT_GRPC\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\",\n\tImageGrid\x12\t\n\x01t\x18\x01 \x01(\r\x12\t\n\x01h\x18\x02 \x01(\r\x12\t\n\x01w\x18\x03 \x01(\r\"\xdc\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x39\n\nlogit_bias\x18\x0f \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x13\n\x0bjson_object\x18\x11 \x01(\x08\x12\t\n\x01n\x18\x12 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\":\n\x07ShmPool\x12\x17\n\x0f\x65mbeddings_name\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x65\x65pstack_name\x18\x02 \x01(\t\"\x8f\x01\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x17\n\x0f\x65mbeddings_addr\x18\x03 \x01(\x04\x12\x16\n\x0e\x64\x65\x65pstack_addr\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\"U\n\x0b\x43udaIpcPool\x12\x19\n\x11\x65mbeddings_handle\x18\x01 \x01(\x0c\x12\x18\n\x10\x64\x65\x65pstack_handle\x18\x02 \x01(\x0c\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x1b\n\x08GrpcPool\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\xa3\x01\n\x0cPoolEndpoint\x12\x1e\n\x03shm\x18\x01 \x01(\x0b\x32\x0f.epd.v1.ShmPoolH\x00\x12 \n\x04nixl\x18\x02 \x01(\x0b\x32\x10.epd.v1.NixlPoolH\x00\x12\'\n\x08\x63uda_ipc\x18\x03 \x01(\x0b\x32\x13.epd.v1.CudaIpcPoolH\x00\x12 \n\x04grpc\x18\x04 \x01(\x0b\x32\x10.epd.v1.GrpcPoolH\x00\x42\x06\n\x04kind\"\xae\x01\n\x0ePoolDescriptor\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x18\n\x10\x64\x65\x65pstack_levels\x18\x04 \x01(\r\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\'\n\tendpoints\x18\x06 \x03(\x0b\x32\x14.epd.v1.PoolEndpoint*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ENCODER\x10\x01\x12\x11\n\rROLE_LANGUAGE\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*y\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x01\x12\x12\n\x0eTRANSPORT_NIXL\x10\x02\x12\x11\n\rTRANSPORT_SHM\x10\x03\x12\x12\n\x0eTRANSPORT_GRPC\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1210
-  _globals['_ROLE']._serialized_end=1275
-  _globals['_DTYPE']._serialized_start=1277
-  _globals['_DTYPE']._serialized_end=1365
-  _globals['_TRANSPORT']._serialized_start=1367
-  _globals['_TRANSPORT']._serialized_end=1488
+  _globals['_ROLE']._serialized_start=1221
+  _globals['_ROLE']._serialized_end=1286
+  _globals['_DTYPE']._serialized_start=1288
+  _globals['_DTYPE']._serialized_end=1376
+  _globals['_TRANSPORT']._serialized_start=1378
+  _globals['_TRANSPORT']._serialized_end=1499
   _globals['_IMAGEGRID']._serialized_start=31
   _globals['_IMAGEGRID']._serialized_end=75
   _globals['_SAMPLINGPARAMS']._serialized_start=78
-  _globals['_SAMPLINGPARAMS']._serialized_end=543
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=486
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=534
-  _globals['_SHMPOOL']._serialized_start=545
-  _globals['_SHMPOOL']._serialized_end=603
-  _globals['_NIXLPOOL']._serialized_start=606
-  _globals['_NIXLPOOL']._serialized_end=749
-  _globals['_CUDAIPCPOOL']._serialized_start=751
-  _globals['_CUDAIPCPOOL']._serialized_end=836
-  _globals['_GRPCPOOL']._serialized_start=838
-  _globals['_GRPCPOOL']._serialized_end=865
-  _globals['_POOLENDPOINT']._serialized_start=868
-  _globals['_POOLENDPOINT']._serialized_end=1031
-  _globals['_POOLDESCRIPTOR']._serialized_start=1034
-  _globals['_POOLDESCRIPTOR']._serialized_end=1208
+  _globals['_SAMPLINGPARAMS']._serialized_end=554
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=497
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=545
+  _globals['_SHMPOOL']._serialized_start=556
+  _globals['_SHMPOOL']._serialized_end=614
+  _globals['_NIXLPOOL']._serialized_start=617
+  _globals['_NIXLPOOL']._serialized_end=760
+  _globals['_CUDAIPCPOOL']._serialized_start=762
+  _globals['_CUDAIPCPOOL']._serialized_end=847
+  _globals['_GRPCPOOL']._serialized_start=849
+  _globals['_GRPCPOOL']._serialized_end=876
+  _globals['_POOLENDPOINT']._serialized_start=879
+  _globals['_POOLENDPOINT']._serialized_end=1042
+  _globals['_POOLDESCRIPTOR']._serialized_start=1045
+  _globals['_POOLDESCRIPTOR']._serialized_end=1219
 # @@protoc_insertion_point(module_scope)
