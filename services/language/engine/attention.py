@@ -47,10 +47,23 @@ class AttentionBackend(Protocol):
 def write_kv(
     cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    pages = torch.div(meta.slot_mapping, meta.page_size, rounding_mode="floor")
-    offsets = meta.slot_mapping % meta.page_size
-    cache[pages, 0, offsets] = k
-    cache[pages, 1, offsets] = v
+    """Appends k/v [T, kv_heads, dim] at their slots, as rows of the cache seen as
+    [pages * 2 * page_size, kv_heads * dim] (index_copy_ of whole rows: several
+    times faster on CPU than assigning through advanced indexing)."""
+    page_size = meta.page_size
+    pages = torch.div(meta.slot_mapping, page_size, rounding_mode="floor")
+    keys = pages * page_size + meta.slot_mapping  # (page * 2 + 0) * page_size + offset
+    rows = cache.view(-1, k.shape[1] * k.shape[2])
+    rows.index_copy_(0, keys, k.reshape(keys.numel(), -1))
+    rows.index_copy_(0, keys + page_size, v.reshape(keys.numel(), -1))
+
+
+def gather_pages(cache: torch.Tensor, kv: int, pages: torch.Tensor) -> torch.Tensor:
+    """Keys (kv 0) or values (kv 1) of these pages, in order: [pages * page_size,
+    kv_heads, dim]. One index_select of whole pages, several times faster on CPU
+    than advanced indexing."""
+    halves = cache.view(cache.shape[0] * 2, -1)  # page p's keys: row 2p, values: 2p + 1
+    return halves.index_select(0, pages * 2 + kv).view(-1, *cache.shape[3:])
 
 
 class TorchAttention:
@@ -78,7 +91,7 @@ class TorchAttention:
         for row, i in enumerate(decodes):
             pages[row, : len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i])
         lens = torch.tensor([meta.seq_lens[i] for i in decodes])
-        self._decode_pages = pages.to(device)
+        self._decode_pages = pages.to(device)  # [decodes, max_pages], padded with page 0
         # [decodes, 1, 1, max_pages * page_size]: True where a key exists
         self._decode_mask = (torch.arange(max_pages * meta.page_size) < lens[:, None]).to(device)[
             :, None, None, :
@@ -87,7 +100,7 @@ class TorchAttention:
     @staticmethod
     def _gather(cache: torch.Tensor, kv: int, pages: torch.Tensor, length: int) -> torch.Tensor:
         """[kv_heads, length, dim] of one sequence."""
-        return cache[pages, kv].flatten(0, 1)[:length].transpose(0, 1)
+        return gather_pages(cache, kv, pages)[:length].transpose(0, 1)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
@@ -119,10 +132,11 @@ class TorchAttention:
         if self._decode_pages is not None:
             d0 = meta.num_prefill_tokens
             num, max_pages = self._decode_pages.shape
-            keys = cache[self._decode_pages, 0].view(
+            pages = self._decode_pages.flatten()
+            keys = gather_pages(cache, 0, pages).view(
                 num, max_pages * meta.page_size, *cache.shape[3:]
             )
-            values = cache[self._decode_pages, 1].view(
+            values = gather_pages(cache, 1, pages).view(
                 num, max_pages * meta.page_size, *cache.shape[3:]
             )
             o = F.scaled_dot_product_attention(
