@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "performance.md"
 TEMPLATE = Path(__file__).with_name("performance.md.in")
 FIGURES = REPO / "docs" / "performance"
+# bench/peer.py writes its section between these; regenerating the rest keeps it.
+START, END = "<!-- bench/peer.py: start -->", "<!-- bench/peer.py: end -->"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,13 @@ def cases(quick: bool) -> list[Case]:
         Case("image-only", 1.0, round(16 * scale), (0.5, 1.0, math.inf)),
         Case("mixed 1:9 image:text", 0.1, round(40 * scale), (1.0, 2.0, 4.0, math.inf)),
     ]
+
+
+def peer_section(doc: str) -> str:
+    """bench/peer.py's section of a performance.md, markers included ("" if none)."""
+    if START not in doc:
+        return ""
+    return START + doc.partition(START)[2].partition(END)[0] + END
 
 
 def cpu_seconds(root: int) -> dict[str, float]:
@@ -339,6 +348,7 @@ def write(
         FIGURES / "mixed_text_latency_cdf.png",
         f"mixed 1:9 at {top:g} req/s: text requests",
     )
+    kept = peer_section(DOC.read_text()) if DOC.exists() else ""
     DOC.write_text(
         TEMPLATE.read_text().format(
             date=time.strftime("%Y-%m-%d"),
@@ -353,6 +363,7 @@ def write(
             sections="\n".join(sections),
             top=f"{top:g}",
         )
+        + (f"\n{kept}\n" if kept else "")
     )
 
 

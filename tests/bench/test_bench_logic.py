@@ -91,3 +91,20 @@ def test_summary_counts_throughput_percentiles_and_goodput() -> None:
     assert summary["goodput"] == pytest.approx(1 / 4)  # only request 1 meets both SLOs
     assert meets(results[1], {"ttft": 500, "tpot": 80})
     assert not meets(results[0], {"tpot": 80})
+
+
+def test_the_peer_section_survives_a_regenerated_report() -> None:
+    """bench/peer.py writes its section once, replaces it on the next run, and
+    bench/report.py carries it over when it rewrites the rest of the page."""
+    from bench.peer import with_section
+    from bench.report import peer_section
+
+    first = with_section("# Performance\n\nmonolithic vs disaggregated\n", "vs vLLM: run 1")
+    assert first.startswith("# Performance\n\nmonolithic vs disaggregated\n\n")
+    second = with_section(first + "\ntrailing text\n", "vs vLLM: run 2")
+    assert "run 1" not in second and second.count("vs vLLM") == 1
+    assert second.endswith("\ntrailing text\n")
+    kept = peer_section(second)
+    assert kept.count("vs vLLM: run 2") == 1
+    assert peer_section("# Performance\n") == ""
+    assert peer_section("# regenerated\n\n" + kept + "\n") == kept

