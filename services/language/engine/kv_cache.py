@@ -83,25 +83,24 @@ class KVBlockManager:
 
     def _shared(self, request: Request) -> list[int]:
         """Indices in the block table of shared pages the request writes next."""
+        if not self.refs:  # no n > 1 request holds shared pages: the common case
+            return []
         first = request.num_computed_tokens // self.page_size
         table = request.block_table
         return [i for i in range(first, len(table)) if table[i] in self.refs]
 
-    def pages_needed(self, request: Request, num_new_tokens: int) -> int:
-        total = request.num_computed_tokens + num_new_tokens
-        grow = max(0, -(-total // self.page_size) - len(request.block_table))
-        return grow + len(self._shared(request))
-
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Extends the block table to hold num_new_tokens more, copying the shared
         pages they land in; False if pages ran out."""
-        need = self.pages_needed(request, num_new_tokens)
-        if need == 0:
+        total = request.num_computed_tokens + num_new_tokens
+        grow = max(0, -(-total // self.page_size) - len(request.block_table))
+        shared = self._shared(request)
+        if grow + len(shared) == 0:
             return True
-        pages = self.allocator.allocate_blocks(need)
+        pages = self.allocator.allocate_blocks(grow + len(shared))
         if pages is None:
             return False
-        for i in self._shared(request):
+        for i in shared:
             page = pages.pop()
             self.copies.append((request.block_table[i], page))
             self._release([request.block_table[i]])
