@@ -51,12 +51,31 @@ def _transports(value: str) -> tuple[Any, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _dtype(value: str) -> Any:
-    from services.transfer.layout import DTYPES_BY_NAME
+def _dtype(value: str) -> str:
+    """A dtype name or `auto`, checked here, resolved where the device is known."""
+    from services.dtypes import resolve_dtype
 
-    if value not in DTYPES_BY_NAME:
-        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPES_BY_NAME)}")
-    return DTYPES_BY_NAME[value]
+    try:
+        resolve_dtype(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _add_dtype_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=env.DTYPE.get(),
+        help=f"{what}: auto (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX, else "
+        "float32), float32, bfloat16 or float16 ($EPD_DTYPE)",
+    )
+
+
+def _local_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -112,6 +131,7 @@ def _triton(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         model_config_name=args.model_config_name,
+        dtype=args.dtype,
     )
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -143,6 +163,7 @@ def _instance(args: argparse.Namespace, role: str) -> Any:
 
 
 def _encoder(args: argparse.Namespace) -> int:
+    from services.dtypes import resolve_dtype
     from services.encoder.images import ImageLimits
     from services.encoder.server import EncoderConfig, EncoderServer
 
@@ -157,7 +178,7 @@ def _encoder(args: argparse.Namespace) -> int:
         send_buffer_tokens=args.send_buffer_tokens,
         max_pending=args.max_pending,
         buffer_wait_s=args.buffer_wait,
-        dtype=args.dtype,
+        dtype=resolve_dtype(args.dtype, _local_device()),
     )
     return run_until_signalled(lambda: EncoderServer(config))
 
@@ -222,6 +243,7 @@ def _monolithic(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
+    from services.dtypes import resolve_dtype
     from services.language.engine.engine import EngineConfig
     from services.language.engine.scheduler import SchedulerConfig
 
@@ -230,14 +252,14 @@ def _engine_config(args: argparse.Namespace) -> Any:
         kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
         page_size=args.page_size,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-        dtype=args.dtype,
+        dtype=resolve_dtype(args.dtype, args.device),
         device=args.device,
     )
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", type=_dtype, default=_dtype("float32"))
+    _add_dtype_option(p, "model dtype (and the embeddings')")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-mb", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16)
@@ -258,6 +280,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from services.dtypes import DTYPE_NAMES, resolve_dtype
     from services.model.demo import cached_demo_checkpoint
     from services.serve import StackConfig, run
 
@@ -271,6 +294,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
         checkpoint = cached_demo_checkpoint(args.demo_size)
         name = args.model_name or f"demo-{args.demo_size}"
+    dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
+    print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
     language = [
         "--max-model-len",
         str(args.max_model_len),
@@ -299,6 +324,7 @@ def _serve(args: argparse.Namespace) -> int:
             num_languages=args.languages,
             api_key=args.api_key,
             language_args=tuple(language),
+            dtype=dtype,
             gateway_args=tuple(gateway),
             monolithic=args.monolithic,
             encoder_cpus=args.encoder_cpus,
@@ -456,11 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8010)
     p.add_argument("--grpc-port", type=int, default=8011)
     p.add_argument("--metrics-port", type=int, default=8012)
+    _add_dtype_option(p, "the vision tower's dtype")
     p.set_defaults(handler=_triton)
 
     p = sub.add_parser("encoder", help="run an encoder instance")
     _add_instance_options(p, ENCODER_PORT)
-    p.add_argument("--dtype", type=_dtype, default=_dtype("float32"), help="embedding dtype")
+    _add_dtype_option(p, "embedding dtype (the language instances' dtype)")
     p.add_argument(
         "--triton", default=env.TRITON_URL.get(), help="Triton gRPC address ($EPD_TRITON_URL)"
     )
@@ -570,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    _add_dtype_option(p, "dtype of the vision tower, the embeddings and the language model")
     p.add_argument(
         "--encoder-cpus",
         default="",

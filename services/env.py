@@ -46,6 +46,14 @@ CACHE_DIR = EnvVar(
     "where `epd serve` keeps the demo checkpoint",
 )
 
+DTYPE = EnvVar(
+    "EPD_DTYPE",
+    str,
+    lambda: "auto",
+    "model and embedding dtype: auto (bfloat16 where the hardware has it), float32, "
+    "bfloat16 or float16",
+)
+
 SHM_PREFIX = EnvVar(
     "EPD_SHM_PREFIX",
     str,
@@ -101,6 +109,7 @@ ALL = (
     HOST_ID,
     API_KEY,
     CACHE_DIR,
+    DTYPE,
     SHM_PREFIX,
     CPUS,
     NICE,

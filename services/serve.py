@@ -157,6 +157,7 @@ class StackConfig:
     num_encoders: int = 1
     num_languages: int = 1
     api_key: str = ""
+    dtype: str = "float32"  # every component's: the embeddings cross with it
     startup_timeout_s: float = 300.0
     language_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -193,6 +194,7 @@ def _instance(config: StackConfig, role: str, index: int, port: int, extra: list
         "--metrics-port", str(config.metrics_port(port)),
         "--broker", f"{LOCAL}:{config.broker_port}",
         "--instance-id", name,
+        "--dtype", config.dtype,
         *extra,
     ]  # fmt: skip
     service = f"epd.v1.{role.capitalize()}"
@@ -223,7 +225,10 @@ def components(config: StackConfig) -> list[Component]:
         return [
             Component(
                 "monolithic",
-                ["monolithic", *gateway_args, "--model-name", model, *config.language_args],
+                [
+                    *("monolithic", *gateway_args, "--model-name", model),
+                    *("--dtype", config.dtype, *config.language_args),
+                ],
                 lambda: http_ok(gateway_url),
                 logs / "monolithic.log",
             )
@@ -256,6 +261,8 @@ def components(config: StackConfig) -> list[Component]:
                 str(grpc_port),
                 "--metrics-port",
                 str(metrics),
+                "--dtype",
+                config.dtype,
             ],
             lambda: http_ok(f"http://{LOCAL}:{http}/v2/models/vit/ready"),
             logs / "triton.log",

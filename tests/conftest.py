@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import pytest
 from services.model.demo import build_demo_checkpoint
 from services.ports import free_port
 from services.triton.launcher import TritonConfig, TritonServer
+
+# Token-exact tests compare with HF in float32: every component a test starts
+# (in-process or as `epd ...`) uses it, whatever `auto` would pick on this CPU.
+os.environ["EPD_DTYPE"] = "float32"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,10 +17,10 @@ from PIL import Image
 
 
 @cache
-def _hf_model(folder: str) -> Any:
+def _hf_model(folder: str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
 
 
 @cache
@@ -39,8 +39,37 @@ def hf_greedy(
 ) -> list[int]:
     """Greedy tokens from HF generate() for a chat (image parts in order of `images`);
     `processors`: generate()'s logits-processor arguments (repetition_penalty, ...)."""
+    out = _generate(folder, torch.float32, messages, images, max_new_tokens, **processors)
+    return [int(t) for t in out.sequences[0, -len(out.scores) :]]
+
+
+def hf_greedy_logprobs(
+    folder: str | Path,
+    dtype: torch.dtype,
+    messages: Sequence[dict[str, Any]],
+    images: Sequence[Image.Image],
+    max_new_tokens: int,
+    top: int,
+) -> list[tuple[int, set[int]]]:
+    """HF generate() in `dtype`: per step, the greedy token and the `top` most likely."""
+    out = _generate(folder, dtype, messages, images, max_new_tokens)
+    tokens = out.sequences[0, -len(out.scores) :]
+    return [
+        (int(t), set(scores[0].topk(top).indices.tolist()))
+        for t, scores in zip(tokens, out.scores, strict=True)
+    ]
+
+
+def _generate(
+    folder: str | Path,
+    dtype: torch.dtype,
+    messages: Sequence[dict[str, Any]],
+    images: Sequence[Image.Image],
+    max_new_tokens: int,
+    **processors: Any,
+) -> Any:
     folder = str(folder)
-    model = _hf_model(folder)
+    model = _hf_model(folder, dtype)
     tokenizer, image_processor = _hf_parts(folder)
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     kwargs: dict[str, Any] = {}
@@ -55,22 +84,23 @@ def hf_greedy(
             pad * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
         )
         kwargs = {
-            "pixel_values": pixels["pixel_values"],
+            "pixel_values": pixels["pixel_values"].to(dtype),
             "image_grid_thw": pixels["image_grid_thw"],
         }
     enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
     mm_token_type_ids = (enc["input_ids"] == model.config.image_token_id).int()
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             input_ids=enc["input_ids"],
             attention_mask=enc["attention_mask"],
             mm_token_type_ids=mm_token_type_ids,
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
             **kwargs,
             **processors,
         )
-    return [int(t) for t in out[0, enc["input_ids"].shape[1] :]]
 
 
 def hf_greedy_prompt(

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+from services.dtypes import DTYPE_NAMES
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ class TritonConfig:
     model_config_name: str | None = None  # e.g. "gpu" selects configs/gpu.pbtxt
     startup_timeout_s: float = 180.0
     log_verbose: int = 0
+    dtype: str = field(default_factory=env.DTYPE.get)  # the vision tower's: a name, or auto
 
     def __post_init__(self) -> None:
         if not (self.model_repository / self.model_name / "config.pbtxt").is_file():
@@ -189,6 +190,7 @@ class TritonServer:
             filter(None, [str(install.libs), _python_library_dir(), env.get("LD_LIBRARY_PATH")])
         )
         env["EPD_VIT_CHECKPOINT"] = str(Path(cfg.checkpoint).resolve())
+        env["EPD_VIT_DTYPE"] = cfg.dtype
         env["EPD_SITE_PACKAGES"] = os.pathsep.join(site.getsitepackages())
         logger.info("starting tritonserver (grpc %s, http %s)", cfg.grpc_url, cfg.http_url)
         self._process = subprocess.Popen(

@@ -22,10 +22,10 @@ from services.model.checkpoint import load_vision_tower
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.ports import free_port
-from services.proto import encoder_pb2
+from services.proto import common_pb2, encoder_pb2
 from services.transfer.embedding_pool import tensor_from_bytes
 from services.transfer.shared_memory import SHM_DIR
-from services.triton.launcher import TritonServer
+from services.triton.launcher import TritonConfig, TritonServer
 from tests.bad_images import gif, png_header_only, truncated_png
 from tests.stack import encoder_stub, start_encoder
 
@@ -50,7 +50,9 @@ async def encoder_without_shm(
     await server.stop()
 
 
-def reference_embeddings(checkpoint: Path, images: list[bytes]) -> torch.Tensor:
+def reference_embeddings(
+    checkpoint: Path, images: list[bytes], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The in-process vision tower on the same images, in one call."""
     import io
 
@@ -61,8 +63,9 @@ def reference_embeddings(checkpoint: Path, images: list[bytes]) -> torch.Tensor:
         images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt"
     )
     with torch.no_grad():
-        tower = load_vision_tower(checkpoint, spec)
-        return tower(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]).pooler_output
+        tower = load_vision_tower(checkpoint, spec, dtype=dtype)
+        values = pixels["pixel_values"].to(dtype)
+        return tower(values, grid_thw=pixels["image_grid_thw"]).pooler_output
 
 
 def images(n: int, seed: int) -> list[bytes]:
@@ -98,6 +101,29 @@ async def test_embeddings_equal_the_vision_tower(
     got = tensor_from_bytes(reply.embeddings, torch.float32, reply.hidden_size)
     assert reply.total_tokens == expected.shape[0] == got.shape[0]
     assert len(reply.grids) == num_images
+    assert torch.equal(got, expected)
+
+
+async def test_bfloat16_tower_and_embeddings(tiny_checkpoint: Path) -> None:
+    """Triton's tower in bfloat16 ($EPD_VIT_DTYPE from `--dtype`), embeddings
+    shipped in bfloat16: equal to the in-process tower in bfloat16."""
+    config = TritonConfig(
+        checkpoint=tiny_checkpoint,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        dtype="bfloat16",
+    )
+    with TritonServer(config) as triton:
+        server = await start_encoder(tiny_checkpoint, triton, dtype=torch.bfloat16)
+        try:
+            data = images(3, seed=77)
+            reply = await encoder_stub(server).Encode(encoder_pb2.EncodeRequest(images=data))
+        finally:
+            await server.stop()
+    expected = reference_embeddings(tiny_checkpoint, data, torch.bfloat16)
+    assert reply.dtype == common_pb2.DTYPE_BFLOAT16
+    got = tensor_from_bytes(reply.embeddings, torch.bfloat16, reply.hidden_size)
     assert torch.equal(got, expected)
 
 

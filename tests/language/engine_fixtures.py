@@ -23,6 +23,7 @@ def make_engine(
     max_model_len: int = 1024,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
+    dtype: torch.dtype = torch.float32,
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
     return LLMEngine(
@@ -33,6 +34,7 @@ def make_engine(
             max_model_len=max_model_len,
             kv_cache_bytes=kv_cache_bytes,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            dtype=dtype,
         ),
     )
 
@@ -43,6 +45,7 @@ def make_request(
     messages: list[dict[str, Any]],
     images: list[Image.Image],
     sampling: SamplingParams,
+    dtype: torch.dtype = torch.float32,
 ) -> Request:
     spec = load_spec(checkpoint)
     grids: list[ImageGrid] = []
@@ -51,8 +54,8 @@ def make_request(
         pixels = load_image_processor(checkpoint)(images=images, return_tensors="pt")
         grids = [ImageGrid(*map(int, g)) for g in pixels["image_grid_thw"]]
         with torch.no_grad():
-            embeds = load_vision_tower(checkpoint, spec)(
-                pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]
+            embeds = load_vision_tower(checkpoint, spec, dtype=dtype)(
+                pixels["pixel_values"].to(dtype), grid_thw=pixels["image_grid_thw"]
             ).pooler_output
     merge = spec.vision.spatial_merge_size
     prompt = build_prompt(

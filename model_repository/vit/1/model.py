@@ -22,10 +22,9 @@ import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from torch.utils.dlpack import from_dlpack, to_dlpack  # noqa: E402
 
+from services.dtypes import resolve_dtype  # noqa: E402
 from services.model.checkpoint import load_vision_tower  # noqa: E402
 from services.model.spec import load_spec  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class TritonPythonModel:
@@ -33,11 +32,12 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         checkpoint = os.environ.get("EPD_VIT_CHECKPOINT") or params["checkpoint"]
-        dtype = DTYPES[os.environ.get("EPD_VIT_DTYPE") or params.get("dtype", "float32")]
         if args["model_instance_kind"] == "GPU":
             self.device = torch.device("cuda", int(args["model_instance_device_id"]))
         else:
             self.device = torch.device("cpu")
+        name = os.environ.get("EPD_VIT_DTYPE") or params.get("dtype", "auto")
+        dtype = resolve_dtype(name, self.device)
         self.spec = load_spec(checkpoint)
         self.merge = self.spec.vision.spatial_merge_size
         self.tower = load_vision_tower(checkpoint, self.spec, dtype=dtype, device=self.device)

@@ -77,6 +77,22 @@ class StepStats:
     tpots: list[float]  # seconds per output token, for requests that finished this step
 
 
+def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch" or "flashinfer" for EngineConfig.attention: `auto` is FlashInfer
+    on CUDA unless the model is in float32 (FlashInfer's kernels are half
+    precision only), then torch, with a log line."""
+    if choice == "flashinfer" and dtype == torch.float32:
+        raise ValueError("FlashInfer attention needs float16 or bfloat16, not float32")
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "torch"
+    if dtype == torch.float32:
+        logger.info("float32 on %s: torch attention (FlashInfer has no float32 kernels)", device)
+        return "torch"
+    return "flashinfer"
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -120,10 +136,7 @@ class LLMEngine:
     def _attention(self, device: torch.device) -> AttentionBackend:
         t = self.spec.text
         scale = t.head_dim**-0.5
-        use_flashinfer = self.config.attention == "flashinfer" or (
-            self.config.attention == "auto" and device.type == "cuda"
-        )
-        if use_flashinfer:
+        if attention_backend(self.config.attention, self.config.dtype, device) == "flashinfer":
             return FlashInferAttention(
                 t.num_heads, t.num_kv_heads, t.head_dim, scale, self.config.dtype, device
             )

@@ -1,0 +1,75 @@
+"""`--dtype`: names, what `auto` picks, and one dtype for every component of a stack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services import dtypes
+from services.cli import build_parser
+from services.dtypes import resolve_dtype
+from services.language.engine.engine import attention_backend
+from services.serve import StackConfig, components
+
+
+def test_names_resolve_to_their_dtype() -> None:
+    assert resolve_dtype("float32") is torch.float32
+    assert resolve_dtype("bfloat16", "cuda") is torch.bfloat16
+    assert resolve_dtype("float16") is torch.float16
+    with pytest.raises(ValueError, match="auto or one of float32"):
+        resolve_dtype("int8")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bfloat16_only_where_the_hardware_has_it(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert resolve_dtype("auto", "cpu") is (torch.bfloat16 if native else torch.float32)
+
+
+def test_auto_on_this_cpu_follows_its_capabilities() -> None:
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert dtypes.native_bf16("cpu") is native
+    assert resolve_dtype("auto") is (torch.bfloat16 if native else torch.float32)
+
+
+def test_the_cli_refuses_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["language", "--checkpoint", "x", "--dtype", "fp8"])
+    assert "dtype must be auto or one of" in capsys.readouterr().err
+
+
+def test_the_dtype_defaults_to_epd_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPD_DTYPE", "bfloat16")
+    assert build_parser().parse_args(["serve"]).dtype == "bfloat16"
+    monkeypatch.delenv("EPD_DTYPE")
+    assert build_parser().parse_args(["serve"]).dtype == "auto"
+
+
+def test_every_component_of_a_stack_gets_the_same_dtype(tmp_path: Path) -> None:
+    config = StackConfig(tmp_path, "m", tmp_path, dtype="bfloat16", num_encoders=2)
+    parts = components(config)
+    assert {p.name for p in parts} >= {"triton", "language-0", "encoder-0", "encoder-1"}
+    for part in parts:
+        if part.name in ("broker", "gateway"):
+            assert "--dtype" not in part.args
+        else:
+            i = part.args.index("--dtype")
+            assert part.args[i + 1] == "bfloat16", part.name
+    mono = components(StackConfig(tmp_path, "m", tmp_path, dtype="bfloat16", monolithic=True))
+    assert mono[0].args[mono[0].args.index("--dtype") + 1] == "bfloat16"
+
+
+def test_float32_on_cuda_falls_back_to_torch_attention(caplog: pytest.LogCaptureFixture) -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert attention_backend("auto", torch.bfloat16, cuda) == "flashinfer"
+    assert attention_backend("auto", torch.bfloat16, cpu) == "torch"
+    with caplog.at_level("INFO"):
+        assert attention_backend("auto", torch.float32, cuda) == "torch"
+    assert "FlashInfer has no float32 kernels" in caplog.text
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        attention_backend("flashinfer", torch.float32, cuda)
