@@ -86,7 +86,7 @@ class LocalBackend:
             sampling = sampling_from_proto(
                 call.sampling, self.max_model_len - len(prompt.token_ids)
             )
-            grammar = await self.engine.engine.grammars.compile(sampling)
+            grammar = await self.engine.compile_grammar(sampling)
             pixels = torch.cat([torch.from_numpy(p.pixel_values) for p in pre]) if pre else None
             request = new_request(
                 call.request_id,

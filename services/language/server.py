@@ -74,17 +74,17 @@ class LanguageServer:
         self.engine = AsyncEngine(
             LLMEngine(self.spec, weights, self.tokenizer, config.engine), self.metrics.on_step
         )
-        self.metrics.kv_pages_total.set(self.engine.engine.blocks.allocator.num_blocks)
+        self.metrics.kv_pages_total.set(self.engine.num_kv_pages)
         self._cuda_ipc: CudaIpcPool | None = None
         self.pool = self._pool()
         self.metrics.embedding_blocks_total.set(self.pool.layout.num_blocks)
-        engine, pool = self.engine.engine, self.pool
+        engine, pool = self.engine, self.pool
         self.metrics.observe(
-            running=lambda: len(engine.scheduler.running),
-            waiting=lambda: len(engine.scheduler.waiting),
+            running=lambda: engine.load.running,
+            waiting=lambda: engine.load.waiting,
             receiving=lambda: len(self.receiver.transfers),
-            kv_pages_used=lambda: engine.blocks.num_used_pages,
-            kv_pages_shared=lambda: engine.blocks.num_shared_pages,
+            kv_pages_used=lambda: engine.load.kv_pages_used,
+            kv_pages_shared=lambda: engine.load.kv_pages_shared,
             embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
             embedding_blocks_quarantined=lambda: self.receiver.num_quarantined_blocks,
         )
@@ -169,7 +169,7 @@ class LanguageServer:
 
     def load(self) -> Load:
         return Load(
-            num_requests=len(self.engine.engine.requests) + len(self.receiver.transfers),
+            num_requests=self.engine.num_requests + len(self.receiver.transfers),
             free_blocks=self.pool.allocator.num_free_blocks,
         )
 

@@ -150,7 +150,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self.tokenizer = tokenizer
         self.spec = spec
         self.metrics = metrics
-        self.max_model_len = engine.engine.config.max_model_len
+        self.max_model_len = engine.max_model_len
         self.max_active_requests = max_active_requests
         self.max_image_tokens = max_image_tokens
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -210,10 +210,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             sampling = sampling_from_proto(
                 request.sampling, self.max_model_len - len(prompt.token_ids)
             )
-            self.engine.engine.check_sampling(sampling)
-            grammar = await self.engine.engine.grammars.compile(sampling)
+            self.engine.check_sampling(sampling)
+            grammar = await self.engine.compile_grammar(sampling)
             if known:
-                self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
+                self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -236,7 +236,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             if counts != hints:  # the hints were unknown or wrong: tokenize again
                 try:
                     prompt = await self._prompt(messages, counts)
-                    self.engine.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
+                    self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         engine_request = new_request(
@@ -308,6 +308,6 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         reason = request.reason or "aborted by the caller"
         receiving = request.request_id in self.receiver.transfers
         await self.receiver.release(request.request_id, reason)
-        generating = request.request_id in self.engine.engine.requests
+        generating = self.engine.has_request(request.request_id)
         self.engine.abort(request.request_id)
         return language_pb2.AbortReply(found=receiving or generating)

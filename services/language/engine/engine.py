@@ -20,9 +20,9 @@ from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
 from services.language.engine.model import LanguageModel
 from services.language.engine.request import Request, RequestStatus, SamplingParams
-from services.language.engine.runner import ModelRunner, Scheduled
+from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
-from services.language.engine.scheduler import Scheduler, SchedulerConfig
+from services.language.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from services.language.engine.vision import VisionTower
 from services.model.spec import ModelSpec
 
@@ -91,6 +91,17 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
         logger.info("float32 on %s: torch attention (FlashInfer has no float32 kernels)", device)
         return "torch"
     return "flashinfer"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the engine holds, as of its last step or inbox drain: published by
+    the engine thread as one immutable value, so any thread reads it whole."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_shared: int = 0
 
 
 class LLMEngine:
@@ -186,6 +197,14 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.blocks.num_used_pages,
+            self.blocks.num_shared_pages,
+        )
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         if self.vision is not None:
@@ -345,21 +364,64 @@ class LLMEngine:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
 class AsyncEngine:
-    """Runs LLMEngine.step() on a dedicated thread; the event loop talks to it
-    through a thread-safe inbox and gets outputs on per-request asyncio queues."""
+    """Runs LLMEngine.step() on a dedicated thread for asyncio callers.
+
+    The engine belongs to that thread: callers add and abort requests through
+    a thread-safe inbox, get outputs on per-request asyncio queues, and read
+    its load from the snapshot the thread publishes. What they may call from
+    the event loop: the checks (they read the immutable config), grammar
+    compilation (on its own thread), `generate`, `abort`, `has_request`,
+    `num_requests` and `load`. `engine` is there for tests, once it is idle.
+    """
 
     def __init__(
         self, engine: LLMEngine, on_step: Callable[[StepStats], None] = lambda stats: None
     ) -> None:
         self.engine = engine
         self._on_step = on_step
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.load = engine.load()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self.engine.blocks.allocator.num_blocks
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        self.engine.check_sampling(params)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.engine.check_fits(num_prompt_tokens, max_tokens)
+
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (None without one), compiled off the loop."""
+        return await self.engine.grammars.compile(params)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -400,6 +462,8 @@ class AsyncEngine:
                     self.engine.abort_request(request_id)
                 self._send([(request_id, exc) for request_id in failed])
                 continue
+            finally:
+                self.load = self.engine.load()
             self._send([(output.request_id, output) for output in outputs])
             self._on_step(stats)
 
@@ -407,25 +471,30 @@ class AsyncEngine:
         replies: list[tuple[str, RequestOutput | BaseException]] = []
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
-                try:
-                    self.engine.add_request(payload)
-                except ValueError as exc:
-                    replies.append((payload.request_id, exc))
-            else:
-                replies += [(payload, output) for output in self.engine.abort_request(payload)]
+            match message:
+                case _Add(request):
+                    try:
+                        self.engine.add_request(request)
+                    except ValueError as exc:
+                        replies.append((request.request_id, exc))
+                case _Abort(request_id):
+                    outputs = self.engine.abort_request(request_id)
+                    replies += [(request_id, output) for output in outputs]
+        self.load = self.engine.load()
         self._send(replies)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, its choices interleaved, until every choice
         finishes; leaving early aborts it."""
         self.engine.check(request)
+        if request.request_id in self._queues:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
-        self._inbox.put(("add", request))
+        self._inbox.put(_Add(request))
         self._wake.set()
         going = request.sampling.n
         try:
@@ -443,5 +512,5 @@ class AsyncEngine:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
         self._wake.set()

@@ -8,30 +8,13 @@ runs the model and returns the logits of the requests that sample this step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from services.language.engine.attention import AttentionBackend, AttentionMetadata
 from services.language.engine.kv_cache import KVCache
 from services.language.engine.model import LanguageModel, MRotaryEmbedding
 from services.language.engine.request import Request
-
-
-@dataclass(frozen=True, slots=True)
-class Scheduled:
-    request: Request
-    num_tokens: int  # new tokens computed this step
-    samples: bool  # the step reaches the end of the known tokens: a new token follows
-
-    @classmethod
-    def of(cls, request: Request, num_tokens: int) -> Scheduled:
-        reaches_end = request.num_computed_tokens + num_tokens == request.num_tokens
-        return cls(request, num_tokens, reaches_end)
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_tokens > 1
+from services.language.engine.scheduler import Scheduled
 
 
 def _positions(request: Request, start: int, end: int) -> torch.Tensor:

@@ -19,7 +19,22 @@ from dataclasses import dataclass
 
 from services.language.engine.kv_cache import KVBlockManager
 from services.language.engine.request import Request, RequestStatus
-from services.language.engine.runner import Scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    request: Request
+    num_tokens: int  # new tokens computed this step
+    samples: bool  # the step reaches the end of the known tokens: a new token follows
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> Scheduled:
+        reaches_end = request.num_computed_tokens + num_tokens == request.num_tokens
+        return cls(request, num_tokens, reaches_end)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens > 1
 
 
 @dataclass(frozen=True, slots=True)
