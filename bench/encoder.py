@@ -21,7 +21,6 @@ import torch
 from PIL import Image
 
 from services.bench.images import encode_image, random_image
-from services.broker.messages import Role
 from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
 from services.instance import InstanceConfig
@@ -32,6 +31,7 @@ from services.model.spec import load_spec
 from services.ports import free_port
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.triton.launcher import TritonConfig, TritonServer
+from services.wire.messages import Role
 
 
 def make_images(n: int, size: int, seed: int) -> list[bytes]:

@@ -36,13 +36,11 @@ import torch
 
 from services.bench.stats import percentile
 from services.broker.client import BrokerLink
-from services.broker.messages import Load, Registration, Role
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender import Sender
 from services.grpc_server import channel
 from services.model.demo import cached_demo_checkpoint
-from services.model.processor import ImageGrid
 from services.ports import free_port
 from services.proto import (
     broker_pb2,
@@ -53,11 +51,12 @@ from services.proto import (
 )
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
-from services.transfer.transport import Transport
 from services.transfer.transports.base import Part, Writer
 from services.transfer.transports.grpc_stream import GrpcWriter
 from services.transfer.transports.nixl import NixlWriter
 from services.transfer.transports.shm import ShmWriter
+from services.wire.messages import Heartbeat, ImageGrid, Register, Role
+from services.wire.transport import Transport
 
 HIDDEN = 128  # the tiny demo model's embedding width (float32: 512 bytes a token)
 GOALS = {Transport.SHM: 0.9, Transport.NIXL: 0.7, Transport.GRPC: 0.3}
@@ -74,7 +73,7 @@ class TimedWriter:
     def transport(self) -> Transport:
         return self.writer.transport
 
-    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         started = time.perf_counter()
         await self.writer.write(peer, source, part)
         self.seconds.append(time.perf_counter() - started)
@@ -125,7 +124,7 @@ class EncoderSide:
         self.sender = Sender(self.buffer, {writer.transport: self.writer}, host_id)
         self.link = BrokerLink(
             broker,
-            Registration(
+            Register(
                 Role.ENCODER,
                 f"bench-{writer.transport.name.lower()}",
                 "-",
@@ -134,7 +133,7 @@ class EncoderSide:
                 "bench",
             ),
             self.sender.on_message,
-            Load,
+            Heartbeat,
         )
         self.sender.link = self.link
 
@@ -144,7 +143,7 @@ class EncoderSide:
         nixl = NixlWriter("bench-nixl", side.buffer.pool)
         side.writer = TimedWriter(nixl)
         side.sender.writers = {Transport.NIXL: side.writer}
-        side.link.registration = Registration(
+        side.link.registration = Register(
             Role.ENCODER, "bench-nixl", "-", host_id, (Transport.NIXL,), "bench"
         )
         return side
@@ -152,7 +151,7 @@ class EncoderSide:
     async def send(
         self,
         stubs: Stubs,
-        peer: Registration,
+        peer: Register,
         request_id: str,
         grid: ImageGrid,
     ) -> float:
@@ -284,7 +283,7 @@ async def run(args: argparse.Namespace) -> None:
             await stubs.no_encoder()
 
 
-async def control_plane(stubs: Stubs, side: EncoderSide, peer: Registration, requests: int) -> None:
+async def control_plane(stubs: Stubs, side: EncoderSide, peer: Register, requests: int) -> None:
     small = ImageGrid(1, 16, 16)
     for i in range(20):
         await side.send(stubs, peer, f"warm-{i}", small)

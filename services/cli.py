@@ -43,7 +43,7 @@ def run_until_signalled(make: Callable[[], Service]) -> int:
 
 
 def _transports(value: str) -> tuple[Any, ...]:
-    from services.transfer.transport import Transport
+    from services.wire.transport import Transport
 
     try:
         return tuple(Transport.parse(name) for name in value.split(",") if name.strip())
@@ -53,7 +53,7 @@ def _transports(value: str) -> tuple[Any, ...]:
 
 def _dtype(value: str) -> str:
     """A dtype name or `auto`, checked here, resolved where the device is known."""
-    from services.dtypes import resolve_dtype
+    from services.wire.dtypes import resolve_dtype
 
     try:
         resolve_dtype(value)
@@ -146,8 +146,8 @@ def _triton(args: argparse.Namespace) -> int:
 
 
 def _instance(args: argparse.Namespace, role: str) -> Any:
-    from services.broker.messages import Role
     from services.instance import InstanceConfig
+    from services.wire.messages import Role
 
     return InstanceConfig(
         role=Role[role.upper()],
@@ -163,9 +163,9 @@ def _instance(args: argparse.Namespace, role: str) -> Any:
 
 
 def _encoder(args: argparse.Namespace) -> int:
-    from services.dtypes import resolve_dtype
     from services.encoder.images import ImageLimits
     from services.encoder.server import EncoderConfig, EncoderServer
+    from services.wire.dtypes import resolve_dtype
 
     config = EncoderConfig(
         checkpoint=Path(args.checkpoint),
@@ -243,9 +243,9 @@ def _monolithic(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
-    from services.dtypes import resolve_dtype
     from services.language.engine.engine import EngineConfig
     from services.language.engine.scheduler import SchedulerConfig
+    from services.wire.dtypes import resolve_dtype
 
     return EngineConfig(
         max_model_len=args.max_model_len,
@@ -280,9 +280,9 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.dtypes import DTYPE_NAMES, resolve_dtype
     from services.model.demo import cached_demo_checkpoint
     from services.serve import StackConfig, run
+    from services.wire.dtypes import DTYPE_NAMES, resolve_dtype
 
     if args.model:
         checkpoint = Path(args.model).resolve()

@@ -12,9 +12,9 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services import env
-from services.broker.messages import PoolInfo, Registration, Role
 from services.grpc_server import GrpcServer
-from services.transfer.transport import Transport
+from services.wire.messages import PoolDescriptor, Register, Role
+from services.wire.transport import Transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +56,9 @@ class InstanceConfig:
         address: str,
         transports: tuple[Transport, ...],
         model: str,
-        pool: PoolInfo | None = None,
-    ) -> Registration:
-        return Registration(
+        pool: PoolDescriptor | None = None,
+    ) -> Register:
+        return Register(
             role=self.role,
             instance_id=self.instance_id,
             grpc_address=address,

@@ -10,7 +10,6 @@ from typing import Any
 
 import grpc
 
-from services.broker.messages import Role
 from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
@@ -19,8 +18,9 @@ from services.language.engine.engine import EngineConfig
 from services.language.server import LanguageConfig, LanguageServer
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
 from services.security import Security, current
-from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
+from services.wire.messages import Role
+from services.wire.transport import Transport
 
 MODEL = "demo-tiny"
 

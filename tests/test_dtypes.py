@@ -9,9 +9,9 @@ import torch
 
 from services import dtypes
 from services.cli import build_parser
-from services.dtypes import resolve_dtype
 from services.language.engine.engine import attention_backend
 from services.serve import StackConfig, components
+from services.wire.dtypes import resolve_dtype
 
 
 def test_names_resolve_to_their_dtype() -> None:

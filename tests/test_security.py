@@ -27,14 +27,12 @@ from openai import AsyncOpenAI
 
 from services import env
 from services.bench.images import encode_image, random_image
-from services.broker.messages import Abort, EmbeddingMeta, Prealloc
 from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderServer
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.grpc_server import channel
 from services.language.engine.engine import EngineConfig
 from services.language.server import LanguageServer
-from services.model.processor import ImageGrid
 from services.proto import (
     broker_pb2,
     broker_pb2_grpc,
@@ -45,8 +43,9 @@ from services.proto import (
     language_pb2_grpc,
 )
 from services.security import Security
-from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
+from services.wire.messages import Abort, EmbeddingMeta, ImageGrid, Prealloc
+from services.wire.transport import Transport
 from tests.broker.peers import attach, encoder, language, wait_for
 from tests.reflection import grpcurl, list_services
 from tests.stack import MODEL, start_broker, start_encoder, start_language
@@ -282,7 +281,8 @@ async def test_list_instances_shows_endpoints_only_to_members(
     listing = broker_pb2.ListInstancesRequest(role=common_pb2.ROLE_LANGUAGE)
     member = channel(stack.broker.address)
     (instance,) = (await broker_pb2_grpc.BrokerStub(member).ListInstances(listing)).instances
-    assert [e.WhichOneof("kind") for e in instance.registration.pool.endpoints] == ["grpc"]
+    pool = instance.registration.pool
+    assert [e for e in ("shm", "nixl", "cuda_ipc", "grpc") if pool.HasField(e)] == ["grpc"]
     for var in (env.CLUSTER_TOKEN, env.TLS_CERT, env.TLS_KEY, env.TLS_CA):
         monkeypatch.delenv(var.name)  # a broker with no token: nobody is a member
     open_broker = BrokerServer(BrokerConfig(port=0))
@@ -293,7 +293,8 @@ async def test_list_instances_shows_endpoints_only_to_members(
         (shown,) = (await broker_pb2_grpc.BrokerStub(outsider).ListInstances(listing)).instances
         assert shown.registration.instance_id == "L"
         assert shown.registration.pool.num_blocks == 16
-        assert not shown.registration.pool.endpoints
+        hidden = shown.registration.pool
+        assert not any(hidden.HasField(e) for e in ("shm", "nixl", "cuda_ipc", "grpc"))
     finally:
         await open_broker.stop()
 

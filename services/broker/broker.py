@@ -8,24 +8,24 @@ from __future__ import annotations
 
 import logging
 
-from services.broker.messages import (
+from services.broker.metrics import BrokerMetrics
+from services.broker.registry import Registry, RouteChoice, Session
+from services.broker.rendezvous import Delivery, FailoverError, Rendezvous
+from services.wire.messages import (
     Abort,
     EmbeddingMeta,
+    Heartbeat,
     InstanceJoined,
-    Load,
     PeerLost,
     PeerMessage,
     Prealloc,
+    Register,
     Registered,
-    Registration,
     Released,
     Resume,
     Role,
     TransferDone,
 )
-from services.broker.metrics import BrokerMetrics
-from services.broker.registry import Registry, RouteChoice, Session
-from services.broker.rendezvous import Delivery, FailoverError, Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Broker:
         for role in Role:
             self.metrics.instances.labels(role.name.lower()).set(len(self.registry.sessions(role)))
 
-    def join(self, registration: Registration) -> Session:
+    def join(self, registration: Register) -> Session:
         session = self.registry.add(registration)
         session.outbox.put_nowait(Registered(registration.instance_id, self.heartbeat_interval_s))
         now = session.last_heartbeat
@@ -100,7 +100,7 @@ class Broker:
         sender = session.instance_id
         self.metrics.messages.labels(type(message).__name__).inc()
         deliveries: list[Delivery]
-        if isinstance(message, Load):
+        if isinstance(message, Heartbeat):
             self.registry.heartbeat(session, message)
             return
         if isinstance(message, EmbeddingMeta):

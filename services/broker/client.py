@@ -16,17 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.broker.messages import (
-    BrokerMessage,
-    Load,
-    PeerMessage,
-    Registered,
-    Registration,
-    broker_message_from_proto,
-    peer_message_to_proto,
-)
 from services.grpc_server import channel
 from services.proto import broker_pb2, broker_pb2_grpc
+from services.wire.convert import unwrap, wrap
+from services.wire.messages import BrokerMessage, Heartbeat, PeerMessage, Register, Registered
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +34,9 @@ class BrokerLink:
     def __init__(
         self,
         address: str,
-        registration: Registration,
+        registration: Register,
         handler: Handler,
-        load: Callable[[], Load],
+        load: Callable[[], Heartbeat],
         on_detached: Callable[[], Awaitable[None]] | None = None,
         max_backoff_s: float = 2.0,
     ) -> None:
@@ -76,7 +69,7 @@ class BrokerLink:
     def send(self, message: PeerMessage) -> None:
         if self._outbox is None or not self.attached.is_set():
             raise BrokerUnavailableError(f"not attached to the broker at {self.address}")
-        self._outbox.put_nowait(peer_message_to_proto(message))
+        self._outbox.put_nowait(wrap(broker_pb2.PeerMessage, message))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -106,7 +99,7 @@ class BrokerLink:
 
     async def _attach_once(self) -> None:
         outbox: asyncio.Queue[broker_pb2.PeerMessage | None] = asyncio.Queue()
-        outbox.put_nowait(peer_message_to_proto(self.registration))
+        outbox.put_nowait(wrap(broker_pb2.PeerMessage, self.registration))
 
         async def outgoing() -> AsyncIterator[broker_pb2.PeerMessage]:
             while (message := await outbox.get()) is not None:
@@ -117,7 +110,7 @@ class BrokerLink:
             call = broker_pb2_grpc.BrokerStub(ch).Attach(outgoing())
             try:
                 async for pb in call:
-                    message = broker_message_from_proto(pb)
+                    message = unwrap(pb)
                     if isinstance(message, Registered):
                         self._outbox = outbox
                         self.attached.set()
@@ -141,5 +134,5 @@ class BrokerLink:
         self, outbox: asyncio.Queue[broker_pb2.PeerMessage | None], interval_s: float
     ) -> None:
         while True:
-            outbox.put_nowait(peer_message_to_proto(self._load()))
+            outbox.put_nowait(wrap(broker_pb2.PeerMessage, self._load()))
             await asyncio.sleep(interval_s)

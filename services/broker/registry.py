@@ -7,17 +7,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.broker.messages import BrokerMessage, InstanceInfo, Load, Registration, Role
-from services.transfer.transport import Transport, choose_transport
+from services.wire.messages import BrokerMessage, Heartbeat, InstanceInfo, Register, Role
+from services.wire.transport import Transport, choose_transport
 
 
 @dataclass(slots=True)
 class Session:
     """One Attach stream. `outbox` feeds the stream; None closes it."""
 
-    registration: Registration
+    registration: Register
     last_heartbeat: float
-    load: Load = field(default_factory=Load)
+    load: Heartbeat = field(default_factory=Heartbeat)
     routed_since_heartbeat: int = 0
     outbox: asyncio.Queue[BrokerMessage | None] = field(default_factory=asyncio.Queue)
 
@@ -49,10 +49,10 @@ class NoRouteError(LookupError):
     """No instance (or no compatible pair) can take the request."""
 
 
-def pair_transport(encoder: Registration, language: Registration) -> Transport | None:
+def pair_transport(encoder: Register, language: Register) -> Transport | None:
     assert language.pool is not None
     return choose_transport(
-        encoder.transports, encoder.host_id, language.pool.endpoints.transports, language.host_id
+        encoder.transports, encoder.host_id, language.pool.transports, language.host_id
     )
 
 
@@ -61,7 +61,7 @@ class Registry:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
 
-    def add(self, registration: Registration) -> Session:
+    def add(self, registration: Register) -> Session:
         """A new session; DuplicateInstanceError while another stream holds the id
         (an instance that reconnects is let in once its old stream is gone)."""
         if registration.instance_id in self._sessions:
@@ -84,7 +84,7 @@ class Registry:
     def sessions(self, role: Role | None = None) -> list[Session]:
         return [s for s in self._sessions.values() if role is None or s.registration.role == role]
 
-    def heartbeat(self, session: Session, load: Load) -> None:
+    def heartbeat(self, session: Session, load: Heartbeat) -> None:
         session.load = load
         session.last_heartbeat = self._clock()
         session.routed_since_heartbeat = 0

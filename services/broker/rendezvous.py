@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from services.broker.messages import (
+from services.proto import broker_pb2
+from services.wire.messages import (
     Abort,
     BrokerMessage,
     EmbeddingMeta,
@@ -33,7 +34,6 @@ from services.broker.messages import (
     Resume,
     TransferDone,
 )
-from services.proto import broker_pb2
 
 Delivery = tuple[str, BrokerMessage]
 

@@ -11,16 +11,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.broker.broker import Broker
-from services.broker.messages import (
-    Registration,
-    Role,
-    broker_message_to_proto,
-    peer_message_from_proto,
-    transport_to_proto,
-)
 from services.broker.registry import DuplicateInstanceError, NoRouteError, Session
 from services.broker.rendezvous import FailoverError
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from services.wire.convert import from_proto, to_proto, unwrap, wrap
+from services.wire.messages import Register, Role
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +38,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Register"
             )
         try:
-            registration = Registration.from_proto(first.register)
+            registration = from_proto(Register, first.register)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -53,7 +48,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         reader = asyncio.create_task(self._read(session, request_iterator))
         try:
             while (message := await session.outbox.get()) is not None:
-                yield broker_message_to_proto(message)
+                yield wrap(broker_pb2.BrokerMessage, message)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -66,7 +61,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         try:
             async for pb in request_iterator:
                 try:
-                    self.broker.handle(session, peer_message_from_proto(pb))
+                    self.broker.handle(session, unwrap(pb))
                 except ValueError as exc:
                     logger.warning("%s sent a bad message: %s", session.instance_id, exc)
         except grpc.aio.AioRpcError:
@@ -101,7 +96,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 broker_pb2.RouteReply(
                     encoder_id=choice.encoder.instance_id,
                     encoder_address=choice.encoder.registration.grpc_address,
-                    transport=transport_to_proto(choice.transport),
+                    transport=common_pb2.Transport.Name(choice.transport),
                 )
             )
         return reply
@@ -112,11 +107,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         role = Role(request.role) if request.role != common_pb2.ROLE_UNSPECIFIED else None
         now = time.monotonic()
         reply = broker_pb2.ListInstancesReply(
-            instances=[s.info(now).to_proto() for s in self.broker.registry.sessions(role)]
+            instances=[to_proto(s.info(now)) for s in self.broker.registry.sessions(role)]
         )
         if not self.show_endpoints:
             for instance in reply.instances:
-                del instance.registration.pool.endpoints[:]
+                for endpoint in ("shm", "nixl", "cuda_ipc", "grpc"):
+                    instance.registration.pool.ClearField(endpoint)
         return reply
 
     async def DescribeRequest(

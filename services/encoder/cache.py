@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.model.processor import ImageGrid
+from services.wire.messages import ImageGrid
 
 
 @dataclass(frozen=True, slots=True)

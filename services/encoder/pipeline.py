@@ -18,7 +18,7 @@ from services.encoder.images import ImageLimits, check_count
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess import Preprocessor
 from services.encoder.triton_client import VitClient
-from services.model.processor import ImageGrid
+from services.wire.messages import ImageGrid
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from services.encoder.images import BadImageError, ImageLimits, decode_image
-from services.model.processor import ImageGrid, ImageTokenRule, load_image_processor
+from services.model.processor import ImageTokenRule, load_image_processor
+from services.wire.messages import ImageGrid
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,23 +27,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.broker.client import BrokerLink, BrokerUnavailableError
-from services.broker.messages import (
+from services.encoder.send_buffer import Held, SendBuffer
+from services.transfer.state import TransferState
+from services.transfer.transports.base import Part, Writer
+from services.wire.messages import (
     Abort,
     BrokerMessage,
     EmbeddingMeta,
+    ImageGrid,
     InstanceJoined,
     PeerLost,
     Prealloc,
-    Registration,
+    Register,
     Released,
     Resume,
     TransferDone,
 )
-from services.encoder.send_buffer import Held, SendBuffer
-from services.model.processor import ImageGrid
-from services.transfer.state import TransferState
-from services.transfer.transport import Transport, choose_transport
-from services.transfer.transports.base import Part, Writer
+from services.wire.transport import Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class TransferError(RuntimeError):
 @dataclass(slots=True)
 class Outbound:
     request_id: str
-    peer: Registration
+    peer: Register
     transport: Transport
     held: Held
     updated: float
@@ -100,7 +100,7 @@ class Sender:
         self.host_id = host_id
         self.timeout_s = timeout_s
         self.link: BrokerLink | None = None
-        self.peers: dict[str, Registration] = {}
+        self.peers: dict[str, Register] = {}
         self._peer_joined = asyncio.Condition()
         self.transfers: dict[str, Outbound] = {}
         self._closing: set[asyncio.Task[None]] = set()  # cleanups of finished transfers
@@ -110,13 +110,11 @@ class Sender:
     def transports(self) -> tuple[Transport, ...]:
         return tuple(self.writers)
 
-    def transport_to(self, peer: Registration) -> Transport | None:
+    def transport_to(self, peer: Register) -> Transport | None:
         assert peer.pool is not None
-        return choose_transport(
-            self.transports, self.host_id, peer.pool.endpoints.transports, peer.host_id
-        )
+        return choose_transport(self.transports, self.host_id, peer.pool.transports, peer.host_id)
 
-    async def peer(self, instance_id: str, wait_s: float = 2.0) -> Registration:
+    async def peer(self, instance_id: str, wait_s: float = 2.0) -> Register:
         """The language instance's registration; waits briefly for a just-joined one."""
         async with self._peer_joined:
             try:
@@ -135,7 +133,7 @@ class Sender:
         self.link.send(message)
 
     def start(
-        self, request_id: str, peer: Registration, held: Held, grids: Sequence[ImageGrid]
+        self, request_id: str, peer: Register, held: Held, grids: Sequence[ImageGrid]
     ) -> Outbound:
         """Announces the embeddings; the transfer's `done` resolves when it ends."""
         transport = self.transport_to(peer)

@@ -12,7 +12,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.broker.client import BrokerLink
-from services.broker.messages import Load, Registration, Role
 from services.encoder.cache import EmbeddingCache
 from services.encoder.images import ImageLimits
 from services.encoder.metrics import EncoderMetrics
@@ -27,12 +26,13 @@ from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
-from services.transfer.transport import Transport
 from services.transfer.transports.base import Writer
 from services.transfer.transports.cuda_ipc import CudaIpcWriter, cuda_ipc_available
 from services.transfer.transports.grpc_stream import GrpcWriter
 from services.transfer.transports.nixl import NixlWriter, nixl_available
 from services.transfer.transports.shm import ShmWriter
+from services.wire.messages import Heartbeat, Register, Role
+from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +155,13 @@ class EncoderServer:
     def instance_id(self) -> str:
         return self.config.instance.instance_id
 
-    def registration(self) -> Registration:
+    def registration(self) -> Register:
         return self.config.instance.registration(
             self.grpc.address, self.sender.transports, self.config.model_name
         )
 
-    def load(self) -> Load:
-        return Load(num_requests=len(self.sender.transfers), unavailable=not self.triton_ready)
+    def load(self) -> Heartbeat:
+        return Heartbeat(num_requests=len(self.sender.transfers), unavailable=not self.triton_ready)
 
     async def start(self) -> None:
         await self.grpc.start()

@@ -8,7 +8,6 @@ import logging
 import grpc
 
 from services.broker.client import BrokerUnavailableError
-from services.broker.messages import dtype_to_proto, grids_to_proto
 from services.encoder.images import BadImageError
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Encoded, EncodePipeline
@@ -17,6 +16,7 @@ from services.encoder.sender import Failure, Sender, TransferError, UnknownPeerE
 from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import tensor_bytes
+from services.wire.convert import dtype_to_proto, to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         return encoder_pb2.EncodeReply(
             request_id=request_id,
             total_tokens=encoded.num_tokens,
-            grids=grids_to_proto(encoded.grids),
+            grids=[to_proto(g) for g in encoded.grids],
             hidden_size=layout.hidden_size,
             dtype=dtype_to_proto(layout.dtype),
             deepstack_levels=layout.deepstack_levels,

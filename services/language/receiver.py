@@ -34,7 +34,10 @@ from typing import Any
 import torch
 
 from services.broker.client import BrokerLink, BrokerUnavailableError
-from services.broker.messages import (
+from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
+from services.transfer.state import PoolExhaustedError, TransferFailedError, TransferState
+from services.transfer.transports.nixl import NixlReceiver, notification
+from services.wire.messages import (
     Abort,
     BrokerMessage,
     EmbeddingMeta,
@@ -44,10 +47,7 @@ from services.broker.messages import (
     Resume,
     TransferDone,
 )
-from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
-from services.transfer.state import PoolExhaustedError, TransferFailedError, TransferState
-from services.transfer.transport import Transport
-from services.transfer.transports.nixl import NixlReceiver, notification
+from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 

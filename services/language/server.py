@@ -12,7 +12,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.broker.client import BrokerLink
-from services.broker.messages import Load, PoolInfo, Registration, Role
 from services.instance import InstanceConfig
 from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
 from services.language.metrics import LanguageMetrics
@@ -25,9 +24,10 @@ from services.model.tokenizer import load_tokenizer
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
-from services.transfer.transport import Endpoints, GrpcEndpoint, ShmEndpoint, Transport
-from services.transfer.transports.cuda_ipc import CudaIpcPool, cuda_ipc_available
+from services.transfer.transports.cuda_ipc import CudaIpcMemory, cuda_ipc_available
 from services.transfer.transports.nixl import NixlReceiver, nixl_available
+from services.wire.messages import GrpcPool, Heartbeat, PoolDescriptor, Register, Role, ShmPool
+from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class LanguageServer:
             LLMEngine(self.spec, weights, self.tokenizer, config.engine), self.metrics.on_step
         )
         self.metrics.kv_pages_total.set(self.engine.num_kv_pages)
-        self._cuda_ipc: CudaIpcPool | None = None
+        self._cuda_ipc: CudaIpcMemory | None = None
         self.pool = self._pool()
         self.metrics.embedding_blocks_total.set(self.pool.layout.num_blocks)
         engine, pool = self.engine, self.pool
@@ -130,7 +130,7 @@ class LanguageServer:
         device = torch.device(config.engine.device)
         if device.type == "cuda":
             if Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available():
-                self._cuda_ipc = CudaIpcPool(layout, device)
+                self._cuda_ipc = CudaIpcMemory(layout, device)
                 return self._cuda_ipc.pool
             return EmbeddingPool.on_cuda(layout, device)
         if Transport.SHM in config.instance.transports:
@@ -145,30 +145,27 @@ class LanguageServer:
     def instance_id(self) -> str:
         return self.config.instance.instance_id
 
-    def registration(self) -> Registration:
-        endpoints = Endpoints(
-            shm=ShmEndpoint(*self.pool.shm_names) if self.pool.segments else None,
-            nixl=self.nixl.endpoint() if self.nixl is not None else None,
-            cuda_ipc=self._cuda_ipc.endpoint if self._cuda_ipc is not None else None,
-            grpc=GrpcEndpoint(self.grpc.address)
-            if Transport.GRPC in self.config.instance.transports
-            else None,
-        )
+    def registration(self) -> Register:
         layout = self.pool.layout
-        pool = PoolInfo(
+        pool = PoolDescriptor(
             layout.num_blocks,
             layout.block_size,
             layout.hidden_size,
             layout.deepstack_levels,
             layout.dtype,
-            endpoints,
+            shm=ShmPool(*self.pool.shm_names) if self.pool.segments else None,
+            nixl=self.nixl.endpoint() if self.nixl is not None else None,
+            cuda_ipc=self._cuda_ipc.endpoint if self._cuda_ipc is not None else None,
+            grpc=GrpcPool(self.grpc.address)
+            if Transport.GRPC in self.config.instance.transports
+            else None,
         )
         return self.config.instance.registration(
-            self.grpc.address, endpoints.transports, self.config.model_name, pool
+            self.grpc.address, pool.transports, self.config.model_name, pool
         )
 
-    def load(self) -> Load:
-        return Load(
+    def load(self) -> Heartbeat:
+        return Heartbeat(
             num_requests=self.engine.num_requests + len(self.receiver.transfers),
             free_blocks=self.pool.allocator.num_free_blocks,
         )

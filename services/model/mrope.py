@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.model.processor import ImageGrid
+from services.wire.messages import ImageGrid
 
 
 def mrope_positions(

@@ -14,24 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from services.model.spec import CheckpointError
+from services.wire.messages import ImageGrid
 
 MAX_ASPECT_RATIO = 200  # the processor refuses anything more extreme
-
-
-@dataclass(frozen=True, slots=True)
-class ImageGrid:
-    """An image's patch grid (temporal, height, width) before the spatial merge."""
-
-    t: int
-    h: int
-    w: int
-
-    def num_tokens(self, merge_size: int) -> int:
-        return self.t * self.h * self.w // (merge_size * merge_size)
-
-    @property
-    def num_patches(self) -> int:
-        return self.t * self.h * self.w
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.dtypes import DTYPE_NAMES
+from services.wire.dtypes import DTYPE_NAMES
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,20 +8,31 @@ from typing import Any
 import torch
 
 from services.broker.client import BrokerLink
-from services.broker.messages import BrokerMessage, Load, PoolInfo, Registration, Role
 from services.broker.server import BrokerServer
-from services.transfer.transport import Endpoints, GrpcEndpoint, ShmEndpoint, Transport
+from services.wire.messages import (
+    BrokerMessage,
+    GrpcPool,
+    Heartbeat,
+    PoolDescriptor,
+    Register,
+    Role,
+    ShmPool,
+)
+from services.wire.transport import Transport
 
 
-def language(
-    instance_id: str, host: str = "h1", shm: bool = True, model: str = "m"
-) -> Registration:
-    endpoints = Endpoints(
-        shm=ShmEndpoint("seg") if shm else None, grpc=GrpcEndpoint(f"{instance_id}:1")
+def language(instance_id: str, host: str = "h1", shm: bool = True, model: str = "m") -> Register:
+    pool = PoolDescriptor(
+        16,
+        256,
+        8,
+        0,
+        torch.float32,
+        shm=ShmPool("seg") if shm else None,
+        grpc=GrpcPool(f"{instance_id}:1"),
     )
-    pool = PoolInfo(16, 256, 8, 0, torch.float32, endpoints)
-    return Registration(
-        Role.LANGUAGE, instance_id, f"{instance_id}:1", host, endpoints.transports, model, pool
+    return Register(
+        Role.LANGUAGE, instance_id, f"{instance_id}:1", host, pool.transports, model, pool
     )
 
 
@@ -30,16 +41,16 @@ def encoder(
     host: str = "h1",
     transports: tuple[Transport, ...] = (Transport.SHM, Transport.GRPC),
     model: str = "m",
-) -> Registration:
-    return Registration(Role.ENCODER, instance_id, f"{instance_id}:1", host, transports, model)
+) -> Register:
+    return Register(Role.ENCODER, instance_id, f"{instance_id}:1", host, transports, model)
 
 
 class Peer:
     """A BrokerLink that records what it receives."""
 
-    def __init__(self, address: str, registration: Registration, load: int = 0) -> None:
+    def __init__(self, address: str, registration: Register, load: int = 0) -> None:
         self.received: list[BrokerMessage] = []
-        self.load = Load(num_requests=load)
+        self.load = Heartbeat(num_requests=load)
         self.link = BrokerLink(address, registration, self._on, lambda: self.load)
 
     async def _on(self, message: BrokerMessage) -> None:
@@ -57,7 +68,7 @@ async def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-async def attach(broker: BrokerServer, registration: Registration, load: int = 0) -> Peer:
+async def attach(broker: BrokerServer, registration: Register, load: int = 0) -> Peer:
     peer = Peer(broker.address, registration, load)
     await peer.link.start()
     return peer

@@ -11,19 +11,20 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.broker.messages import (
+from services.broker.server import BrokerServer
+from services.grpc_server import channel
+from services.ports import free_port
+from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from services.wire.convert import wrap
+from services.wire.messages import (
     EmbeddingMeta,
+    ImageGrid,
     InstanceJoined,
     PeerLost,
     Prealloc,
-    peer_message_to_proto,
+    ShmPool,
 )
-from services.broker.server import BrokerServer
-from services.grpc_server import channel
-from services.model.processor import ImageGrid
-from services.ports import free_port
-from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
-from services.transfer.transport import ShmEndpoint, Transport
+from services.wire.transport import Transport
 from tests.broker.peers import Peer, attach, encoder, language, wait_for
 from tests.reflection import call_json, list_services
 from tests.stack import broker_stub, start_broker
@@ -45,7 +46,7 @@ async def test_encoders_learn_about_language_instances(broker: BrokerServer) -> 
     await wait_for(lambda: len(enc.of(InstanceJoined)) == 2)
     joined = {m.instance.registration.instance_id for m in enc.of(InstanceJoined)}
     assert joined == {"L1", "L2"}
-    assert enc.of(InstanceJoined)[0].instance.registration.pool.endpoints.shm == ShmEndpoint("seg")
+    assert enc.of(InstanceJoined)[0].instance.registration.pool.shm == ShmPool("seg")
     for peer in (lang, enc, lang2):
         await peer.link.close()
 
@@ -84,7 +85,7 @@ async def test_silent_instance_is_evicted_and_its_peers_hear_peer_lost(
         encoder("silent"),
         EmbeddingMeta("r2", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32),
     ):
-        outgoing.put_nowait(peer_message_to_proto(message))
+        outgoing.put_nowait(wrap(broker_pb2.PeerMessage, message))
 
     async def requests() -> AsyncIterator[broker_pb2.PeerMessage]:
         while (m := await outgoing.get()) is not None:

@@ -8,18 +8,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.broker.messages import (
+from services.broker.rendezvous import FailoverError, Phase, Rendezvous
+from services.wire.messages import (
     Abort,
     EmbeddingMeta,
+    ImageGrid,
     PeerLost,
     Prealloc,
     Released,
     Resume,
     TransferDone,
 )
-from services.broker.rendezvous import FailoverError, Phase, Rendezvous
-from services.model.processor import ImageGrid
-from services.transfer.transport import Transport
+from services.wire.transport import Transport
 
 E, E2, L = "enc", "enc-2", "lang"
 

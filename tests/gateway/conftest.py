@@ -10,8 +10,8 @@ import pytest_asyncio
 
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.engine import EngineConfig
-from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
+from services.wire.transport import Transport
 from tests.stack import start_broker, start_encoder, start_language
 
 MAX_BODY_BYTES = 4 * 1024 * 1024

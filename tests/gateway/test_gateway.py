@@ -17,7 +17,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.ports import free_port
-from services.transfer.transport import Transport
+from services.wire.transport import Transport
 from tests.stack import MODEL, start_broker, start_encoder, start_language
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -12,9 +12,10 @@ from services.language.engine.engine import EngineConfig, LLMEngine, RequestOutp
 from services.language.engine.request import Request, SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.checkpoint import load_language_weights, load_vision_tower
-from services.model.processor import ImageGrid, load_image_processor
+from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
+from services.wire.messages import ImageGrid
 
 
 def make_engine(

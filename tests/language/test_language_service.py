@@ -20,8 +20,8 @@ from services.language.engine.engine import EngineConfig
 from services.language.server import LanguageServer
 from services.model.processor import ImageTokenRule
 from services.proto import common_pb2, encoder_pb2, language_pb2
-from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
+from services.wire.transport import Transport
 from tests.reference import chat, hf_greedy
 from tests.reflection import list_services, server_streaming_json
 from tests.stack import (

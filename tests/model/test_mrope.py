@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from services.model.mrope import decode_position, mrope_positions
-from services.model.processor import ImageGrid
 from services.model.spec import load_spec
+from services.wire.messages import ImageGrid
 
 
 def _hf_rope_index(

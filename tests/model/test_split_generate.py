@@ -14,9 +14,10 @@ from PIL import Image
 from services.bench.images import random_image
 from services.model.checkpoint import load_language_weights, load_vision_tower
 from services.model.mrope import decode_position, mrope_positions
-from services.model.processor import ImageGrid, load_image_processor
+from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
+from services.wire.messages import ImageGrid
 from tests.reference import chat, hf_greedy
 
 

@@ -8,12 +8,11 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from services.broker.messages import PoolInfo, Registration, Role
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
-from services.transfer.transport import Endpoints
 from services.transfer.transports.base import Part
-from services.transfer.transports.cuda_ipc import CudaIpcPool, CudaIpcWriter
+from services.transfer.transports.cuda_ipc import CudaIpcMemory, CudaIpcWriter
+from services.wire.messages import PoolDescriptor, Register, Role
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +20,7 @@ LAYOUT = PoolLayout(num_blocks=8, block_size=16, hidden_size=32, dtype=torch.bfl
 
 
 def _receiver(queue: mp.Queue, done: mp.Event) -> None:  # type: ignore[type-arg]
-    exported = CudaIpcPool(LAYOUT, torch.device("cuda", 0))
+    exported = CudaIpcMemory(LAYOUT, torch.device("cuda", 0))
     queue.put(exported.endpoint)
     done.wait(60)
     queue.put(exported.pool.read([5, 2], 0, 20)[0].cpu())
@@ -34,20 +33,20 @@ def test_cuda_ipc_write_is_bit_exact() -> None:
     child = ctx.Process(target=_receiver, args=(queue, done))
     child.start()
     endpoint = queue.get(timeout=60)
-    peer = Registration(
+    peer = Register(
         Role.LANGUAGE,
         "gpu-lang",
         "",
         "h",
         (),
         "m",
-        PoolInfo(
+        PoolDescriptor(
             LAYOUT.num_blocks,
             LAYOUT.block_size,
             LAYOUT.hidden_size,
             0,
             LAYOUT.dtype,
-            Endpoints(cuda_ipc=endpoint),
+            cuda_ipc=endpoint,
         ),
     )
     source = EmbeddingPool.on_cuda(LAYOUT, torch.device("cuda", 0))

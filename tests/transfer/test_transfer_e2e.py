@@ -30,8 +30,8 @@ from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.proto import broker_pb2, encoder_pb2
 from services.transfer.state import TransferFailedError
-from services.transfer.transport import Transport
 from services.triton.launcher import TritonServer
+from services.wire.transport import Transport
 from tests.processes import epd_process
 from tests.stack import (
     broker_stub,

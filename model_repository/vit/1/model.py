@@ -22,9 +22,9 @@ import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from torch.utils.dlpack import from_dlpack, to_dlpack  # noqa: E402
 
-from services.dtypes import resolve_dtype  # noqa: E402
 from services.model.checkpoint import load_vision_tower  # noqa: E402
 from services.model.spec import load_spec  # noqa: E402
+from services.wire.dtypes import resolve_dtype  # noqa: E402
 
 
 class TritonPythonModel:

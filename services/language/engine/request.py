@@ -13,7 +13,7 @@ import torch
 import xgrammar as xgr
 
 from services.model.mrope import mrope_positions
-from services.model.processor import ImageGrid
+from services.wire.messages import ImageGrid
 
 # Below this temperature sampling is greedy (as in vLLM): dividing the logits by
 # it would overflow to inf and leave no distribution to draw from.

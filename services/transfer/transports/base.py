@@ -8,10 +8,10 @@ from typing import Protocol
 
 import torch
 
-from services.broker.messages import PoolInfo, Registration
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, copy_runs
-from services.transfer.transport import Transport
+from services.wire.messages import PoolDescriptor, Register
+from services.wire.transport import Transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class Writer(Protocol):
     @property
     def transport(self) -> Transport: ...
 
-    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         """Returns once the part is in the receiver's memory."""
 
     async def forget(self, instance_id: str) -> None:
@@ -64,8 +64,8 @@ def copy_part(
             )
 
 
-def receiver_layout(peer: Registration) -> PoolLayout:
-    pool: PoolInfo | None = peer.pool
+def receiver_layout(peer: Register) -> PoolLayout:
+    pool: PoolDescriptor | None = peer.pool
     if pool is None:
         raise ValueError(f"{peer.instance_id} has no receive pool")
     return PoolLayout(

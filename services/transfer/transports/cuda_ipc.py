@@ -9,16 +9,16 @@ import asyncio
 
 import torch
 
-from services.broker.messages import Registration
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
-from services.transfer.transport import CudaIpcEndpoint, Transport
 from services.transfer.transports.base import (
     Part,
     check_compatible,
     copy_part,
     receiver_layout,
 )
+from services.wire.messages import CudaIpcPool, Register
+from services.wire.transport import Transport
 
 
 def cuda_ipc_available() -> bool:
@@ -40,7 +40,7 @@ def _view(ptr: int, nbytes: int, device: int, dtype: torch.dtype, rows: int) -> 
     return torch.from_dlpack(raw).view(dtype).view(rows, -1)
 
 
-class CudaIpcPool:
+class CudaIpcMemory:
     """Receive-pool memory allocated for export: the pool and its IPC endpoint."""
 
     def __init__(self, layout: PoolLayout, device: torch.device) -> None:
@@ -61,7 +61,7 @@ class CudaIpcPool:
                 handles.append(bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr)))
                 tensors.append(_view(ptr, nbytes, self.device_id, layout.dtype, layout.num_rows))
         self.pool = EmbeddingPool(layout, tensors[0], tensors[1] if len(tensors) > 1 else None)
-        self.endpoint = CudaIpcEndpoint(
+        self.endpoint = CudaIpcPool(
             embeddings_handle=handles[0],
             deepstack_handle=handles[1] if len(handles) > 1 else b"",
             device_id=self.device_id,
@@ -78,11 +78,11 @@ class CudaIpcPool:
 
 
 class _OpenedPool:
-    def __init__(self, peer: Registration) -> None:
+    def __init__(self, peer: Register) -> None:
         import cupy
 
-        assert peer.pool is not None and peer.pool.endpoints.cuda_ipc is not None
-        endpoint = peer.pool.endpoints.cuda_ipc
+        assert peer.pool is not None and peer.pool.cuda_ipc is not None
+        endpoint = peer.pool.cuda_ipc
         self.layout = receiver_layout(peer)
         self.device_id = endpoint.device_id
         self._ptrs: list[int] = []
@@ -126,7 +126,7 @@ class CudaIpcWriter:
     def __init__(self) -> None:
         self._opened: dict[str, _OpenedPool] = {}
 
-    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         opened = self._opened.get(peer.instance_id)
         if opened is None:
             opened = self._opened[peer.instance_id] = _OpenedPool(peer)

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.broker.messages import Registration
 from services.grpc_server import channel
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool, read_tokens, tensor_bytes
-from services.transfer.transport import Transport
 from services.transfer.transports.base import Part, check_compatible, receiver_layout
+from services.wire.messages import Register
+from services.wire.transport import Transport
 
 CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -25,14 +25,14 @@ class GrpcWriter:
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, peer: Registration) -> language_pb2_grpc.LanguageStub:
-        assert peer.pool is not None and peer.pool.endpoints.grpc is not None
+    def _stub(self, peer: Register) -> language_pb2_grpc.LanguageStub:
+        assert peer.pool is not None and peer.pool.grpc is not None
         ch = self._channels.get(peer.instance_id)
         if ch is None:
-            ch = self._channels[peer.instance_id] = channel(peer.pool.endpoints.grpc.address)
+            ch = self._channels[peer.instance_id] = channel(peer.pool.grpc.address)
         return language_pb2_grpc.LanguageStub(ch)
 
-    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         check_compatible(source.layout, receiver_layout(peer), peer.instance_id)
         per_chunk = max(1, CHUNK_BYTES // source.layout.token_bytes)
         bs = source.layout.block_size

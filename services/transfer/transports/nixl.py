@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from services.broker.messages import Registration
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, Run, copy_runs
-from services.transfer.transport import NixlEndpoint, Transport
 from services.transfer.transports.base import Part, check_compatible, receiver_layout
+from services.wire.messages import NixlPool, Register
+from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ class NixlReceiver:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def endpoint(self) -> NixlEndpoint:
-        return NixlEndpoint(
+    def endpoint(self) -> NixlPool:
+        return NixlPool(
             agent_name=self.agent.name,
             agent_metadata=self.agent.metadata,
             embeddings_addr=self.pool.embeddings.data_ptr(),
@@ -217,9 +217,9 @@ class NixlWriter:
         self.timeout_s = timeout_s
         self._peers: dict[str, str] = {}
 
-    def _remote(self, peer: Registration) -> tuple[str, NixlEndpoint]:
-        assert peer.pool is not None and peer.pool.endpoints.nixl is not None
-        endpoint = peer.pool.endpoints.nixl
+    def _remote(self, peer: Register) -> tuple[str, NixlPool]:
+        assert peer.pool is not None and peer.pool.nixl is not None
+        endpoint = peer.pool.nixl
         if peer.instance_id not in self._peers:
             name = self.agent.agent.add_remote_agent(endpoint.agent_metadata)
             self._peers[peer.instance_id] = name.decode() if isinstance(name, bytes) else str(name)
@@ -240,7 +240,7 @@ class NixlWriter:
         ]
         return src, dst
 
-    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         target: PoolLayout = receiver_layout(peer)
         check_compatible(source.layout, target, peer.instance_id)
         remote_name, endpoint = self._remote(peer)
@@ -282,7 +282,7 @@ class NixlWriter:
         src: list[tuple[int, int, int]],
         dst: list[tuple[int, int, int]],
         local_memory: str,
-        endpoint: NixlEndpoint,
+        endpoint: NixlPool,
         remote_name: str,
         message: bytes,
     ) -> None:

@@ -6,24 +6,24 @@ import asyncio
 
 import torch
 
-from services.broker.messages import Registration
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.shared_memory import SharedSegment
-from services.transfer.transport import Transport
 from services.transfer.transports.base import (
     Part,
     check_compatible,
     copy_part,
     receiver_layout,
 )
+from services.wire.messages import Register
+from services.wire.transport import Transport
 
 
 class _MappedPool:
     """A language pool's segments mapped into this process."""
 
-    def __init__(self, peer: Registration) -> None:
-        assert peer.pool is not None and peer.pool.endpoints.shm is not None
-        endpoint = peer.pool.endpoints.shm
+    def __init__(self, peer: Register) -> None:
+        assert peer.pool is not None and peer.pool.shm is not None
+        endpoint = peer.pool.shm
         self.layout = receiver_layout(peer)
         self.segments = [SharedSegment.attach(endpoint.embeddings_name)]
         # The embeddings, then the deepstack features: EmbeddingPool.tensors' order.
@@ -52,7 +52,7 @@ class ShmWriter:
     def __init__(self) -> None:
         self._mapped: dict[str, _MappedPool] = {}
 
-    async def write(self, peer: Registration, source: EmbeddingPool, part: Part) -> None:
+    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         mapped = self._mapped.get(peer.instance_id)
         if mapped is None:
             mapped = self._mapped[peer.instance_id] = _MappedPool(peer)

@@ -137,30 +137,24 @@ class GrpcPool(_message.Message):
     address: str
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
-class PoolEndpoint(_message.Message):
-    __slots__ = ("shm", "nixl", "cuda_ipc", "grpc")
-    SHM_FIELD_NUMBER: _ClassVar[int]
-    NIXL_FIELD_NUMBER: _ClassVar[int]
-    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
-    GRPC_FIELD_NUMBER: _ClassVar[int]
-    shm: ShmPool
-    nixl: NixlPool
-    cuda_ipc: CudaIpcPool
-    grpc: GrpcPool
-    def __init__(self, shm: _Optional[_Union[ShmPool, _Mapping]] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., grpc: _Optional[_Union[GrpcPool, _Mapping]] = ...) -> None: ...
-
 class PoolDescriptor(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "hidden_size", "deepstack_levels", "dtype", "endpoints")
+    __slots__ = ("num_blocks", "block_size", "hidden_size", "deepstack_levels", "dtype", "shm", "nixl", "cuda_ipc", "grpc")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEEPSTACK_LEVELS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    GRPC_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     hidden_size: int
     deepstack_levels: int
     dtype: DType
-    endpoints: _containers.RepeatedCompositeFieldContainer[PoolEndpoint]
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., deepstack_levels: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., endpoints: _Optional[_Iterable[_Union[PoolEndpoint, _Mapping]]] = ...) -> None: ...
+    shm: ShmPool
+    nixl: NixlPool
+    cuda_ipc: CudaIpcPool
+    grpc: GrpcPool
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., deepstack_levels: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., grpc: _Optional[_Union[GrpcPool, _Mapping]] = ...) -> None: ...

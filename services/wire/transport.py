@@ -1,9 +1,8 @@
-"""Transport kinds, what a language instance offers, and the choice per request pair."""
+"""Transport kinds, their order of preference, and the choice per instance pair."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from services.proto import common_pb2
 
@@ -33,54 +32,6 @@ class Transport(enum.IntEnum):
 # Same host: copy through shared memory (CPU) or an IPC handle (GPU); NIXL is
 # for crossing hosts (RDMA), and gRPC works anywhere.
 PREFERENCE = (Transport.CUDA_IPC, Transport.SHM, Transport.NIXL, Transport.GRPC)
-
-
-@dataclass(frozen=True, slots=True)
-class ShmEndpoint:
-    embeddings_name: str
-    deepstack_name: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class NixlEndpoint:
-    agent_name: str
-    agent_metadata: bytes
-    embeddings_addr: int
-    deepstack_addr: int = 0
-    device_id: int = 0
-    memory_type: str = "DRAM"
-
-
-@dataclass(frozen=True, slots=True)
-class CudaIpcEndpoint:
-    embeddings_handle: bytes
-    deepstack_handle: bytes = b""
-    device_id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class GrpcEndpoint:
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoints:
-    """How a language instance's pool can be reached, by transport."""
-
-    shm: ShmEndpoint | None = None
-    nixl: NixlEndpoint | None = None
-    cuda_ipc: CudaIpcEndpoint | None = None
-    grpc: GrpcEndpoint | None = None
-
-    @property
-    def transports(self) -> tuple[Transport, ...]:
-        offered = {
-            Transport.SHM: self.shm,
-            Transport.NIXL: self.nixl,
-            Transport.CUDA_IPC: self.cuda_ipc,
-            Transport.GRPC: self.grpc,
-        }
-        return tuple(t for t in PREFERENCE if offered[t] is not None)
 
 
 def choose_transport(

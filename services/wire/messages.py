@@ -1,0 +1,218 @@
+"""The control-plane messages as plain dataclasses.
+
+Each is named as its protobuf message in protos/epd/v1/ and has the same
+field names (convert.py relies on both); a field is a Python value (a
+torch.dtype, an enum, a tuple, another of these dataclasses) where the proto
+has an enum, a repeated field or a message.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from services.proto import common_pb2
+from services.wire.transport import PREFERENCE, Transport
+
+
+class Role(enum.IntEnum):
+    ENCODER = common_pb2.ROLE_ENCODER
+    LANGUAGE = common_pb2.ROLE_LANGUAGE
+
+
+@dataclass(frozen=True, slots=True)
+class ImageGrid:
+    """An image's patch grid (temporal, height, width) before the spatial merge."""
+
+    t: int
+    h: int
+    w: int
+
+    def num_tokens(self, merge_size: int) -> int:
+        return self.t * self.h * self.w // (merge_size * merge_size)
+
+    @property
+    def num_patches(self) -> int:
+        return self.t * self.h * self.w
+
+
+# How an encoder reaches a language instance's pool, one per transport.
+
+
+@dataclass(frozen=True, slots=True)
+class ShmPool:
+    embeddings_name: str
+    deepstack_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NixlPool:
+    agent_name: str
+    agent_metadata: bytes
+    embeddings_addr: int
+    deepstack_addr: int = 0
+    device_id: int = 0
+    memory_type: str = "DRAM"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaIpcPool:
+    embeddings_handle: bytes
+    deepstack_handle: bytes = b""
+    device_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcPool:
+    address: str
+
+
+PoolEndpoint = ShmPool | NixlPool | CudaIpcPool | GrpcPool
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDescriptor:
+    """A language instance's receive pool and how to reach it (None: not offered)."""
+
+    num_blocks: int
+    block_size: int
+    hidden_size: int
+    deepstack_levels: int
+    dtype: torch.dtype
+    shm: ShmPool | None = None
+    nixl: NixlPool | None = None
+    cuda_ipc: CudaIpcPool | None = None
+    grpc: GrpcPool | None = None
+
+    def endpoint(self, transport: Transport) -> PoolEndpoint | None:
+        return {
+            Transport.SHM: self.shm,
+            Transport.NIXL: self.nixl,
+            Transport.CUDA_IPC: self.cuda_ipc,
+            Transport.GRPC: self.grpc,
+        }[transport]
+
+    @property
+    def transports(self) -> tuple[Transport, ...]:
+        return tuple(t for t in PREFERENCE if self.endpoint(t) is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    role: Role
+    instance_id: str
+    grpc_address: str
+    host_id: str
+    transports: tuple[Transport, ...]
+    model: str
+    pool: PoolDescriptor | None = None
+
+    def __post_init__(self) -> None:
+        if not self.instance_id:
+            raise ValueError("Register.instance_id is empty")
+        if self.role == Role.LANGUAGE and self.pool is None:
+            raise ValueError("a language instance must register its pool")
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    num_requests: int = 0
+    free_blocks: int = 0
+    unavailable: bool = False  # cannot take new requests now (e.g. its Triton is down)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingMeta:
+    request_id: str
+    language_instance_id: str
+    total_tokens: int
+    grids: tuple[ImageGrid, ...]
+    hidden_size: int
+    dtype: torch.dtype
+    deepstack_levels: int = 0
+    encoder_instance_id: str = ""
+    transport: Transport = Transport.GRPC
+
+
+@dataclass(frozen=True, slots=True)
+class Prealloc:
+    request_id: str
+    block_ids: tuple[int, ...]
+    allocated_tokens: int
+    language_instance_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    request_id: str
+    sent_tokens: int
+    total_tokens: int
+    transport: Transport
+
+    @property
+    def is_last(self) -> bool:
+        return self.sent_tokens >= self.total_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    request_id: str
+    block_ids: tuple[int, ...]
+    sent_tokens: int
+    allocated_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """E -> L: no write of E into the request's receive blocks can land any more."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLost:
+    instance_id: str
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    instance_id: str
+    heartbeat_interval_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    registration: Register
+    load: Heartbeat = field(default_factory=Heartbeat)
+    seconds_since_heartbeat: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceJoined:
+    instance: InstanceInfo
+
+
+# What an instance sends on its Attach stream, and what the broker sends back.
+PeerMessage = (
+    Register | Heartbeat | EmbeddingMeta | Prealloc | TransferDone | Resume | Abort | Released
+)
+BrokerMessage = (
+    Registered
+    | EmbeddingMeta
+    | Prealloc
+    | TransferDone
+    | Resume
+    | Abort
+    | Released
+    | PeerLost
+    | InstanceJoined
+)
