@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services import dtypes
 from services.cli import build_parser
 from services.language.engine.engine import attention_backend
 from services.serve import StackConfig, components
+from services.wire import dtypes
 from services.wire.dtypes import resolve_dtype
 
 
