@@ -4,7 +4,7 @@
 
 The broker and a language instance run as their own processes (`epd broker`,
 `epd language`), as deployed; this process is the encoder side, with the real
-Sender, send buffer and writers.
+SenderDriver, send buffer and writers.
 
 Bandwidth: a one-image request whose embeddings are `mib` MiB, sent with each
 transport into the language instance's receive pool (preallocated for all of
@@ -38,7 +38,7 @@ from services.bench.stats import percentile
 from services.broker.client import BrokerLink
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
-from services.encoder.sender import Sender
+from services.encoder.sender_driver import SenderDriver
 from services.grpc_server import channel
 from services.model.demo import cached_demo_checkpoint
 from services.ports import free_port
@@ -121,7 +121,7 @@ class EncoderSide:
         self.buffer = SendBuffer(
             EmbeddingPool.in_host_memory(PoolLayout(buffer_tokens // 256, 256, HIDDEN))
         )
-        self.sender = Sender(self.buffer, {writer.transport: self.writer}, host_id)
+        self.sender = SenderDriver(self.buffer, {writer.transport: self.writer}, host_id)
         self.link = BrokerLink(
             broker,
             Register(
@@ -187,7 +187,7 @@ class EncoderSide:
         image = ImageEmbedding(torch.randn(tokens, HIDDEN), None, grid)
         held = await self.buffer.hold(request_id, [image], 30)
         started = time.perf_counter()
-        await self.sender.start(request_id, peer, held, [grid]).done
+        await self.sender.start(request_id, peer, held, [grid])
         elapsed = time.perf_counter() - started
         with contextlib.suppress(grpc.aio.AioRpcError):
             await reading  # INVALID_ARGUMENT once the embeddings are in (see above)

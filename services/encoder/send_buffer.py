@@ -7,12 +7,13 @@ deadline.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.encoder.cache import ImageEmbedding
+from services.transfer.block_pool import BlockPool
 from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.state import PoolExhaustedError
 
 
 class SendBufferFullError(RuntimeError):
@@ -31,8 +32,8 @@ class Held:
 class SendBuffer:
     def __init__(self, pool: EmbeddingPool) -> None:
         self.pool = pool
+        self.blocks = BlockPool(pool.allocator)
         self._held: dict[str, Held] = {}
-        self._freed = asyncio.Condition()
 
     @property
     def capacity_tokens(self) -> int:
@@ -59,18 +60,12 @@ class SendBuffer:
             )
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} already holds embeddings")
-        allocator = self.pool.allocator
-        async with self._freed:
-            try:
-                await asyncio.wait_for(
-                    self._freed.wait_for(lambda: allocator.can_allocate(num_tokens)), wait_s
-                )
-            except TimeoutError:
-                raise SendBufferFullError(
-                    f"send buffer full: no room for {num_tokens} tokens within {wait_s:.0f}s"
-                ) from None
-            blocks = allocator.allocate(num_tokens)
-        assert blocks is not None
+        try:
+            blocks = await self.blocks.allocate(num_tokens, wait_s)
+        except PoolExhaustedError:
+            raise SendBufferFullError(
+                f"send buffer full: no room for {num_tokens} tokens within {wait_s:.0f}s"
+            ) from None
         start = 0
         for image in images:  # straight from each image's tensor: no concatenated copy
             self.pool.write(blocks, start, image.embeddings, image.deepstack)
@@ -78,10 +73,7 @@ class SendBuffer:
         held = self._held[request_id] = Held(request_id, blocks, num_tokens)
         return held
 
-    async def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
-        if held is None:
-            return
-        self.pool.allocator.free(held.blocks)
-        async with self._freed:
-            self._freed.notify_all()
+        if held is not None:
+            self.blocks.free(held.blocks)

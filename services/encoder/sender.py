@@ -1,55 +1,39 @@
-"""Sender: the encoder side of each embedding transfer.
+"""Sender: the encoder side of each embedding transfer, as a pure state
+machine. Events come in as method calls; each returns the actions for the
+driver (sender_driver.py) to take, in order. No I/O, no asyncio, an injected
+clock: tests drive it through any interleaving.
 
-    start()  -> EmbeddingMeta to the broker               WAITING_FOR_INPUT
-    Prealloc / Resume(blocks) -> write min(remaining, allocated) tokens
-                              -> TransferDone(sent, total)  TRANSFERRING
-    sent == total             -> release the send buffer    SUCCESS
-    Abort / PeerLost / timeout / write error -> release     FAILED
+    start(meta)                -> send EmbeddingMeta                       WAITING_FOR_INPUT
+    Prealloc / Resume(blocks)  -> Write min(remaining, allocated) tokens   TRANSFERRING
+    written                    -> send TransferDone(sent, total)
+        sent == total          -> Succeed, Free the send buffer            SUCCESS
+        otherwise              -> wait for the next Resume                 WAITING_FOR_INPUT
+    Abort / PeerLost / timeout / write error / abort() -> Fail             FAILED
 
-Each transfer's `done` future resolves when it ends, so Encode answers once
-the embeddings have landed (or says why they did not). A failed transfer
-that had been given receive blocks tells the language side `Released` once
-no write of its own can land in them any more, and only then frees its send
-buffer, which an in-flight write may still be reading.
-
-The language instances it may send to are announced by the broker
-(InstanceJoined); the transport per pair is the best one both offer.
+A transfer that fails while its write is in flight is ended at once (its
+caller hears), but its send buffer is freed, and the language side told
+`Released` (it was given blocks), only when that write is over: the write
+still reads the buffer, and may still land in the receiver's blocks.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
-import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from services.broker.client import BrokerLink, BrokerUnavailableError
-from services.encoder.send_buffer import Held, SendBuffer
 from services.transfer.state import TransferState
-from services.transfer.transports.base import Part, Writer
 from services.wire.messages import (
     Abort,
-    BrokerMessage,
     EmbeddingMeta,
-    ImageGrid,
-    InstanceJoined,
     PeerLost,
     Prealloc,
-    Register,
     Released,
     Resume,
     TransferDone,
 )
-from services.wire.transport import Transport, choose_transport
-
-logger = logging.getLogger(__name__)
-
-
-class UnknownPeerError(LookupError):
-    """The target language instance is not (or no longer) registered."""
+from services.wire.transport import Transport
 
 
 class Failure(enum.Enum):
@@ -61,261 +45,224 @@ class Failure(enum.Enum):
     UNAVAILABLE = "unavailable"  # this encoder cannot finish it (broker gone, shutting down)
 
 
-class TransferError(RuntimeError):
-    def __init__(self, failure: Failure, reason: str) -> None:
-        super().__init__(reason)
-        self.failure = failure
+@dataclass(frozen=True, slots=True)
+class Send:
+    message: EmbeddingMeta | TransferDone | Abort | Released
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Write `count` tokens from token `start` of the request's send buffer into
+    the receiver's blocks `dst_blocks`, then `written` (or `write_failed`)."""
+
+    request_id: str
+    transport: Transport
+    start: int
+    count: int
+    dst_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """The request's send buffer: no write reads it any more."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Succeed:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    request_id: str
+    failure: Failure
+    reason: str
+
+
+Action = Send | Write | Free | Succeed | Fail
 
 
 @dataclass(slots=True)
 class Outbound:
     request_id: str
-    peer: Register
+    peer_id: str
     transport: Transport
-    held: Held
+    total_tokens: int
     updated: float
-    done: asyncio.Future[None]
-    state: TransferState = TransferState.BOOTSTRAPPING
+    state: TransferState = TransferState.WAITING_FOR_INPUT
     sent_tokens: int = 0
     had_blocks: bool = False  # the language side gave blocks: a write may land in them
-    write: asyncio.Task[None] | None = None
-    cleanup: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.held.num_tokens
+    writing: int = 0  # tokens of the write in flight (0: none)
 
 
 class Sender:
     def __init__(
-        self,
-        buffer: SendBuffer,
-        writers: Mapping[Transport, Writer],
-        host_id: str,
-        timeout_s: float = 30.0,
-        on_finished: Callable[[str, TransferState], None] = lambda request_id, state: None,
+        self, timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.buffer = buffer
-        self.writers = dict(writers)
-        self.host_id = host_id
         self.timeout_s = timeout_s
-        self.link: BrokerLink | None = None
-        self.peers: dict[str, Register] = {}
-        self._peer_joined = asyncio.Condition()
+        self._clock = clock
         self.transfers: dict[str, Outbound] = {}
-        self._closing: set[asyncio.Task[None]] = set()  # cleanups of finished transfers
-        self._on_finished = on_finished
+        # Ended while a write was in flight: freed when it is over.
+        self.closing: dict[str, Outbound] = {}
 
-    @property
-    def transports(self) -> tuple[Transport, ...]:
-        return tuple(self.writers)
+    # -- the caller's events -------------------------------------------------
 
-    def transport_to(self, peer: Register) -> Transport | None:
-        assert peer.pool is not None
-        return choose_transport(self.transports, self.host_id, peer.pool.transports, peer.host_id)
-
-    async def peer(self, instance_id: str, wait_s: float = 2.0) -> Register:
-        """The language instance's registration; waits briefly for a just-joined one."""
-        async with self._peer_joined:
-            try:
-                await asyncio.wait_for(
-                    self._peer_joined.wait_for(lambda: instance_id in self.peers), wait_s
-                )
-            except TimeoutError:
-                raise UnknownPeerError(
-                    f"language instance {instance_id!r} is not registered with the broker"
-                ) from None
-        return self.peers[instance_id]
-
-    def _send(self, message: EmbeddingMeta | TransferDone | Abort | Released) -> None:
-        if self.link is None:
-            raise BrokerUnavailableError("this encoder has no broker")
-        self.link.send(message)
-
-    def start(
-        self, request_id: str, peer: Register, held: Held, grids: Sequence[ImageGrid]
-    ) -> Outbound:
-        """Announces the embeddings; the transfer's `done` resolves when it ends."""
-        transport = self.transport_to(peer)
-        if transport is None:
-            raise UnknownPeerError(f"no transport in common with {peer.instance_id}")
-        if request_id in self.transfers:
+    def start(self, meta: EmbeddingMeta) -> list[Action]:
+        """Announces a request's embeddings (already in the send buffer)."""
+        request_id = meta.request_id
+        if request_id in self.transfers or request_id in self.closing:
             raise ValueError(f"request {request_id!r} is already being sent")
-        layout = self.buffer.pool.layout
-        done = asyncio.get_running_loop().create_future()
-        outbound = Outbound(request_id, peer, transport, held, time.monotonic(), done)
-        self.transfers[request_id] = outbound
-        try:
-            self._send(
-                EmbeddingMeta(
-                    request_id=request_id,
-                    language_instance_id=peer.instance_id,
-                    total_tokens=held.num_tokens,
-                    grids=tuple(grids),
-                    hidden_size=layout.hidden_size,
-                    dtype=layout.dtype,
-                    deepstack_levels=layout.deepstack_levels,
-                    transport=transport,
-                )
-            )
-        except BrokerUnavailableError as exc:
-            self._finish(outbound, TransferState.FAILED, str(exc), Failure.UNAVAILABLE, False)
-            raise
-        outbound.state = TransferState.WAITING_FOR_INPUT
-        return outbound
+        self.transfers[request_id] = Outbound(
+            request_id, meta.language_instance_id, meta.transport, meta.total_tokens, self._clock()
+        )
+        return [Send(meta)]
 
-    async def on_message(self, message: BrokerMessage) -> None:
-        if isinstance(message, InstanceJoined):
-            registration = message.instance.registration
-            async with self._peer_joined:
-                self.peers[registration.instance_id] = registration
-                self._peer_joined.notify_all()
-        elif isinstance(message, Prealloc):
-            if message.request_id not in self.transfers:
-                # Ended before its first blocks came: they will never be written,
-                # and the language side need not hold them in quarantine.
-                with contextlib.suppress(BrokerUnavailableError):
-                    self._send(Released(message.request_id))
-                return
-            self._part(message.request_id, message.block_ids, message.allocated_tokens, 0)
-        elif isinstance(message, Resume):
-            self._part(
-                message.request_id, message.block_ids, message.allocated_tokens, message.sent_tokens
-            )
-        elif isinstance(message, Abort):
-            outbound = self.transfers.get(message.request_id)
-            if outbound is not None:
-                reason = message.reason or "aborted"
-                self._finish(outbound, TransferState.FAILED, reason, Failure.ABORTED, False)
-        elif isinstance(message, PeerLost):
-            await self._peer_lost(message)
+    def abort(self, request_id: str, reason: str) -> list[Action]:
+        return self._fail(request_id, Failure.ABORTED, reason, notify=True)
 
-    async def _peer_lost(self, message: PeerLost) -> None:
-        reason = f"language instance {message.instance_id} was lost"
-        lost = set(message.request_ids)
-        if self.peers.pop(message.instance_id, None) is not None:
-            lost |= {
-                r for r, t in self.transfers.items() if t.peer.instance_id == message.instance_id
-            }
-            for writer in self.writers.values():
-                await writer.forget(message.instance_id)
-        for request_id in lost:
-            outbound = self.transfers.get(request_id)
-            if outbound is not None:
-                self._finish(outbound, TransferState.FAILED, reason, Failure.ABORTED, False)
-
-    def _part(self, request_id: str, blocks: Sequence[int], allocated: int, sent: int) -> None:
-        outbound = self.transfers.get(request_id)
-        if outbound is None or outbound.state is not TransferState.WAITING_FOR_INPUT:
-            return  # finished or aborted meanwhile; the broker hears about it elsewhere
-        outbound.had_blocks = True
-        if sent != outbound.sent_tokens or allocated <= 0 or not blocks:
-            reason = (
-                f"bad part: resume at {sent} with {allocated} tokens, {outbound.sent_tokens} sent"
-            )
-            self._finish(outbound, TransferState.FAILED, reason, Failure.ABORTED)
-            return
-        outbound.state = TransferState.TRANSFERRING
-        outbound.updated = time.monotonic()
-        outbound.write = asyncio.create_task(self._write(outbound, list(blocks), allocated))
-
-    async def _write(self, outbound: Outbound, blocks: list[int], allocated: int) -> None:
-        count = min(outbound.total_tokens - outbound.sent_tokens, allocated)
-        part = Part(outbound.request_id, outbound.held.blocks, outbound.sent_tokens, count, blocks)
-        try:
-            await self.writers[outbound.transport].write(outbound.peer, self.buffer.pool, part)
-        except Exception as exc:
-            name = outbound.transport.name.lower()
-            logger.warning("%s: %s write failed: %s", outbound.request_id, name, exc)
-            reason = f"{name} write failed: {exc}"
-            self._finish(outbound, TransferState.FAILED, reason, Failure.WRITE_FAILED)
-            return
-        if outbound.state is not TransferState.TRANSFERRING:
-            return  # aborted while writing
+    def written(self, request_id: str) -> list[Action]:
+        """The write in flight is in the receiver's memory."""
+        outbound = self._writer(request_id)
+        if outbound is None:
+            return []
+        count, outbound.writing = outbound.writing, 0
+        if request_id in self.closing:  # ended while writing: now it can let go
+            return self._let_go(self.closing.pop(request_id))
         outbound.sent_tokens += count
-        outbound.updated = time.monotonic()
-        try:
-            self._send(
-                TransferDone(
-                    outbound.request_id,
-                    outbound.sent_tokens,
-                    outbound.total_tokens,
-                    outbound.transport,
-                )
-            )
-        except BrokerUnavailableError as exc:
-            self._finish(outbound, TransferState.FAILED, str(exc), Failure.UNAVAILABLE, False)
-            return
-        if outbound.sent_tokens >= outbound.total_tokens:
-            self._finish(outbound, TransferState.SUCCESS, "")
-        else:
+        outbound.updated = self._clock()
+        done = TransferDone(
+            request_id, outbound.sent_tokens, outbound.total_tokens, outbound.transport
+        )
+        if outbound.sent_tokens < outbound.total_tokens:
             outbound.state = TransferState.WAITING_FOR_INPUT
+            return [Send(done)]
+        return [Send(done), *self._end(outbound, TransferState.SUCCESS)]
 
-    def _finish(
-        self,
-        outbound: Outbound,
-        state: TransferState,
-        reason: str,
-        failure: Failure = Failure.ABORTED,
-        notify: bool = True,
-    ) -> None:
-        """Ends a transfer now (its caller hears at once); what it holds is given back
-        by a cleanup task once its in-flight write, if any, has finished."""
-        if self.transfers.pop(outbound.request_id, None) is None:
-            return
-        outbound.state = state
-        self._on_finished(outbound.request_id, state)
-        if state is TransferState.SUCCESS:
-            outbound.done.set_result(None)
-        else:
-            logger.info("%s: transfer failed: %s", outbound.request_id, reason)
-            outbound.done.set_exception(TransferError(failure, reason))
-            outbound.done.exception()  # retrieved here if nobody awaits it
-            if notify:
-                with contextlib.suppress(BrokerUnavailableError):
-                    self._send(Abort(outbound.request_id, reason))
-        outbound.cleanup = asyncio.create_task(self._cleanup(outbound))
-        self._closing.add(outbound.cleanup)
-        outbound.cleanup.add_done_callback(self._closing.discard)
+    def write_failed(self, request_id: str, reason: str) -> list[Action]:
+        outbound = self._writer(request_id)
+        if outbound is None:
+            return []
+        outbound.writing = 0
+        if request_id in self.closing:
+            return self._let_go(self.closing.pop(request_id))
+        return self._fail(request_id, Failure.WRITE_FAILED, reason, notify=True)
 
-    async def _cleanup(self, outbound: Outbound) -> None:
-        write = outbound.write
-        if write is not None and write is not asyncio.current_task():
-            await asyncio.wait({write})  # bounded by the writer's own timeout
-        if outbound.state is TransferState.FAILED and outbound.had_blocks:
-            with contextlib.suppress(BrokerUnavailableError):
-                self._send(Released(outbound.request_id))
-        await self.buffer.release(outbound.request_id)
+    def broker_unavailable(self, request_id: str) -> list[Action]:
+        """A message of the request could not be sent: it cannot finish."""
+        return self._fail(request_id, Failure.UNAVAILABLE, "broker unavailable", notify=False)
 
-    def abort(self, request_id: str, reason: str) -> None:
-        outbound = self.transfers.get(request_id)
-        if outbound is not None:
-            self._finish(outbound, TransferState.FAILED, reason, Failure.ABORTED)
+    # -- the broker's messages -------------------------------------------------
 
-    async def expire(self) -> None:
+    def on_prealloc(self, prealloc: Prealloc) -> list[Action]:
+        request_id = prealloc.request_id
+        if request_id not in self.transfers and request_id not in self.closing:
+            # Ended before its first blocks came: they will never be written,
+            # and the language side need not hold them in quarantine.
+            return [Send(Released(request_id))]
+        return self._part(request_id, prealloc.block_ids, prealloc.allocated_tokens, 0)
+
+    def on_resume(self, resume: Resume) -> list[Action]:
+        return self._part(
+            resume.request_id, resume.block_ids, resume.allocated_tokens, resume.sent_tokens
+        )
+
+    def on_abort(self, abort: Abort) -> list[Action]:
+        reason = abort.reason or "aborted"
+        return self._fail(abort.request_id, Failure.ABORTED, reason, notify=False)
+
+    def on_peer_lost(self, lost: PeerLost) -> list[Action]:
+        """A language instance is gone: its transfers (and those named) fail."""
+        ended = set(lost.request_ids) | {
+            r for r, o in self.transfers.items() if o.peer_id == lost.instance_id
+        }
+        reason = f"language instance {lost.instance_id} was lost"
+        actions: list[Action] = []
+        for request_id in sorted(ended):
+            actions += self._fail(request_id, Failure.ABORTED, reason, notify=False)
+        return actions
+
+    # -- time, the broker stream, shutdown --------------------------------------
+
+    def tick(self) -> list[Action]:
         """Fails transfers with no progress for timeout_s."""
-        now = time.monotonic()
+        now = self._clock()
+        actions: list[Action] = []
         for outbound in list(self.transfers.values()):
             if (
                 outbound.state is TransferState.WAITING_FOR_INPUT
                 and now - outbound.updated > self.timeout_s
             ):
                 reason = f"no preallocation or resume within {self.timeout_s:.0f}s"
-                self._finish(outbound, TransferState.FAILED, reason, Failure.TIMED_OUT)
+                actions += self._fail(outbound.request_id, Failure.TIMED_OUT, reason, notify=True)
+        return actions
 
-    async def detached(self) -> None:
+    def detached(self) -> list[Action]:
         """The broker stream broke: nothing in flight can complete."""
-        for outbound in list(self.transfers.values()):
+        actions: list[Action] = []
+        for request_id in list(self.transfers):
             reason = "broker connection lost"
-            self._finish(outbound, TransferState.FAILED, reason, Failure.UNAVAILABLE, False)
+            actions += self._fail(request_id, Failure.UNAVAILABLE, reason, notify=False)
+        return actions
 
-    async def close(self) -> None:
-        for outbound in list(self.transfers.values()):
-            if outbound.write is not None:
-                outbound.write.cancel()
+    def close(self) -> list[Action]:
+        actions: list[Action] = []
+        for request_id in list(self.transfers):
             reason = "encoder shutting down"
-            self._finish(outbound, TransferState.FAILED, reason, Failure.UNAVAILABLE)
-        if self._closing:
-            await asyncio.wait(set(self._closing))
-        for writer in self.writers.values():
-            await writer.close()
+            actions += self._fail(request_id, Failure.UNAVAILABLE, reason, notify=True)
+        return actions
+
+    # -- internals -------------------------------------------------------------
+
+    def _writer(self, request_id: str) -> Outbound | None:
+        outbound = self.transfers.get(request_id) or self.closing.get(request_id)
+        return outbound if outbound is not None and outbound.writing else None
+
+    def _part(
+        self, request_id: str, blocks: Sequence[int], allocated: int, sent: int
+    ) -> list[Action]:
+        outbound = self.transfers.get(request_id)
+        if outbound is None or outbound.state is not TransferState.WAITING_FOR_INPUT:
+            return []  # ended, or a duplicate of the part being written
+        outbound.had_blocks = True
+        if sent != outbound.sent_tokens or allocated <= 0 or not blocks:
+            reason = (
+                f"bad part: resume at {sent} with {allocated} tokens, {outbound.sent_tokens} sent"
+            )
+            return self._fail(request_id, Failure.ABORTED, reason, notify=True)
+        outbound.state = TransferState.TRANSFERRING
+        outbound.updated = self._clock()
+        outbound.writing = min(outbound.total_tokens - outbound.sent_tokens, allocated)
+        write = Write(
+            request_id, outbound.transport, outbound.sent_tokens, outbound.writing, tuple(blocks)
+        )
+        return [write]
+
+    def _fail(self, request_id: str, failure: Failure, reason: str, notify: bool) -> list[Action]:
+        outbound = self.transfers.get(request_id)
+        if outbound is None:
+            return []
+        actions: list[Action] = [Send(Abort(request_id, reason))] if notify else []
+        return actions + self._end(
+            outbound, TransferState.FAILED, Fail(request_id, failure, reason)
+        )
+
+    def _end(
+        self, outbound: Outbound, state: TransferState, fail: Fail | None = None
+    ) -> list[Action]:
+        """The caller hears now; the buffer waits for a write in flight."""
+        del self.transfers[outbound.request_id]
+        outbound.state = state
+        actions: list[Action] = [fail if fail is not None else Succeed(outbound.request_id)]
+        if outbound.writing:
+            self.closing[outbound.request_id] = outbound
+            return actions
+        return actions + self._let_go(outbound)
+
+    def _let_go(self, outbound: Outbound) -> list[Action]:
+        released = outbound.state is TransferState.FAILED and outbound.had_blocks
+        return [
+            *([Send(Released(outbound.request_id))] if released else []),
+            Free(outbound.request_id),
+        ]

@@ -18,7 +18,7 @@ from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import EncodePipeline
 from services.encoder.preprocess import Preprocessor
 from services.encoder.send_buffer import SendBuffer
-from services.encoder.sender import Sender
+from services.encoder.sender_driver import SenderDriver
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
 from services.instance import InstanceConfig
@@ -123,7 +123,7 @@ class EncoderServer:
             dtype=config.dtype,
         )
         self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout))
-        self.sender = Sender(
+        self.sender = SenderDriver(
             self.buffer,
             _writers(config, self.buffer.pool),
             config.instance.host_id,

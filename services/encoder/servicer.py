@@ -12,7 +12,8 @@ from services.encoder.images import BadImageError
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Encoded, EncodePipeline
 from services.encoder.send_buffer import SendBuffer, SendBufferFullError
-from services.encoder.sender import Failure, Sender, TransferError, UnknownPeerError
+from services.encoder.sender import Failure
+from services.encoder.sender_driver import SenderDriver, TransferError, UnknownPeerError
 from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import tensor_bytes
@@ -58,7 +59,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self,
         pipeline: EncodePipeline,
         buffer: SendBuffer,
-        sender: Sender,
+        sender: SenderDriver,
         metrics: EncoderMetrics,
         buffer_wait_s: float = 5.0,
         max_pending: int = 64,
@@ -111,12 +112,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             return reply
         held = await self.buffer.hold(request.request_id, encoded.images, self.buffer_wait_s)
         try:
-            outbound = self.sender.start(request.request_id, peer, held, encoded.grids)
+            done = self.sender.start(request.request_id, peer, held, encoded.grids)
         except BaseException:
-            await self.buffer.release(request.request_id)
+            self.buffer.release(request.request_id)
             raise
         try:
-            await asyncio.shield(outbound.done)  # the embeddings have landed
+            await asyncio.shield(done)  # the embeddings have landed
         except asyncio.CancelledError:
             self.sender.abort(request.request_id, "the encode caller went away")
             raise

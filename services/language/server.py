@@ -15,7 +15,7 @@ from services.broker.client import BrokerLink
 from services.instance import InstanceConfig
 from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
 from services.language.metrics import LanguageMetrics
-from services.language.receiver import Receiver
+from services.language.receiver_driver import ReceiverDriver
 from services.language.servicer import LanguageServicer
 from services.model.checkpoint import load_language_weights
 from services.model.processor import ImageTokenRule
@@ -91,7 +91,7 @@ class LanguageServer:
         self.nixl: NixlReceiver | None = None
         if Transport.NIXL in config.instance.transports and nixl_available():
             self.nixl = NixlReceiver(f"epd-{config.instance.instance_id}", self.pool)
-        self.receiver = Receiver(
+        self.receiver = ReceiverDriver(
             self.pool,
             config.default_allocate_tokens,
             config.transfer_timeout_s,
@@ -185,7 +185,7 @@ class LanguageServer:
             await self.link.start()
         self._tasks.append(asyncio.create_task(self._expire()))
         if self.nixl is not None:
-            pending = self.receiver.nixl_pending
+            pending = self.receiver.polling
             self.nixl.start(busy=lambda: bool(pending))
 
     async def _expire(self) -> None:

@@ -13,7 +13,7 @@ import grpc
 from services.language.engine.engine import AsyncEngine, RequestFailedError, RequestOutput
 from services.language.engine.request import SamplingParams, new_request
 from services.language.metrics import LanguageMetrics
-from services.language.receiver import Receiver
+from services.language.receiver_driver import ReceiverDriver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import (
     ChatMessages,
@@ -138,7 +138,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
     def __init__(
         self,
         engine: AsyncEngine,
-        receiver: Receiver,
+        receiver: ReceiverDriver,
         tokenizer: Any,
         spec: ModelSpec,
         metrics: LanguageMetrics,
@@ -275,9 +275,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             embeds, _deepstack = await self.receiver.take(request_id)
             return list(meta.grids), embeds
         finally:
-            await self.receiver.release(
-                request_id, "the request ended before its embeddings arrived"
-            )
+            self.receiver.release(request_id, "the request ended before its embeddings arrived")
 
     async def PushEmbeddings(
         self,
@@ -307,7 +305,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
     ) -> language_pb2.AbortReply:
         reason = request.reason or "aborted by the caller"
         receiving = request.request_id in self.receiver.transfers
-        await self.receiver.release(request.request_id, reason)
+        self.receiver.release(request.request_id, reason)
         generating = self.engine.has_request(request.request_id)
         self.engine.abort(request.request_id)
         return language_pb2.AbortReply(found=receiving or generating)

@@ -1,0 +1,247 @@
+"""SenderDriver: runs the Sender state machine against the real world.
+
+It keeps the language instances the broker announced (InstanceJoined) and
+the transport to each, feeds the machine the broker's messages, the caller's
+calls and the clock, and carries out the actions it returns: messages on the
+broker stream, writes through the transport's writer (each in a task of its
+own, never holding the broker's read loop), the send buffer freed, and each
+request's future resolved, so Encode answers once its embeddings landed (or
+says why they did not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any
+
+from services.broker.client import BrokerLink, BrokerUnavailableError
+from services.encoder.send_buffer import Held, SendBuffer
+from services.encoder.sender import (
+    Action,
+    Fail,
+    Failure,
+    Free,
+    Outbound,
+    Send,
+    Sender,
+    Succeed,
+    Write,
+)
+from services.transfer.state import TransferState
+from services.transfer.transports.base import Part, Writer
+from services.wire.messages import (
+    Abort,
+    BrokerMessage,
+    EmbeddingMeta,
+    ImageGrid,
+    InstanceJoined,
+    PeerLost,
+    Prealloc,
+    Register,
+    Resume,
+    TransferDone,
+)
+from services.wire.transport import Transport, choose_transport
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownPeerError(LookupError):
+    """The target language instance is not (or no longer) registered."""
+
+
+class TransferError(RuntimeError):
+    def __init__(self, failure: Failure, reason: str) -> None:
+        super().__init__(reason)
+        self.failure = failure
+
+
+class SenderDriver:
+    def __init__(
+        self,
+        buffer: SendBuffer,
+        writers: Mapping[Transport, Writer],
+        host_id: str,
+        timeout_s: float = 30.0,
+        on_finished: Callable[[str, TransferState], None] = lambda request_id, state: None,
+    ) -> None:
+        self.buffer = buffer
+        self.writers = dict(writers)
+        self.host_id = host_id
+        self.machine = Sender(timeout_s)
+        self.link: BrokerLink | None = None
+        self.peers: dict[str, Register] = {}
+        self._peer_joined = asyncio.Condition()
+        self._done: dict[str, asyncio.Future[None]] = {}
+        self._held: dict[str, Held] = {}
+        self._targets: dict[str, Register] = {}  # each transfer's language instance
+        self._writes: dict[str, asyncio.Task[None]] = {}
+        self._on_finished = on_finished
+
+    @property
+    def transports(self) -> tuple[Transport, ...]:
+        return tuple(self.writers)
+
+    @property
+    def transfers(self) -> dict[str, Outbound]:
+        return self.machine.transfers
+
+    @property
+    def num_closing(self) -> int:
+        """Transfers that ended with a write still in flight."""
+        return len(self.machine.closing)
+
+    def transport_to(self, peer: Register) -> Transport | None:
+        assert peer.pool is not None
+        return choose_transport(self.transports, self.host_id, peer.pool.transports, peer.host_id)
+
+    async def peer(self, instance_id: str, wait_s: float = 2.0) -> Register:
+        """The language instance's registration; waits briefly for a just-joined one."""
+        async with self._peer_joined:
+            try:
+                await asyncio.wait_for(
+                    self._peer_joined.wait_for(lambda: instance_id in self.peers), wait_s
+                )
+            except TimeoutError:
+                raise UnknownPeerError(
+                    f"language instance {instance_id!r} is not registered with the broker"
+                ) from None
+        return self.peers[instance_id]
+
+    # -- the servicer's calls ----------------------------------------------------
+
+    def start(
+        self, request_id: str, peer: Register, held: Held, grids: Sequence[ImageGrid]
+    ) -> asyncio.Future[None]:
+        """Announces the embeddings held in the send buffer (which this transfer
+        frees); the future resolves when they landed, or fails with TransferError."""
+        transport = self.transport_to(peer)
+        if transport is None:
+            raise UnknownPeerError(f"no transport in common with {peer.instance_id}")
+        layout = self.buffer.pool.layout
+        meta = EmbeddingMeta(
+            request_id=request_id,
+            language_instance_id=peer.instance_id,
+            total_tokens=held.num_tokens,
+            grids=tuple(grids),
+            hidden_size=layout.hidden_size,
+            dtype=layout.dtype,
+            deepstack_levels=layout.deepstack_levels,
+            transport=transport,
+        )
+        actions = self.machine.start(meta)
+        done = self._done[request_id] = asyncio.get_running_loop().create_future()
+        self._held[request_id] = held
+        self._targets[request_id] = peer
+        self._run(actions)
+        return done
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self._run(self.machine.abort(request_id, reason))
+
+    # -- the broker's messages, time, shutdown --------------------------------------
+
+    async def on_message(self, message: BrokerMessage) -> None:
+        if isinstance(message, InstanceJoined):
+            registration = message.instance.registration
+            async with self._peer_joined:
+                self.peers[registration.instance_id] = registration
+                self._peer_joined.notify_all()
+        elif isinstance(message, Prealloc):
+            self._run(self.machine.on_prealloc(message))
+        elif isinstance(message, Resume):
+            self._run(self.machine.on_resume(message))
+        elif isinstance(message, Abort):
+            self._run(self.machine.on_abort(message))
+        elif isinstance(message, PeerLost):
+            if self.peers.pop(message.instance_id, None) is not None:
+                for writer in self.writers.values():
+                    await writer.forget(message.instance_id)
+            self._run(self.machine.on_peer_lost(message))
+
+    async def expire(self) -> None:
+        self._run(self.machine.tick())
+
+    async def detached(self) -> None:
+        self._run(self.machine.detached())
+
+    async def close(self) -> None:
+        for write in self._writes.values():
+            write.cancel()
+        self._run(self.machine.close())
+        if self._writes:
+            await asyncio.wait(set(self._writes.values()))
+        for writer in self.writers.values():
+            await writer.close()
+
+    # -- carrying out the actions ----------------------------------------------------
+
+    def _run(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action)
+            elif isinstance(action, Write):
+                self._write(action)
+            elif isinstance(action, Free):
+                self.buffer.release(action.request_id)
+                self._held.pop(action.request_id, None)
+                self._targets.pop(action.request_id, None)
+            elif isinstance(action, Succeed):
+                self._resolve(action.request_id, TransferState.SUCCESS, None)
+            elif isinstance(action, Fail):
+                logger.info("%s: transfer failed: %s", action.request_id, action.reason)
+                error = TransferError(action.failure, action.reason)
+                self._resolve(action.request_id, TransferState.FAILED, error)
+
+    def _send(self, action: Send) -> None:
+        message = action.message
+        try:
+            if self.link is None:
+                raise BrokerUnavailableError("this encoder has no broker")
+            self.link.send(message)
+        except BrokerUnavailableError:
+            # A lost Abort or Released is harmless (the broker times the request
+            # out, the quarantine expires); a lost meta or TransferDone ends it.
+            if isinstance(message, (EmbeddingMeta, TransferDone)):
+                self._run(self.machine.broker_unavailable(message.request_id))
+
+    def _resolve(self, request_id: str, state: TransferState, error: TransferError | None) -> None:
+        done = self._done.pop(request_id, None)
+        if done is None or done.done():
+            return
+        self._on_finished(request_id, state)
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+            done.exception()  # retrieved here if nobody awaits it
+
+    def _write(self, action: Write) -> None:
+        held, peer = self._held[action.request_id], self._targets[action.request_id]
+        part = Part(action.request_id, held.blocks, action.start, action.count, action.dst_blocks)
+        self._spawn(action.request_id, self._writing(action.transport, peer, part))
+
+    async def _writing(self, transport: Transport, peer: Register, part: Part) -> None:
+        try:
+            await self.writers[transport].write(peer, self.buffer.pool, part)
+        except Exception as exc:  # the writer's own timeout bounds it
+            name = transport.name.lower()
+            logger.warning("%s: %s write failed: %s", part.request_id, name, exc)
+            self._run(self.machine.write_failed(part.request_id, f"{name} write failed: {exc}"))
+            return
+        except asyncio.CancelledError:  # shutting down
+            self._run(self.machine.write_failed(part.request_id, "write cancelled"))
+            raise
+        self._run(self.machine.written(part.request_id))
+
+    def _spawn(self, request_id: str, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._writes[request_id] = task
+
+        def forget(finished: asyncio.Task[None]) -> None:
+            if self._writes.get(request_id) is finished:
+                del self._writes[request_id]
+
+        task.add_done_callback(forget)

@@ -1,0 +1,257 @@
+"""ReceiverDriver: runs the Receiver state machine against the real world.
+
+It feeds the machine the broker's messages, the caller's calls, gRPC chunks
+and the clock, and carries out the actions the machine returns: messages on
+the broker stream, blocks from and back to the receive pool (waiting for
+them without holding the broker's read loop), parts copied out of the pool,
+arrivals confirmed (NIXL: the write's notification), and each request's
+future resolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+
+from services.broker.client import BrokerLink, BrokerUnavailableError
+from services.language.receiver import (
+    Action,
+    Allocate,
+    Confirm,
+    Fail,
+    Forget,
+    Free,
+    Inbound,
+    Quarantined,
+    Receiver,
+    Send,
+    Stage,
+    Succeed,
+)
+from services.transfer.block_pool import BlockPool
+from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
+from services.transfer.state import PoolExhaustedError, TransferFailedError, TransferState
+from services.transfer.transports.nixl import NixlReceiver, notification
+from services.wire.messages import (
+    Abort,
+    BrokerMessage,
+    EmbeddingMeta,
+    PeerLost,
+    Released,
+    TransferDone,
+)
+from services.wire.transport import Transport
+
+Embeddings = tuple[torch.Tensor, torch.Tensor | None]  # [tokens, hidden], deepstack
+
+
+class ReceiverDriver:
+    def __init__(
+        self,
+        pool: EmbeddingPool,
+        default_allocate_tokens: int = 4096,
+        timeout_s: float = 30.0,
+        nixl: NixlReceiver | None = None,
+        on_finished: Callable[[TransferState], None] = lambda state: None,
+        pool_wait_s: float = 5.0,
+        quarantine_s: float = 15.0,
+    ) -> None:
+        self.pool = pool
+        self.blocks = BlockPool(pool.allocator)
+        self.machine = Receiver(
+            pool.layout,
+            default_allocate_tokens,
+            timeout_s,
+            quarantine_s,
+            polled=frozenset({Transport.NIXL}) if nixl is not None else frozenset(),
+        )
+        self.timeout_s = timeout_s
+        self.pool_wait_s = pool_wait_s
+        self.nixl = nixl
+        self.link: BrokerLink | None = None
+        self._on_finished = on_finished
+        self._done: dict[str, asyncio.Future[EmbeddingMeta]] = {}
+        self._staged: dict[str, list[Embeddings]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def transfers(self) -> dict[str, Inbound]:
+        return self.machine.transfers
+
+    @property
+    def quarantine(self) -> dict[str, Quarantined]:
+        return self.machine.quarantine
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return self.machine.num_quarantined_blocks
+
+    @property
+    def polling(self) -> set[str]:
+        """Requests whose data comes over NIXL (its progress thread polls fast meanwhile)."""
+        return self.machine.polling
+
+    # -- the servicer's calls ----------------------------------------------------
+
+    async def expect(self, request_id: str, hint_tokens: int) -> None:
+        """Preallocates for a request whose embeddings an encoder will send;
+        PoolExhaustedError if no blocks come free within pool_wait_s."""
+        (allocate,) = self.machine.expect(request_id, hint_tokens)
+        assert isinstance(allocate, Allocate)
+        done = self._done[request_id] = asyncio.get_running_loop().create_future()
+        await self._allocate(allocate)
+        if done.done() and done.exception() is not None:
+            raise done.exception()  # type: ignore[misc]
+
+    async def wait(self, request_id: str) -> EmbeddingMeta:
+        """The metadata, once every token has arrived; TransferFailedError otherwise."""
+        done = self._done.get(request_id)
+        if done is None:
+            raise TransferFailedError(f"request {request_id!r} is not receiving")
+        return await asyncio.shield(done)
+
+    async def take(self, request_id: str) -> Embeddings:
+        """A finished request's embeddings, copied out of the pool; its blocks are
+        free again when this returns."""
+        self._run(self.machine.take(request_id))
+        self._done.pop(request_id, None)
+        parts = self._staged.pop(request_id)
+        if len(parts) == 1:  # already a copy: no second one
+            return parts[0]
+        embeddings = torch.cat([p[0] for p in parts])
+        deepstack = None
+        if parts[0][1] is not None:
+            deepstack = torch.cat([p[1] for p in parts if p[1] is not None])
+        return embeddings, deepstack
+
+    def release(self, request_id: str, reason: str) -> None:
+        """Ends a request's transfer, whatever its state; its blocks go back (or
+        into quarantine while its encoder may still write them)."""
+        self._run(self.machine.release(request_id, reason))
+        self._done.pop(request_id, None)
+
+    def write_chunk(
+        self,
+        request_id: str,
+        start_token: int,
+        num_tokens: int,
+        embeddings: bytes,
+        deepstack: bytes,
+        encoder_id: str,
+    ) -> None:
+        """gRPC data plane: a run of tokens of the current part."""
+        blocks, offset = self.machine.chunk_target(request_id, start_token, num_tokens, encoder_id)
+        layout = self.pool.layout
+        values = tensor_from_bytes(embeddings, layout.dtype, layout.hidden_size)
+        deep = (
+            tensor_from_bytes(deepstack, layout.dtype, layout.deepstack_width)
+            if layout.deepstack_levels
+            else None
+        )
+        if values.shape[0] != num_tokens or (deep is not None and deep.shape[0] != num_tokens):
+            raise ValueError(f"chunk carries {values.shape[0]} tokens, says {num_tokens}")
+        self.pool.write(blocks, offset, values, deep)
+        self.machine.chunk_written(request_id, num_tokens)
+
+    # -- the broker's messages, time, shutdown --------------------------------------
+
+    async def on_message(self, message: BrokerMessage) -> None:
+        if isinstance(message, EmbeddingMeta):
+            self._run(self.machine.on_meta(message))
+            if message.request_id in self.machine.polling and self.nixl is not None:
+                self.nixl.wake()
+        elif isinstance(message, TransferDone):
+            self._run(self.machine.on_done(message))
+        elif isinstance(message, Abort):
+            self._run(self.machine.on_abort(message))
+        elif isinstance(message, Released):
+            self._run(self.machine.on_released(message))
+        elif isinstance(message, PeerLost):
+            self._run(self.machine.on_peer_lost(message))
+
+    async def expire(self) -> None:
+        self._run(self.machine.tick())
+
+    async def detached(self) -> None:
+        self._run(self.machine.detached())
+
+    async def close(self) -> None:
+        self._run(self.machine.close())
+        for task in list(self._tasks):
+            task.cancel()
+
+    # -- carrying out the actions ----------------------------------------------------
+
+    def _run(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action)
+            elif isinstance(action, Allocate):
+                self._spawn(self._allocate(action))
+            elif isinstance(action, Free):
+                self.blocks.free(list(action.blocks))
+            elif isinstance(action, Stage):
+                part = self.pool.read(list(action.blocks), 0, action.num_tokens)
+                self._staged.setdefault(action.request_id, []).append(part)
+            elif isinstance(action, Confirm):
+                if action.transport is Transport.NIXL:
+                    self._spawn(self._confirm_nixl(action))
+                else:  # shm and CUDA IPC wrote before TransferDone; gRPC was counted
+                    self._run(self.machine.arrived(action.request_id, action.sent_tokens))
+            elif isinstance(action, Succeed):
+                self._on_finished(TransferState.SUCCESS)
+                self._resolve(action.request_id, action.meta)
+            elif isinstance(action, Fail):
+                self._on_finished(TransferState.FAILED)
+                self._resolve(action.request_id, action.error)
+            elif isinstance(action, Forget):
+                self._staged.pop(action.request_id, None)
+                if self.nixl is not None:
+                    self.nixl.forget(action.request_id)
+
+    def _send(self, action: Send) -> None:
+        try:
+            if self.link is None:
+                raise BrokerUnavailableError("this language instance has no broker")
+            self.link.send(action.message)
+        except BrokerUnavailableError:
+            if not isinstance(action.message, Abort):  # a Prealloc or Resume is lost
+                self._run(self.machine.broker_unavailable(action.message.request_id))
+
+    def _resolve(self, request_id: str, outcome: EmbeddingMeta | TransferFailedError) -> None:
+        done = self._done.get(request_id)
+        if done is None or done.done():
+            return
+        if isinstance(outcome, TransferFailedError):
+            done.set_exception(outcome)
+            done.exception()  # retrieved here if nobody waits
+        else:
+            done.set_result(outcome)
+
+    async def _allocate(self, action: Allocate) -> None:
+        try:
+            blocks = await self.blocks.allocate_up_to(action.num_tokens, self.pool_wait_s)
+        except PoolExhaustedError:
+            reason = f"no free embedding blocks within {self.pool_wait_s:g}s"
+            self._run(self.machine.allocation_failed(action.request_id, reason))
+            return
+        self._run(self.machine.allocated(action.request_id, blocks))
+
+    async def _confirm_nixl(self, action: Confirm) -> None:
+        try:
+            if self.nixl is None:
+                raise TransferFailedError("NIXL transfer, but this instance has no NIXL agent")
+            message = notification(action.request_id, action.encoder_id, action.sent_tokens)
+            await self.nixl.wait_notification(message, self.timeout_s)
+        except (TransferFailedError, TimeoutError) as exc:
+            self._run(self.machine.arrival_failed(action.request_id, str(exc)))
+            return
+        self._run(self.machine.arrived(action.request_id, action.sent_tokens))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
