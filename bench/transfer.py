@@ -121,7 +121,9 @@ class EncoderSide:
         self.buffer = SendBuffer(
             EmbeddingPool.in_host_memory(PoolLayout(buffer_tokens // 256, 256, HIDDEN))
         )
-        self.sender = SenderDriver(self.buffer, {writer.transport: self.writer}, host_id)
+        self.sender = SenderDriver(
+            self.buffer, lambda m: self.link.send(m), {writer.transport: self.writer}, host_id
+        )
         self.link = BrokerLink(
             broker,
             Register(
@@ -135,7 +137,6 @@ class EncoderSide:
             self.sender.on_message,
             Heartbeat,
         )
-        self.sender.link = self.link
 
     @classmethod
     def with_nixl(cls, broker: str, buffer_tokens: int, host_id: str) -> EncoderSide:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
-from services.broker.client import BrokerLink, BrokerUnavailableError
+from services.broker.client import BrokerUnavailableError
 from services.encoder.send_buffer import Held, SendBuffer
 from services.encoder.sender import (
     Action,
@@ -40,6 +40,7 @@ from services.wire.messages import (
     PeerLost,
     Prealloc,
     Register,
+    Released,
     Resume,
     TransferDone,
 )
@@ -62,6 +63,7 @@ class SenderDriver:
     def __init__(
         self,
         buffer: SendBuffer,
+        send: Callable[[EmbeddingMeta | TransferDone | Abort | Released], None],
         writers: Mapping[Transport, Writer],
         host_id: str,
         timeout_s: float = 30.0,
@@ -71,7 +73,7 @@ class SenderDriver:
         self.writers = dict(writers)
         self.host_id = host_id
         self.machine = Sender(timeout_s)
-        self.link: BrokerLink | None = None
+        self._to_broker = send  # BrokerUnavailableError when not attached
         self.peers: dict[str, Register] = {}
         self._peer_joined = asyncio.Condition()
         self._done: dict[str, asyncio.Future[None]] = {}
@@ -198,9 +200,7 @@ class SenderDriver:
     def _send(self, action: Send) -> None:
         message = action.message
         try:
-            if self.link is None:
-                raise BrokerUnavailableError("this encoder has no broker")
-            self.link.send(message)
+            self._to_broker(message)
         except BrokerUnavailableError:
             # A lost Abort or Released is harmless (the broker times the request
             # out, the quarantine expires); a lost meta or TransferDone ends it.

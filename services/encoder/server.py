@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.broker.client import BrokerLink
+from services.broker.client import BrokerLink, BrokerUnavailableError
 from services.encoder.cache import EmbeddingCache
 from services.encoder.images import ImageLimits
 from services.encoder.metrics import EncoderMetrics
@@ -31,7 +31,7 @@ from services.transfer.transports.cuda_ipc import CudaIpcWriter, cuda_ipc_availa
 from services.transfer.transports.grpc_stream import GrpcWriter
 from services.transfer.transports.nixl import NixlWriter, nixl_available
 from services.transfer.transports.shm import ShmWriter
-from services.wire.messages import Heartbeat, Register, Role
+from services.wire.messages import Heartbeat, PeerMessage, Register, Role
 from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class EncoderServer:
         self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout))
         self.sender = SenderDriver(
             self.buffer,
+            self._to_broker,
             _writers(config, self.buffer.pool),
             config.instance.host_id,
             config.transfer_timeout_s,
@@ -160,6 +161,11 @@ class EncoderServer:
             self.grpc.address, self.sender.transports, self.config.model_name
         )
 
+    def _to_broker(self, message: PeerMessage) -> None:
+        if self.link is None:
+            raise BrokerUnavailableError("this encoder has no broker")
+        self.link.send(message)
+
     def load(self) -> Heartbeat:
         return Heartbeat(num_requests=len(self.sender.transfers), unavailable=not self.triton_ready)
 
@@ -174,7 +180,6 @@ class EncoderServer:
                 self.load,
                 on_detached=self.sender.detached,
             )
-            self.sender.link = self.link
             await self.link.start()
         self._tasks = [asyncio.create_task(self._expire()), asyncio.create_task(self._watch())]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from services.broker.client import BrokerLink, BrokerUnavailableError
+from services.broker.client import BrokerUnavailableError
 from services.language.receiver import (
     Action,
     Allocate,
@@ -40,7 +40,9 @@ from services.wire.messages import (
     BrokerMessage,
     EmbeddingMeta,
     PeerLost,
+    Prealloc,
     Released,
+    Resume,
     TransferDone,
 )
 from services.wire.transport import Transport
@@ -52,6 +54,7 @@ class ReceiverDriver:
     def __init__(
         self,
         pool: EmbeddingPool,
+        send: Callable[[Prealloc | Resume | Abort], None],
         default_allocate_tokens: int = 4096,
         timeout_s: float = 30.0,
         nixl: NixlReceiver | None = None,
@@ -71,7 +74,7 @@ class ReceiverDriver:
         self.timeout_s = timeout_s
         self.pool_wait_s = pool_wait_s
         self.nixl = nixl
-        self.link: BrokerLink | None = None
+        self._to_broker = send  # BrokerUnavailableError when not attached
         self._on_finished = on_finished
         self._done: dict[str, asyncio.Future[EmbeddingMeta]] = {}
         self._staged: dict[str, list[Embeddings]] = {}
@@ -214,9 +217,7 @@ class ReceiverDriver:
 
     def _send(self, action: Send) -> None:
         try:
-            if self.link is None:
-                raise BrokerUnavailableError("this language instance has no broker")
-            self.link.send(action.message)
+            self._to_broker(action.message)
         except BrokerUnavailableError:
             if not isinstance(action.message, Abort):  # a Prealloc or Resume is lost
                 self._run(self.machine.broker_unavailable(action.message.request_id))

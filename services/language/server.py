@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.broker.client import BrokerLink
+from services.broker.client import BrokerLink, BrokerUnavailableError
 from services.instance import InstanceConfig
 from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
 from services.language.metrics import LanguageMetrics
@@ -26,7 +26,15 @@ from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
 from services.transfer.transports.cuda_ipc import CudaIpcMemory, cuda_ipc_available
 from services.transfer.transports.nixl import NixlReceiver, nixl_available
-from services.wire.messages import GrpcPool, Heartbeat, PoolDescriptor, Register, Role, ShmPool
+from services.wire.messages import (
+    GrpcPool,
+    Heartbeat,
+    PeerMessage,
+    PoolDescriptor,
+    Register,
+    Role,
+    ShmPool,
+)
 from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -93,6 +101,7 @@ class LanguageServer:
             self.nixl = NixlReceiver(f"epd-{config.instance.instance_id}", self.pool)
         self.receiver = ReceiverDriver(
             self.pool,
+            self._to_broker,
             config.default_allocate_tokens,
             config.transfer_timeout_s,
             self.nixl,
@@ -164,6 +173,11 @@ class LanguageServer:
             self.grpc.address, pool.transports, self.config.model_name, pool
         )
 
+    def _to_broker(self, message: PeerMessage) -> None:
+        if self.link is None:
+            raise BrokerUnavailableError("this language instance has no broker")
+        self.link.send(message)
+
     def load(self) -> Heartbeat:
         return Heartbeat(
             num_requests=self.engine.num_requests + len(self.receiver.transfers),
@@ -181,7 +195,6 @@ class LanguageServer:
                 self.load,
                 on_detached=self.receiver.detached,
             )
-            self.receiver.link = self.link
             await self.link.start()
         self._tasks.append(asyncio.create_task(self._expire()))
         if self.nixl is not None:
