@@ -26,13 +26,8 @@ from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
-from services.transfer.transports.base import Writer
-from services.transfer.transports.cuda_ipc import CudaIpcWriter, cuda_ipc_available
-from services.transfer.transports.grpc_stream import GrpcWriter
-from services.transfer.transports.nixl import NixlWriter, nixl_available
-from services.transfer.transports.shm import ShmWriter
+from services.transfer.transports.ends import writers
 from services.wire.messages import Heartbeat, PeerMessage, Register, Role
-from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -72,24 +67,6 @@ class EncoderConfig:
             raise ValueError("send_buffer_tokens must hold at least one block")
 
 
-def _writers(config: EncoderConfig, source: EmbeddingPool) -> dict[Transport, Writer]:
-    writers: dict[Transport, Writer] = {}
-    for transport in config.instance.transports:
-        if transport is Transport.SHM:
-            writers[transport] = ShmWriter()
-        elif transport is Transport.GRPC:
-            writers[transport] = GrpcWriter(config.instance.instance_id, config.write_timeout_s)
-        elif transport is Transport.NIXL and nixl_available():
-            writers[transport] = NixlWriter(
-                config.instance.instance_id, source, config.write_timeout_s
-            )
-        elif transport is Transport.CUDA_IPC and cuda_ipc_available():
-            writers[transport] = CudaIpcWriter()
-        else:
-            logger.warning("transport %s is not available here; skipped", transport.name.lower())
-    return writers
-
-
 class EncoderServer:
     def __init__(self, config: EncoderConfig) -> None:
         self.config = config
@@ -126,7 +103,12 @@ class EncoderServer:
         self.sender = SenderDriver(
             self.buffer,
             self._to_broker,
-            _writers(config, self.buffer.pool),
+            writers(
+                config.instance.transports,
+                config.instance.instance_id,
+                self.buffer.pool,
+                config.write_timeout_s,
+            ),
             config.instance.host_id,
             config.transfer_timeout_s,
             on_finished=lambda _, state: self.metrics.transfers.labels(state.name.lower()).inc(),

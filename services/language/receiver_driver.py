@@ -4,14 +4,14 @@ It feeds the machine the broker's messages, the caller's calls, gRPC chunks
 and the clock, and carries out the actions the machine returns: messages on
 the broker stream, blocks from and back to the receive pool (waiting for
 them without holding the broker's read loop), parts copied out of the pool,
-arrivals confirmed (NIXL: the write's notification), and each request's
-future resolved.
+arrivals confirmed by the transport's receive end (NIXL: the write's
+notification), and each request's future resolved.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from services.language.receiver import (
 from services.transfer.block_pool import BlockPool
 from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
 from services.transfer.state import PoolExhaustedError, TransferFailedError, TransferState
-from services.transfer.transports.nixl import NixlReceiver, notification
+from services.transfer.transports.base import ReceiveEnd
 from services.wire.messages import (
     Abort,
     BrokerMessage,
@@ -55,9 +55,9 @@ class ReceiverDriver:
         self,
         pool: EmbeddingPool,
         send: Callable[[Prealloc | Resume | Abort], None],
+        ends: Mapping[Transport, ReceiveEnd],
         default_allocate_tokens: int = 4096,
         timeout_s: float = 30.0,
-        nixl: NixlReceiver | None = None,
         on_finished: Callable[[TransferState], None] = lambda state: None,
         pool_wait_s: float = 5.0,
         quarantine_s: float = 15.0,
@@ -69,11 +69,11 @@ class ReceiverDriver:
             default_allocate_tokens,
             timeout_s,
             quarantine_s,
-            polled=frozenset({Transport.NIXL}) if nixl is not None else frozenset(),
+            polled=frozenset(t for t, end in ends.items() if end.polled),
         )
         self.timeout_s = timeout_s
         self.pool_wait_s = pool_wait_s
-        self.nixl = nixl
+        self.ends = dict(ends)
         self._to_broker = send  # BrokerUnavailableError when not attached
         self._on_finished = on_finished
         self._done: dict[str, asyncio.Future[EmbeddingMeta]] = {}
@@ -94,7 +94,7 @@ class ReceiverDriver:
 
     @property
     def polling(self) -> set[str]:
-        """Requests whose data comes over NIXL (its progress thread polls fast meanwhile)."""
+        """Requests whose data comes over a polled transport (which polls fast meanwhile)."""
         return self.machine.polling
 
     # -- the servicer's calls ----------------------------------------------------
@@ -164,8 +164,9 @@ class ReceiverDriver:
     async def on_message(self, message: BrokerMessage) -> None:
         if isinstance(message, EmbeddingMeta):
             self._run(self.machine.on_meta(message))
-            if message.request_id in self.machine.polling and self.nixl is not None:
-                self.nixl.wake()
+            end = self.ends.get(message.transport)
+            if end is not None and message.request_id in self.machine.transfers:
+                end.announced(message.request_id)
         elif isinstance(message, TransferDone):
             self._run(self.machine.on_done(message))
         elif isinstance(message, Abort):
@@ -200,10 +201,7 @@ class ReceiverDriver:
                 part = self.pool.read(list(action.blocks), 0, action.num_tokens)
                 self._staged.setdefault(action.request_id, []).append(part)
             elif isinstance(action, Confirm):
-                if action.transport is Transport.NIXL:
-                    self._spawn(self._confirm_nixl(action))
-                else:  # shm and CUDA IPC wrote before TransferDone; gRPC was counted
-                    self._run(self.machine.arrived(action.request_id, action.sent_tokens))
+                self._spawn(self._confirm(action))
             elif isinstance(action, Succeed):
                 self._on_finished(TransferState.SUCCESS)
                 self._resolve(action.request_id, action.meta)
@@ -212,8 +210,8 @@ class ReceiverDriver:
                 self._resolve(action.request_id, action.error)
             elif isinstance(action, Forget):
                 self._staged.pop(action.request_id, None)
-                if self.nixl is not None:
-                    self.nixl.forget(action.request_id)
+                for end in self.ends.values():
+                    end.forget(action.request_id)
 
     def _send(self, action: Send) -> None:
         try:
@@ -241,13 +239,16 @@ class ReceiverDriver:
             return
         self._run(self.machine.allocated(action.request_id, blocks))
 
-    async def _confirm_nixl(self, action: Confirm) -> None:
+    async def _confirm(self, action: Confirm) -> None:
+        end = self.ends.get(action.transport)
         try:
-            if self.nixl is None:
-                raise TransferFailedError("NIXL transfer, but this instance has no NIXL agent")
-            message = notification(action.request_id, action.encoder_id, action.sent_tokens)
-            await self.nixl.wait_notification(message, self.timeout_s)
-        except (TransferFailedError, TimeoutError) as exc:
+            if end is None:
+                name = action.transport.name.lower()
+                raise TransferFailedError(f"sent over {name}, which this instance does not offer")
+            await end.confirm(
+                action.request_id, action.encoder_id, action.sent_tokens, self.timeout_s
+            )
+        except (TransferFailedError, TimeoutError, RuntimeError) as exc:
             self._run(self.machine.arrival_failed(action.request_id, str(exc)))
             return
         self._run(self.machine.arrived(action.request_id, action.sent_tokens))

@@ -22,20 +22,15 @@ from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.proto import language_pb2, language_pb2_grpc
-from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
-from services.transfer.transports.cuda_ipc import CudaIpcMemory, cuda_ipc_available
-from services.transfer.transports.nixl import NixlReceiver, nixl_available
+from services.transfer.transports.ends import receive_side
 from services.wire.messages import (
-    GrpcPool,
     Heartbeat,
     PeerMessage,
     PoolDescriptor,
     Register,
     Role,
-    ShmPool,
 )
-from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +78,19 @@ class LanguageServer:
             LLMEngine(self.spec, weights, self.tokenizer, config.engine), self.metrics.on_step
         )
         self.metrics.kv_pages_total.set(self.engine.num_kv_pages)
-        self._cuda_ipc: CudaIpcMemory | None = None
-        self.pool = self._pool()
+        self.pool, self.ends = receive_side(
+            PoolLayout(
+                num_blocks=config.embedding_pool_tokens // config.embedding_block_size,
+                block_size=config.embedding_block_size,
+                hidden_size=self.spec.text.hidden_size,
+                deepstack_levels=self.spec.vision.deepstack_levels,
+                dtype=config.dtype,
+            ),
+            torch.device(config.engine.device),
+            config.instance.transports,
+            config.instance.instance_id,
+            lambda: self.grpc.address,
+        )
         self.metrics.embedding_blocks_total.set(self.pool.layout.num_blocks)
         engine, pool = self.engine, self.pool
         self.metrics.observe(
@@ -96,15 +102,12 @@ class LanguageServer:
             embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
             embedding_blocks_quarantined=lambda: self.receiver.num_quarantined_blocks,
         )
-        self.nixl: NixlReceiver | None = None
-        if Transport.NIXL in config.instance.transports and nixl_available():
-            self.nixl = NixlReceiver(f"epd-{config.instance.instance_id}", self.pool)
         self.receiver = ReceiverDriver(
             self.pool,
             self._to_broker,
+            self.ends,
             config.default_allocate_tokens,
             config.transfer_timeout_s,
-            self.nixl,
             on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
             pool_wait_s=config.pool_wait_s,
             quarantine_s=config.quarantine_s,
@@ -126,26 +129,6 @@ class LanguageServer:
         self.link: BrokerLink | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    def _pool(self) -> EmbeddingPool:
-        """The receive pool, where the offered transports can reach it."""
-        config = self.config
-        layout = PoolLayout(
-            num_blocks=config.embedding_pool_tokens // config.embedding_block_size,
-            block_size=config.embedding_block_size,
-            hidden_size=self.spec.text.hidden_size,
-            deepstack_levels=self.spec.vision.deepstack_levels,
-            dtype=config.dtype,
-        )
-        device = torch.device(config.engine.device)
-        if device.type == "cuda":
-            if Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available():
-                self._cuda_ipc = CudaIpcMemory(layout, device)
-                return self._cuda_ipc.pool
-            return EmbeddingPool.on_cuda(layout, device)
-        if Transport.SHM in config.instance.transports:
-            return EmbeddingPool.in_shared_memory(layout)
-        return EmbeddingPool.in_host_memory(layout)
-
     @property
     def address(self) -> str:
         return self.grpc.address
@@ -162,13 +145,7 @@ class LanguageServer:
             layout.hidden_size,
             layout.deepstack_levels,
             layout.dtype,
-            shm=ShmPool(*self.pool.shm_names) if self.pool.segments else None,
-            nixl=self.nixl.endpoint() if self.nixl is not None else None,
-            cuda_ipc=self._cuda_ipc.endpoint if self._cuda_ipc is not None else None,
-            grpc=GrpcPool(self.grpc.address)
-            if Transport.GRPC in self.config.instance.transports
-            else None,
-        )
+        ).reached_by(end.endpoint() for end in self.ends.values())
         return self.config.instance.registration(
             self.grpc.address, pool.transports, self.config.model_name, pool
         )
@@ -197,9 +174,9 @@ class LanguageServer:
             )
             await self.link.start()
         self._tasks.append(asyncio.create_task(self._expire()))
-        if self.nixl is not None:
-            pending = self.receiver.polling
-            self.nixl.start(busy=lambda: bool(pending))
+        polling = self.receiver.polling
+        for end in self.ends.values():
+            end.start(busy=lambda: bool(polling))
 
     async def _expire(self) -> None:
         while True:
@@ -216,9 +193,6 @@ class LanguageServer:
         if self.link is not None:
             await self.link.close()
         await self.engine.stop()
-        if self.nixl is not None:
-            self.nixl.close()
-        if self._cuda_ipc is not None:
-            self._cuda_ipc.close()
-        else:
-            self.pool.close()
+        for end in self.ends.values():
+            end.close()
+        self.pool.close()

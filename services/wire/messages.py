@@ -9,7 +9,9 @@ has an enum, a repeated field or a message.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
@@ -70,6 +72,7 @@ class GrpcPool:
 
 
 PoolEndpoint = ShmPool | NixlPool | CudaIpcPool | GrpcPool
+E = TypeVar("E", ShmPool, NixlPool, CudaIpcPool, GrpcPool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,24 @@ class PoolDescriptor:
     @property
     def transports(self) -> tuple[Transport, ...]:
         return tuple(t for t in PREFERENCE if self.endpoint(t) is not None)
+
+    def reached_by(self, endpoints: Iterable[PoolEndpoint]) -> PoolDescriptor:
+        """This pool with these endpoints (one of each kind at most)."""
+        found = list(endpoints)
+        return replace(
+            self,
+            shm=_one(found, ShmPool),
+            nixl=_one(found, NixlPool),
+            cuda_ipc=_one(found, CudaIpcPool),
+            grpc=_one(found, GrpcPool),
+        )
+
+
+def _one(endpoints: list[PoolEndpoint], kind: type[E]) -> E | None:
+    matching = [e for e in endpoints if isinstance(e, kind)]
+    if len(matching) > 1:
+        raise ValueError(f"more than one {kind.__name__} endpoint")
+    return matching[0] if matching else None
 
 
 @dataclass(frozen=True, slots=True)

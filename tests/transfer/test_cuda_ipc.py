@@ -21,7 +21,7 @@ LAYOUT = PoolLayout(num_blocks=8, block_size=16, hidden_size=32, dtype=torch.bfl
 
 def _receiver(queue: mp.Queue, done: mp.Event) -> None:  # type: ignore[type-arg]
     exported = CudaIpcMemory(LAYOUT, torch.device("cuda", 0))
-    queue.put(exported.endpoint)
+    queue.put(exported.endpoint())
     done.wait(60)
     queue.put(exported.pool.read([5, 2], 0, 20)[0].cpu())
     exported.close()

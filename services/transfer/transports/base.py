@@ -1,8 +1,10 @@
-"""The sender-side interface every transport implements."""
+"""Both ends of a transport: the encoder's Writer and the language side's
+ReceiveEnd. Each transport module implements the two; callers hold them by
+`Transport` and never branch on which one they have."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -10,7 +12,7 @@ import torch
 
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, copy_runs
-from services.wire.messages import PoolDescriptor, Register
+from services.wire.messages import PoolDescriptor, PoolEndpoint, Register
 from services.wire.transport import Transport
 
 
@@ -37,6 +39,60 @@ class Writer(Protocol):
         """Drops what is kept for a peer that left."""
 
     async def close(self) -> None: ...
+
+
+class ReceiveEnd(Protocol):
+    """The language side: how the receive pool is reached, and when a part is in it."""
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def polled(self) -> bool:
+        """Arrivals are polled for: faster while `busy()` (see `start`)."""
+
+    def endpoint(self) -> PoolEndpoint:
+        """What the language instance's registration carries for this transport."""
+
+    def start(self, busy: Callable[[], bool]) -> None: ...
+
+    def announced(self, request_id: str) -> None:
+        """A request's data will come this way (its metadata said so)."""
+
+    async def confirm(
+        self, request_id: str, encoder_id: str, sent_tokens: int, timeout_s: float
+    ) -> None:
+        """Returns once the part that ends at sent_tokens is in the pool."""
+
+    def forget(self, request_id: str) -> None:
+        """Drops what is kept for a request that ended (or changed encoder)."""
+
+    def close(self) -> None: ...
+
+
+class WrittenBeforeDone:
+    """A receive end for transports whose writer finishes before it sends
+    TransferDone (shm, CUDA IPC; gRPC, whose chunks the receiver counts): the
+    part is in the pool when TransferDone arrives."""
+
+    polled = False
+
+    def start(self, busy: Callable[[], bool]) -> None:
+        pass
+
+    def announced(self, request_id: str) -> None:
+        pass
+
+    async def confirm(
+        self, request_id: str, encoder_id: str, sent_tokens: int, timeout_s: float
+    ) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def copy_part(

@@ -13,6 +13,7 @@ from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
 from services.transfer.transports.base import (
     Part,
+    WrittenBeforeDone,
     check_compatible,
     copy_part,
     receiver_layout,
@@ -40,8 +41,11 @@ def _view(ptr: int, nbytes: int, device: int, dtype: torch.dtype, rows: int) -> 
     return torch.from_dlpack(raw).view(dtype).view(rows, -1)
 
 
-class CudaIpcMemory:
-    """Receive-pool memory allocated for export: the pool and its IPC endpoint."""
+class CudaIpcMemory(WrittenBeforeDone):
+    """Receive-pool memory allocated for export: the pool and its IPC endpoint
+    (the writer's copy is synchronised before it sends TransferDone)."""
+
+    transport = Transport.CUDA_IPC
 
     def __init__(self, layout: PoolLayout, device: torch.device) -> None:
         import cupy
@@ -61,11 +65,14 @@ class CudaIpcMemory:
                 handles.append(bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr)))
                 tensors.append(_view(ptr, nbytes, self.device_id, layout.dtype, layout.num_rows))
         self.pool = EmbeddingPool(layout, tensors[0], tensors[1] if len(tensors) > 1 else None)
-        self.endpoint = CudaIpcPool(
+        self._endpoint = CudaIpcPool(
             embeddings_handle=handles[0],
             deepstack_handle=handles[1] if len(handles) > 1 else b"",
             device_id=self.device_id,
         )
+
+    def endpoint(self) -> CudaIpcPool:
+        return self._endpoint
 
     def close(self) -> None:
         import cupy

@@ -3,18 +3,36 @@ directly to the language instance (never through the broker)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from services.grpc_server import channel
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool, read_tokens, tensor_bytes
-from services.transfer.transports.base import Part, check_compatible, receiver_layout
-from services.wire.messages import Register
+from services.transfer.transports.base import (
+    Part,
+    WrittenBeforeDone,
+    check_compatible,
+    receiver_layout,
+)
+from services.wire.messages import GrpcPool, Register
 from services.wire.transport import Transport
 
 CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class GrpcReceiveEnd(WrittenBeforeDone):
+    """Chunks arrive at this instance's Language.PushEmbeddings (the servicer
+    hands them to the receiver, which counts them)."""
+
+    transport = Transport.GRPC
+
+    def __init__(self, address: Callable[[], str]) -> None:
+        self.address = address  # known once the server listens
+
+    def endpoint(self) -> GrpcPool:
+        return GrpcPool(self.address())
 
 
 class GrpcWriter:

@@ -102,7 +102,11 @@ class NixlAgent:
 
 class NixlReceiver:
     """The language side: its pool registered with an agent, and a thread making
-    progress and collecting notifications."""
+    progress and collecting notifications (a part is in once the writer's
+    notification for it arrived)."""
+
+    transport = Transport.NIXL
+    polled = True
 
     def __init__(self, name: str, pool: EmbeddingPool) -> None:
         self.agent = NixlAgent(name, pool.tensors)
@@ -168,9 +172,14 @@ class NixlReceiver:
         with self._lock:
             self._seen = {m for m in self._seen if not m.startswith(prefix)}
 
-    def wake(self) -> None:
+    def announced(self, request_id: str) -> None:
         """A transfer is about to start: poll fast from now on."""
         self._wake.set()
+
+    async def confirm(
+        self, request_id: str, encoder_id: str, sent_tokens: int, timeout_s: float
+    ) -> None:
+        await self.wait_notification(notification(request_id, encoder_id, sent_tokens), timeout_s)
 
     def _arrived(self, message: bytes) -> None:
         """On the progress thread, under the lock: wakes the waiter, or keeps it for one."""

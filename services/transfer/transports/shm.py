@@ -10,11 +10,12 @@ from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.shared_memory import SharedSegment
 from services.transfer.transports.base import (
     Part,
+    WrittenBeforeDone,
     check_compatible,
     copy_part,
     receiver_layout,
 )
-from services.wire.messages import Register
+from services.wire.messages import Register, ShmPool
 from services.wire.transport import Transport
 
 
@@ -44,6 +45,20 @@ class _MappedPool:
         self.tensors = []  # views first: a segment cannot close while one exports its buffer
         for segment in self.segments:
             segment.close()
+
+
+class ShmReceiveEnd(WrittenBeforeDone):
+    """The language pool in shared memory, reached by its segments' names."""
+
+    transport = Transport.SHM
+
+    def __init__(self, pool: EmbeddingPool) -> None:
+        if not pool.segments:
+            raise ValueError("the shm transport needs a pool in shared memory")
+        self.pool = pool
+
+    def endpoint(self) -> ShmPool:
+        return ShmPool(*self.pool.shm_names)
 
 
 class ShmWriter:
