@@ -201,7 +201,11 @@ class ReceiverDriver:
                 part = self.pool.read(list(action.blocks), 0, action.num_tokens)
                 self._staged.setdefault(action.request_id, []).append(part)
             elif isinstance(action, Confirm):
-                self._spawn(self._confirm(action))
+                end = self.ends.get(action.transport)
+                if end is not None and not end.polled:  # in the pool before TransferDone
+                    self._run(self.machine.arrived(action.request_id, action.sent_tokens))
+                else:
+                    self._spawn(self._confirm(action))
             elif isinstance(action, Succeed):
                 self._on_finished(TransferState.SUCCESS)
                 self._resolve(action.request_id, action.meta)

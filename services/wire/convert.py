@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from typing import Any, TypeVar
 
 import torch
@@ -35,6 +38,7 @@ _DATACLASSES: dict[str, type] = {
 _ENUMS: dict[str, type[enum.IntEnum]] = {"Role": messages.Role, "Transport": Transport}
 
 
+@cache
 def _proto_class(name: str) -> type[Message]:
     for module in _PROTO_MODULES:
         if (cls := getattr(module, name, None)) is not None:
@@ -42,71 +46,106 @@ def _proto_class(name: str) -> type[Message]:
     raise TypeError(f"no protobuf message named {name}")
 
 
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """How one dataclass field crosses, worked out once per class."""
+
+    name: str
+    repeated: bool
+    message: bool
+    required: bool  # no dataclass default: proto3's zero value is a value
+    zero: Any  # the proto field's default (unset) value
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+Plan = tuple[type[Message], tuple[_Field, ...]]
+_PLANS: dict[type, Plan] = {}
+
+
+def _plan(cls: type) -> Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _make_plan(cls)
+    return plan
+
+
+def _make_plan(cls: type) -> Plan:
+    proto = _proto_class(cls.__name__)
+    fields = []
+    for f in dataclasses.fields(cls):
+        fd = proto.DESCRIPTOR.fields_by_name[f.name]
+        has_default = f.default is not dataclasses.MISSING or (
+            f.default_factory is not dataclasses.MISSING
+        )
+        fields.append(
+            _Field(
+                f.name,
+                bool(fd.is_repeated),
+                fd.message_type is not None,
+                not has_default,
+                fd.default_value if not fd.is_repeated else None,
+                _encoder(fd),
+                _decoder(fd),
+            )
+        )
+    return proto, tuple(fields)
+
+
+def _encoder(fd: FieldDescriptor) -> Callable[[Any], Any]:
+    if fd.message_type is not None:
+        return to_proto
+    if fd.enum_type is None:
+        return lambda value: value
+    if fd.enum_type.name == "DType":
+        return dtype_to_proto
+    # By name: the generated stubs type enum fields as their own int subclass.
+    names = {number: value.name for number, value in fd.enum_type.values_by_number.items()}
+    return lambda value: names[int(value)]
+
+
+def _decoder(fd: FieldDescriptor) -> Callable[[Any], Any]:
+    if fd.message_type is not None:
+        cls = _DATACLASSES[fd.message_type.name]
+        return lambda raw: from_proto(cls, raw)
+    if fd.enum_type is None:
+        return lambda raw: raw
+    if fd.enum_type.name == "DType":
+        return dtype_from_proto
+    return _ENUMS[fd.enum_type.name]
+
+
 def to_proto(value: Any) -> Any:
     """The protobuf message of a messages.py dataclass."""
-    cls = _proto_class(type(value).__name__)
-    fields = cls.DESCRIPTOR.fields_by_name
+    proto, fields = _plan(type(value))
     kwargs = {}
-    for f in dataclasses.fields(value):
-        fd = fields[f.name]
+    for f in fields:
         item = getattr(value, f.name)
         if item is None:
             continue
-        if _is_repeated(fd):
-            kwargs[f.name] = [_scalar_to_proto(fd, x) for x in item]
-        else:
-            kwargs[f.name] = _scalar_to_proto(fd, item)
-    return cls(**kwargs)
-
-
-def _is_repeated(fd: FieldDescriptor) -> bool:
-    return bool(fd.is_repeated)
-
-
-def _scalar_to_proto(fd: FieldDescriptor, value: Any) -> Any:
-    if fd.message_type is not None:
-        return to_proto(value)
-    if fd.enum_type is not None:
-        # By name: the generated stubs type enum fields as their own int subclass.
-        if fd.enum_type.name == "DType":
-            return dtype_to_proto(value)
-        return fd.enum_type.values_by_number[int(value)].name
-    return value
+        kwargs[f.name] = [f.encode(x) for x in item] if f.repeated else f.encode(item)
+    return proto(**kwargs)
 
 
 def from_proto(cls: type[T], pb: Any) -> T:
     """The dataclass `cls` from its protobuf message; ValueError if a value is invalid."""
-    descriptor: Descriptor = pb.DESCRIPTOR
+    _, fields = _plan(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        fd = descriptor.fields_by_name[f.name]
+    for f in fields:
         raw = getattr(pb, f.name)
-        has_default = f.default is not dataclasses.MISSING or (
-            f.default_factory is not dataclasses.MISSING
-        )
         try:
-            if _is_repeated(fd):
-                kwargs[f.name] = tuple(_scalar_from_proto(fd, x) for x in raw)
-            elif fd.message_type is not None:
+            if f.repeated:
+                kwargs[f.name] = tuple(f.decode(x) for x in raw)
+            elif f.message:
                 if pb.HasField(f.name):
-                    kwargs[f.name] = _scalar_from_proto(fd, raw)
-                elif not has_default:
+                    kwargs[f.name] = f.decode(raw)
+                elif f.required:
                     raise ValueError("is required")
-            elif raw != fd.default_value or not has_default:
-                kwargs[f.name] = _scalar_from_proto(fd, raw)
+            elif f.required or raw != f.zero:
+                kwargs[f.name] = f.decode(raw)
         except ValueError as exc:
-            raise ValueError(f"{descriptor.name}.{f.name}: {exc}") from None
+            raise ValueError(f"{pb.DESCRIPTOR.name}.{f.name}: {exc}") from None
     return cls(**kwargs)
-
-
-def _scalar_from_proto(fd: FieldDescriptor, raw: Any) -> Any:
-    if fd.message_type is not None:
-        return from_proto(_DATACLASSES[fd.message_type.name], raw)
-    if fd.enum_type is not None:
-        if fd.enum_type.name == "DType":
-            return dtype_from_proto(raw)
-        return _ENUMS[fd.enum_type.name](raw)
-    return raw
 
 
 def wrap(envelope: type[Message], message: Any) -> Any:
@@ -124,6 +163,7 @@ def unwrap(envelope: Any) -> Any:
     return from_proto(_DATACLASSES[fd.message_type.name], getattr(envelope, kind))
 
 
+@cache
 def _kinds(descriptor: Descriptor) -> dict[str, str]:
     """Message type name -> the oneof member that carries it."""
     return {fd.message_type.name: fd.name for fd in descriptor.oneofs_by_name["kind"].fields}
