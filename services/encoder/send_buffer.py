@@ -73,6 +73,9 @@ class SendBuffer:
         held = self._held[request_id] = Held(request_id, blocks, num_tokens)
         return held
 
+    def held(self, request_id: str) -> Held:
+        return self._held[request_id]
+
     def release(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
         if held is not None:

@@ -77,7 +77,6 @@ class SenderDriver:
         self.peers: dict[str, Register] = {}
         self._peer_joined = asyncio.Condition()
         self._done: dict[str, asyncio.Future[None]] = {}
-        self._held: dict[str, Held] = {}
         self._targets: dict[str, Register] = {}  # each transfer's language instance
         self._writes: dict[str, asyncio.Task[None]] = {}
         self._on_finished = on_finished
@@ -135,7 +134,6 @@ class SenderDriver:
         )
         actions = self.machine.start(meta)
         done = self._done[request_id] = asyncio.get_running_loop().create_future()
-        self._held[request_id] = held
         self._targets[request_id] = peer
         self._run(actions)
         return done
@@ -188,7 +186,6 @@ class SenderDriver:
                 self._write(action)
             elif isinstance(action, Free):
                 self.buffer.release(action.request_id)
-                self._held.pop(action.request_id, None)
                 self._targets.pop(action.request_id, None)
             elif isinstance(action, Succeed):
                 self._resolve(action.request_id, TransferState.SUCCESS, None)
@@ -219,7 +216,7 @@ class SenderDriver:
             done.exception()  # retrieved here if nobody awaits it
 
     def _write(self, action: Write) -> None:
-        held, peer = self._held[action.request_id], self._targets[action.request_id]
+        held, peer = self.buffer.held(action.request_id), self._targets[action.request_id]
         part = Part(action.request_id, held.blocks, action.start, action.count, action.dst_blocks)
         self._spawn(action.request_id, self._writing(action.transport, peer, part))
 

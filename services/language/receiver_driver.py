@@ -252,7 +252,7 @@ class ReceiverDriver:
             await end.confirm(
                 action.request_id, action.encoder_id, action.sent_tokens, self.timeout_s
             )
-        except (TransferFailedError, TimeoutError, RuntimeError) as exc:
+        except (TimeoutError, RuntimeError) as exc:  # TransferFailedError included
             self._run(self.machine.arrival_failed(action.request_id, str(exc)))
             return
         self._run(self.machine.arrived(action.request_id, action.sent_tokens))

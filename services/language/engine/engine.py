@@ -469,11 +469,13 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> None:
         replies: list[tuple[str, RequestOutput | BaseException]] = []
+        drained = False
         while True:
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            drained = True
             match message:
                 case _Add(request):
                     try:
@@ -483,7 +485,8 @@ class AsyncEngine:
                 case _Abort(request_id):
                     outputs = self.engine.abort_request(request_id)
                     replies += [(request_id, output) for output in outputs]
-        self.load = self.engine.load()
+        if drained:  # a step publishes its own
+            self.load = self.engine.load()
         self._send(replies)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
