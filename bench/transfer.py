@@ -50,7 +50,7 @@ from services.proto import (
     language_pb2_grpc,
 )
 from services.transfer.embedding_pool import EmbeddingPool
-from services.transfer.layout import PoolLayout
+from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.base import Part, Writer
 from services.transfer.transports.grpc_stream import GrpcWriter
 from services.transfer.transports.nixl import NixlWriter
@@ -119,7 +119,9 @@ class EncoderSide:
     def __init__(self, broker: str, writer: Writer, buffer_tokens: int, host_id: str) -> None:
         self.writer = TimedWriter(writer)
         self.buffer = SendBuffer(
-            EmbeddingPool.in_host_memory(PoolLayout(buffer_tokens // 256, 256, HIDDEN))
+            EmbeddingPool.in_host_memory(
+                PoolLayout(buffer_tokens // 256, 256, embedding_planes(HIDDEN))
+            )
         )
         self.sender = SenderDriver(
             self.buffer, lambda m: self.link.send(m), {writer.transport: self.writer}, host_id
@@ -185,7 +187,7 @@ class EncoderSide:
             )
         )
         reading = asyncio.ensure_future(_drain(generate))
-        image = ImageEmbedding(torch.randn(tokens, HIDDEN), None, grid)
+        image = ImageEmbedding((torch.randn(tokens, HIDDEN),), grid)
         held = await self.buffer.hold(request_id, [image], 30)
         started = time.perf_counter()
         await self.sender.start(request_id, peer, held, [grid])

@@ -44,7 +44,7 @@ from services.proto import (
 )
 from services.security import Security
 from services.triton.launcher import TritonServer
-from services.wire.messages import Abort, EmbeddingMeta, ImageGrid, Prealloc
+from services.wire.messages import Abort, EmbeddingMeta, ImageGrid, Plane, Prealloc
 from services.wire.transport import Transport
 from tests.broker.peers import attach, encoder, language, wait_for
 from tests.reflection import grpcurl, list_services
@@ -345,7 +345,9 @@ async def test_only_the_routed_encoder_speaks_for_a_request(secured: None) -> No
         (stranger,) = (p for e, p in encoders.items() if e != route.encoder_id)
 
         def meta() -> EmbeddingMeta:
-            return EmbeddingMeta("r", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32)
+            return EmbeddingMeta(
+                "r", "L", 64, (ImageGrid(1, 16, 16),), (Plane("embeddings", 8),), torch.float32
+            )
 
         stranger.link.send(meta())
         stranger.link.send(Abort("r", "forged"))

@@ -12,20 +12,16 @@ from services.wire.messages import ImageGrid
 
 @dataclass(frozen=True, slots=True)
 class ImageEmbedding:
-    embeddings: torch.Tensor  # [tokens, hidden]
-    deepstack: torch.Tensor | None  # [tokens, levels * hidden]
+    planes: tuple[torch.Tensor, ...]  # [tokens, width] per plane: embeddings, then deepstack
     grid: ImageGrid
 
     @property
     def num_tokens(self) -> int:
-        return int(self.embeddings.shape[0])
+        return int(self.planes[0].shape[0])
 
     @property
     def nbytes(self) -> int:
-        size = self.embeddings.numel() * self.embeddings.element_size()
-        if self.deepstack is not None:
-            size += self.deepstack.numel() * self.deepstack.element_size()
-        return size
+        return sum(p.numel() * p.element_size() for p in self.planes)
 
 
 class EmbeddingCache:

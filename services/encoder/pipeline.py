@@ -35,14 +35,9 @@ class Encoded:
         return sum(i.num_tokens for i in self.images)
 
     @property
-    def embeddings(self) -> torch.Tensor:
-        return torch.cat([i.embeddings for i in self.images])
-
-    @property
-    def deepstack(self) -> torch.Tensor | None:
-        if self.images[0].deepstack is None:
-            return None
-        return torch.cat([i.deepstack for i in self.images if i.deepstack is not None])
+    def planes(self) -> list[torch.Tensor]:
+        """Per plane, every image's tokens in order."""
+        return [torch.cat(parts) for parts in zip(*(i.planes for i in self.images), strict=True)]
 
 
 class EncodePipeline:
@@ -87,10 +82,9 @@ class EncodePipeline:
             )
             self.metrics.triton_seconds.observe(time.perf_counter() - started)
             sizes = [p.grid.num_tokens(self.merge_size) for p in pre]
-            embeds = torch.split(out.embeddings, sizes)
-            deep = torch.split(out.deepstack, sizes) if out.deepstack is not None else None
-            for j, (index, p) in enumerate(zip(missing, pre, strict=True)):
-                entry = ImageEmbedding(embeds[j].clone(), deep[j].clone() if deep else None, p.grid)
+            per_image = zip(*(torch.split(plane, sizes) for plane in out.planes), strict=True)
+            for index, p, planes in zip(missing, pre, per_image, strict=True):
+                entry = ImageEmbedding(tuple(t.clone() for t in planes), p.grid)
                 found[index] = entry
                 self.cache.put(keys[index], entry)
             self.metrics.cache_bytes.set(self.cache.bytes_used)

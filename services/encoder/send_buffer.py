@@ -68,7 +68,7 @@ class SendBuffer:
             ) from None
         start = 0
         for image in images:  # straight from each image's tensor: no concatenated copy
-            self.pool.write(blocks, start, image.embeddings, image.deepstack)
+            self.pool.write(blocks, start, image.planes)
             start += image.num_tokens
         held = self._held[request_id] = Held(request_id, blocks, num_tokens)
         return held

@@ -127,9 +127,8 @@ class SenderDriver:
             language_instance_id=peer.instance_id,
             total_tokens=held.num_tokens,
             grids=tuple(grids),
-            hidden_size=layout.hidden_size,
+            planes=layout.planes,
             dtype=layout.dtype,
-            deepstack_levels=layout.deepstack_levels,
             transport=transport,
         )
         actions = self.machine.start(meta)

@@ -25,7 +25,7 @@ from services.instance import InstanceConfig
 from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
-from services.transfer.layout import PoolLayout
+from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.ends import writers
 from services.wire.messages import Heartbeat, PeerMessage, Register, Role
 
@@ -95,8 +95,7 @@ class EncoderServer:
         layout = PoolLayout(
             num_blocks=config.send_buffer_tokens // config.send_block_size,
             block_size=config.send_block_size,
-            hidden_size=spec.vision.out_hidden_size,
-            deepstack_levels=spec.vision.deepstack_levels,
+            planes=embedding_planes(spec.vision.out_hidden_size, spec.vision.deepstack_levels),
             dtype=config.dtype,
         )
         self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout))

@@ -105,10 +105,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         reply = self._reply(request.request_id, encoded)
         if peer is None:
             dtype = self.buffer.pool.layout.dtype
-            reply.embeddings = tensor_bytes(encoded.embeddings.to(dtype))
-            deepstack = encoded.deepstack
-            if deepstack is not None:
-                reply.deepstack = tensor_bytes(deepstack.to(dtype))
+            reply.data.extend(tensor_bytes(plane.to(dtype)) for plane in encoded.planes)
             return reply
         held = await self.buffer.hold(request.request_id, encoded.images, self.buffer_wait_s)
         try:
@@ -129,8 +126,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             request_id=request_id,
             total_tokens=encoded.num_tokens,
             grids=[to_proto(g) for g in encoded.grids],
-            hidden_size=layout.hidden_size,
             dtype=dtype_to_proto(layout.dtype),
-            deepstack_levels=layout.deepstack_levels,
             cached_images=encoded.num_cached,
+            planes=[to_proto(p) for p in layout.planes],
         )

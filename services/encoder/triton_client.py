@@ -44,8 +44,7 @@ class TritonRequestError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class VitOutput:
-    embeddings: torch.Tensor  # [tokens, hidden] float32
-    deepstack: torch.Tensor | None  # [tokens, levels * hidden]
+    planes: tuple[torch.Tensor, ...]  # [tokens, width] float32: embeddings, then deepstack
 
 
 @dataclass(slots=True)
@@ -249,7 +248,7 @@ class VitClient:
                 for width, offset in zip(widths, offsets, strict=False)
                 if width
             ]
-        return VitOutput(tensors[0], tensors[1] if len(tensors) > 1 else None)
+        return VitOutput(tuple(tensors))
 
     async def statistics(self) -> dict[str, Any]:
         stats = await self._client.get_inference_statistics(self.model_name, as_json=True)

@@ -269,15 +269,11 @@ class Receiver:
             reason = "the language instance does not know this request"
             return [Send(Abort(meta.request_id, reason))]
         layout = self.layout
-        if (meta.hidden_size, meta.deepstack_levels, meta.dtype) != (
-            layout.hidden_size,
-            layout.deepstack_levels,
-            layout.dtype,
-        ):
+        if (meta.planes, meta.dtype) != (layout.planes, layout.dtype):
+            announced = ", ".join(map(str, meta.planes))
             return self.release(
                 meta.request_id,
-                f"embeddings {meta.hidden_size} x {meta.dtype} (deepstack {meta.deepstack_levels}) "
-                f"do not match the pool {layout.hidden_size} x {layout.dtype}",
+                f"embeddings {announced} x {meta.dtype} do not match the pool {layout.describe()}",
             )
         if meta.total_tokens <= 0:
             return self.release(meta.request_id, "metadata announces no tokens")

@@ -11,7 +11,7 @@ notification), and each request's future resolved.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from services.wire.messages import (
 )
 from services.wire.transport import Transport
 
-Embeddings = tuple[torch.Tensor, torch.Tensor | None]  # [tokens, hidden], deepstack
+Planes = list[torch.Tensor]  # a request's tokens, [tokens, width] per plane of the pool
 
 
 class ReceiverDriver:
@@ -77,7 +77,7 @@ class ReceiverDriver:
         self._to_broker = send  # BrokerUnavailableError when not attached
         self._on_finished = on_finished
         self._done: dict[str, asyncio.Future[EmbeddingMeta]] = {}
-        self._staged: dict[str, list[Embeddings]] = {}
+        self._staged: dict[str, list[Planes]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -116,19 +116,16 @@ class ReceiverDriver:
             raise TransferFailedError(f"request {request_id!r} is not receiving")
         return await asyncio.shield(done)
 
-    async def take(self, request_id: str) -> Embeddings:
-        """A finished request's embeddings, copied out of the pool; its blocks are
-        free again when this returns."""
+    async def take(self, request_id: str) -> Planes:
+        """A finished request's embeddings (per plane: the embeddings, then any
+        deepstack features), copied out of the pool; its blocks are free again
+        when this returns."""
         self._run(self.machine.take(request_id))
         self._done.pop(request_id, None)
         parts = self._staged.pop(request_id)
         if len(parts) == 1:  # already a copy: no second one
             return parts[0]
-        embeddings = torch.cat([p[0] for p in parts])
-        deepstack = None
-        if parts[0][1] is not None:
-            deepstack = torch.cat([p[1] for p in parts if p[1] is not None])
-        return embeddings, deepstack
+        return [torch.cat(plane) for plane in zip(*parts, strict=True)]
 
     def release(self, request_id: str, reason: str) -> None:
         """Ends a request's transfer, whatever its state; its blocks go back (or
@@ -141,22 +138,24 @@ class ReceiverDriver:
         request_id: str,
         start_token: int,
         num_tokens: int,
-        embeddings: bytes,
-        deepstack: bytes,
+        planes: Sequence[bytes],
         encoder_id: str,
     ) -> None:
-        """gRPC data plane: a run of tokens of the current part."""
+        """gRPC data plane: a run of tokens of the current part, per plane."""
         blocks, offset = self.machine.chunk_target(request_id, start_token, num_tokens, encoder_id)
         layout = self.pool.layout
-        values = tensor_from_bytes(embeddings, layout.dtype, layout.hidden_size)
-        deep = (
-            tensor_from_bytes(deepstack, layout.dtype, layout.deepstack_width)
-            if layout.deepstack_levels
-            else None
-        )
-        if values.shape[0] != num_tokens or (deep is not None and deep.shape[0] != num_tokens):
-            raise ValueError(f"chunk carries {values.shape[0]} tokens, says {num_tokens}")
-        self.pool.write(blocks, offset, values, deep)
+        if len(planes) != len(layout.planes):
+            raise ValueError(
+                f"chunk carries {len(planes)} planes; the pool holds {layout.describe()}"
+            )
+        values = [
+            tensor_from_bytes(data, layout.dtype, plane.width)
+            for data, plane in zip(planes, layout.planes, strict=True)
+        ]
+        for value in values:
+            if value.shape[0] != num_tokens:
+                raise ValueError(f"chunk carries {value.shape[0]} tokens, says {num_tokens}")
+        self.pool.write(blocks, offset, values)
         self.machine.chunk_written(request_id, num_tokens)
 
     # -- the broker's messages, time, shutdown --------------------------------------

@@ -22,7 +22,7 @@ from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.proto import language_pb2, language_pb2_grpc
-from services.transfer.layout import PoolLayout
+from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.ends import receive_side
 from services.wire.messages import (
     Heartbeat,
@@ -82,8 +82,9 @@ class LanguageServer:
             PoolLayout(
                 num_blocks=config.embedding_pool_tokens // config.embedding_block_size,
                 block_size=config.embedding_block_size,
-                hidden_size=self.spec.text.hidden_size,
-                deepstack_levels=self.spec.vision.deepstack_levels,
+                planes=embedding_planes(
+                    self.spec.text.hidden_size, self.spec.vision.deepstack_levels
+                ),
                 dtype=config.dtype,
             ),
             torch.device(config.engine.device),
@@ -140,11 +141,7 @@ class LanguageServer:
     def registration(self) -> Register:
         layout = self.pool.layout
         pool = PoolDescriptor(
-            layout.num_blocks,
-            layout.block_size,
-            layout.hidden_size,
-            layout.deepstack_levels,
-            layout.dtype,
+            layout.num_blocks, layout.block_size, layout.planes, layout.dtype
         ).reached_by(end.endpoint() for end in self.ends.values())
         return self.config.instance.registration(
             self.grpc.address, pool.transports, self.config.model_name, pool

@@ -272,8 +272,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         try:
             await self.receiver.expect(request_id, hint_tokens)
             meta = await self.receiver.wait(request_id)
-            embeds, _deepstack = await self.receiver.take(request_id)
-            return list(meta.grids), embeds
+            planes = await self.receiver.take(request_id)
+            return list(meta.grids), planes[0]
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
 
@@ -289,8 +289,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                     chunk.request_id,
                     chunk.start_token,
                     chunk.num_tokens,
-                    chunk.embeddings,
-                    chunk.deepstack,
+                    chunk.planes,
                     chunk.encoder_instance_id,
                 )
             except TransferFailedError as exc:

@@ -1,6 +1,7 @@
 """EmbeddingPool: embedding storage in blocks, in memory a transport can reach.
+One tensor per plane of its layout, all indexed by the same flat rows:
 
-    embeddings  [num_blocks * block_size, hidden]              (flat rows)
+    embeddings  [num_blocks * block_size, hidden]
     deepstack   [num_blocks * block_size, levels * hidden]     (only with deepstack)
 
 The language side receives into one (POSIX shared memory on CPU, a CUDA
@@ -58,15 +59,14 @@ class EmbeddingPool:
     def __init__(
         self,
         layout: PoolLayout,
-        embeddings: torch.Tensor,
-        deepstack: torch.Tensor | None,
+        tensors: Sequence[torch.Tensor],
         segments: Sequence[SharedSegment] = (),
     ) -> None:
-        assert embeddings.shape == (layout.num_rows, layout.hidden_size)
-        assert (deepstack is None) == (layout.deepstack_levels == 0)
+        assert [tuple(t.shape) for t in tensors] == [
+            (layout.num_rows, p.width) for p in layout.planes
+        ]
         self.layout = layout
-        self.embeddings = embeddings
-        self.deepstack = deepstack
+        self.tensors = list(tensors)  # one per plane, in the layout's order
         self.segments = list(segments)
         self.allocator = BlockAllocator(layout.num_blocks, layout.block_size)
 
@@ -76,75 +76,49 @@ class EmbeddingPool:
             t = torch.zeros(layout.num_rows, width, dtype=layout.dtype)
             return t.pin_memory() if pin else t
 
-        deepstack = alloc(layout.deepstack_width) if layout.deepstack_levels else None
-        return cls(layout, alloc(layout.hidden_size), deepstack)
+        return cls(layout, [alloc(p.width) for p in layout.planes])
 
     @classmethod
     def in_shared_memory(cls, layout: PoolLayout) -> EmbeddingPool:
-        embeds_segment = SharedSegment.create(layout.embeddings_bytes, "embeddings")
-        segments = [embeds_segment]
-        deepstack = None
-        if layout.deepstack_levels:
-            deep_segment = SharedSegment.create(layout.deepstack_bytes, "deepstack")
-            segments.append(deep_segment)
-            deepstack = deep_segment.tensor(layout.dtype, (layout.num_rows, layout.deepstack_width))
-        embeddings = embeds_segment.tensor(layout.dtype, (layout.num_rows, layout.hidden_size))
-        return cls(layout, embeddings, deepstack, segments)
+        segments = [SharedSegment.create(layout.plane_bytes(p), p.name) for p in layout.planes]
+        tensors = [
+            s.tensor(layout.dtype, (layout.num_rows, p.width))
+            for s, p in zip(segments, layout.planes, strict=True)
+        ]
+        return cls(layout, tensors, segments)
 
     @classmethod
     def on_cuda(cls, layout: PoolLayout, device: torch.device) -> EmbeddingPool:
-        embeddings = torch.zeros(
-            layout.num_rows, layout.hidden_size, dtype=layout.dtype, device=device
+        return cls(
+            layout,
+            [
+                torch.zeros(layout.num_rows, p.width, dtype=layout.dtype, device=device)
+                for p in layout.planes
+            ],
         )
-        deepstack = None
-        if layout.deepstack_levels:
-            deepstack = torch.zeros(
-                layout.num_rows, layout.deepstack_width, dtype=layout.dtype, device=device
-            )
-        return cls(layout, embeddings, deepstack)
 
     @property
-    def tensors(self) -> list[torch.Tensor]:
-        """The embeddings, then the deepstack features if the pool holds them."""
-        return [self.embeddings] + ([self.deepstack] if self.deepstack is not None else [])
-
-    @property
-    def shm_names(self) -> tuple[str, str]:
-        """(embeddings, deepstack) segment names; deepstack is '' without deepstack."""
+    def shm_names(self) -> tuple[str, ...]:
+        """The shared-memory segment of each plane."""
         if not self.segments:
             raise ValueError("this pool is not in shared memory")
-        return self.segments[0].name, self.segments[1].name if len(self.segments) > 1 else ""
+        return tuple(s.name for s in self.segments)
 
-    def write(
-        self,
-        blocks: Sequence[int],
-        start: int,
-        embeddings: torch.Tensor,
-        deepstack: torch.Tensor | None = None,
-    ) -> None:
-        bs = self.layout.block_size
-        write_tokens(self.embeddings, blocks, bs, start, embeddings.to(self.layout.dtype))
-        if self.deepstack is not None:
-            if deepstack is None:
-                raise ValueError("this pool holds deepstack features; none were given")
-            write_tokens(self.deepstack, blocks, bs, start, deepstack.to(self.layout.dtype))
+    def write(self, blocks: Sequence[int], start: int, planes: Sequence[torch.Tensor]) -> None:
+        """Tokens [start, start + n) of the block list <- one [n, width] tensor per plane."""
+        if len(planes) != len(self.tensors):
+            raise ValueError(f"{len(planes)} planes given; the pool holds {self.layout.describe()}")
+        for rows, values in zip(self.tensors, planes, strict=True):
+            write_tokens(rows, blocks, self.layout.block_size, start, values.to(self.layout.dtype))
 
-    def read(
-        self, blocks: Sequence[int], start: int, count: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def read(self, blocks: Sequence[int], start: int, count: int) -> list[torch.Tensor]:
+        """A copy of tokens [start, start + count) of the block list, per plane."""
         bs = self.layout.block_size
-        embeddings = read_tokens(self.embeddings, blocks, bs, start, count)
-        deepstack = (
-            read_tokens(self.deepstack, blocks, bs, start, count)
-            if self.deepstack is not None
-            else None
-        )
-        return embeddings, deepstack
+        return [read_tokens(rows, blocks, bs, start, count) for rows in self.tensors]
 
     def close(self) -> None:
         # Views first: a segment cannot close while a tensor still exports its buffer.
-        self.embeddings = torch.empty(0)
-        self.deepstack = None
+        self.tensors = []
         for segment in self.segments:
             segment.close()
         self.segments = []

@@ -1,8 +1,10 @@
 """PoolLayout and the token-run index math every transport shares.
 
-A pool stores tokens in blocks; block b, slot o is flat row b * block_size + o
-of a [num_blocks * block_size, hidden] view. Copying n tokens from one block
-list to another splits into runs that are contiguous on both sides:
+A pool stores tokens in blocks, for each of its planes (the embeddings, the
+deepstack features; later KV): block b, slot o is flat row b * block_size + o
+of each plane's [num_blocks * block_size, width] tensor. Copying n tokens from
+one block list to another splits into runs that are contiguous on both sides,
+the same runs for every plane:
 
     src blocks (bs=4): [7      ][2      ]        token i -> row 7*4+i, then 2*4+(i-4)
     dst blocks (bs=2): [0  ][5  ][6  ][1  ]
@@ -17,19 +19,34 @@ from dataclasses import dataclass
 import torch
 
 from services.wire.dtypes import DTYPE_NAMES
+from services.wire.messages import Plane
+
+
+def embedding_planes(hidden_size: int, deepstack_levels: int = 0) -> tuple[Plane, ...]:
+    """A vision-language model's planes: the embeddings, and with deepstack the
+    features of every level side by side."""
+    planes: tuple[Plane, ...] = (Plane("embeddings", hidden_size),)
+    if deepstack_levels:
+        planes += (Plane("deepstack", deepstack_levels * hidden_size),)
+    return planes
 
 
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
+    """Blocks of `block_size` tokens; per plane, a [num_rows, width] tensor."""
+
     num_blocks: int
     block_size: int
-    hidden_size: int
-    deepstack_levels: int = 0
+    planes: tuple[Plane, ...]
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        if min(self.num_blocks, self.block_size, self.hidden_size) <= 0:
-            raise ValueError(f"pool dimensions must be positive: {self}")
+        if min(self.num_blocks, self.block_size) <= 0 or not self.planes:
+            raise ValueError(f"a pool needs blocks and planes: {self}")
+        if min(p.width for p in self.planes) <= 0:
+            raise ValueError(f"plane widths must be positive: {self}")
+        if len({p.name for p in self.planes}) != len(self.planes):
+            raise ValueError(f"plane names must differ: {self}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"unsupported embedding dtype {self.dtype}")
 
@@ -41,30 +58,19 @@ class PoolLayout:
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    @property
-    def row_bytes(self) -> int:
-        return self.hidden_size * self.element_size
+    def row_bytes(self, plane: Plane) -> int:
+        return plane.width * self.element_size
 
-    @property
-    def deepstack_width(self) -> int:
-        return self.deepstack_levels * self.hidden_size
-
-    @property
-    def deepstack_row_bytes(self) -> int:
-        return self.deepstack_width * self.element_size
-
-    @property
-    def embeddings_bytes(self) -> int:
-        return self.num_rows * self.row_bytes
-
-    @property
-    def deepstack_bytes(self) -> int:
-        return self.num_rows * self.deepstack_row_bytes
+    def plane_bytes(self, plane: Plane) -> int:
+        return self.num_rows * self.row_bytes(plane)
 
     @property
     def token_bytes(self) -> int:
-        """Bytes one token occupies in the pool, deepstack included."""
-        return self.row_bytes + self.deepstack_row_bytes
+        """Bytes one token occupies in the pool, all planes together."""
+        return sum(self.row_bytes(p) for p in self.planes)
+
+    def describe(self) -> str:
+        return f"{', '.join(map(str, self.planes))} x {DTYPE_NAMES[self.dtype]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,29 +40,39 @@ class ImageGrid:
         return self.t * self.h * self.w
 
 
-# How an encoder reaches a language instance's pool, one per transport.
+@dataclass(frozen=True, slots=True)
+class Plane:
+    """One per-token tensor of a pool or a transfer: `width` values a token.
+    Planes are listed embeddings first; per-plane data follows that order."""
+
+    name: str
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.width}]"
+
+
+# How an encoder reaches a language instance's pool, one per transport; the
+# per-plane fields follow the pool's planes.
 
 
 @dataclass(frozen=True, slots=True)
 class ShmPool:
-    embeddings_name: str
-    deepstack_name: str = ""
+    segment_names: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class NixlPool:
     agent_name: str
     agent_metadata: bytes
-    embeddings_addr: int
-    deepstack_addr: int = 0
+    plane_addrs: tuple[int, ...]
     device_id: int = 0
     memory_type: str = "DRAM"
 
 
 @dataclass(frozen=True, slots=True)
 class CudaIpcPool:
-    embeddings_handle: bytes
-    deepstack_handle: bytes = b""
+    plane_handles: tuple[bytes, ...]
     device_id: int = 0
 
 
@@ -81,8 +91,7 @@ class PoolDescriptor:
 
     num_blocks: int
     block_size: int
-    hidden_size: int
-    deepstack_levels: int
+    planes: tuple[Plane, ...]
     dtype: torch.dtype
     shm: ShmPool | None = None
     nixl: NixlPool | None = None
@@ -150,9 +159,8 @@ class EmbeddingMeta:
     language_instance_id: str
     total_tokens: int
     grids: tuple[ImageGrid, ...]
-    hidden_size: int
+    planes: tuple[Plane, ...]
     dtype: torch.dtype
-    deepstack_levels: int = 0
     encoder_instance_id: str = ""
     transport: Transport = Transport.GRPC
 

@@ -13,6 +13,7 @@ from services.wire.messages import (
     BrokerMessage,
     GrpcPool,
     Heartbeat,
+    Plane,
     PoolDescriptor,
     Register,
     Role,
@@ -25,10 +26,9 @@ def language(instance_id: str, host: str = "h1", shm: bool = True, model: str = 
     pool = PoolDescriptor(
         16,
         256,
-        8,
-        0,
+        (Plane("embeddings", 8),),
         torch.float32,
-        shm=ShmPool("seg") if shm else None,
+        shm=ShmPool(("seg",)) if shm else None,
         grpc=GrpcPool(f"{instance_id}:1"),
     )
     return Register(

@@ -21,6 +21,7 @@ from services.wire.messages import (
     ImageGrid,
     InstanceJoined,
     PeerLost,
+    Plane,
     Prealloc,
     ShmPool,
 )
@@ -30,6 +31,7 @@ from tests.reflection import call_json, list_services
 from tests.stack import broker_stub, start_broker
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+PLANES = (Plane("embeddings", 8),)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -46,7 +48,7 @@ async def test_encoders_learn_about_language_instances(broker: BrokerServer) -> 
     await wait_for(lambda: len(enc.of(InstanceJoined)) == 2)
     joined = {m.instance.registration.instance_id for m in enc.of(InstanceJoined)}
     assert joined == {"L1", "L2"}
-    assert enc.of(InstanceJoined)[0].instance.registration.pool.shm == ShmPool("seg")
+    assert enc.of(InstanceJoined)[0].instance.registration.pool.shm == ShmPool(("seg",))
     for peer in (lang, enc, lang2):
         await peer.link.close()
 
@@ -65,7 +67,7 @@ async def test_rendezvous_relays_over_the_streams(broker: BrokerServer) -> None:
     enc = await attach(broker, encoder("E"))
     await wait_for(lambda: enc.of(InstanceJoined))
     await route(broker, "r1")
-    enc.link.send(EmbeddingMeta("r1", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32))
+    enc.link.send(EmbeddingMeta("r1", "L", 64, (ImageGrid(1, 16, 16),), PLANES, torch.float32))
     lang.link.send(Prealloc("r1", (3,), 256))
     await wait_for(lambda: lang.of(EmbeddingMeta) and enc.of(Prealloc))
     assert lang.of(EmbeddingMeta)[0].encoder_instance_id == "E"
@@ -83,7 +85,7 @@ async def test_silent_instance_is_evicted_and_its_peers_hear_peer_lost(
     outgoing: asyncio.Queue[broker_pb2.PeerMessage | None] = asyncio.Queue()
     for message in (
         encoder("silent"),
-        EmbeddingMeta("r2", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32),
+        EmbeddingMeta("r2", "L", 64, (ImageGrid(1, 16, 16),), PLANES, torch.float32),
     ):
         outgoing.put_nowait(wrap(broker_pb2.PeerMessage, message))
 
@@ -200,7 +202,7 @@ async def test_describe_request_shows_the_phase(broker: BrokerServer) -> None:
     waiting = await stub.DescribeRequest(broker_pb2.DescribeRequestRequest(request_id="r9"))
     assert waiting.phase == broker_pb2.RequestDescription.PHASE_WAITING
     assert waiting.has_prealloc and not waiting.has_meta
-    enc.link.send(EmbeddingMeta("r9", "L", 64, (ImageGrid(1, 16, 16),), 8, torch.float32))
+    enc.link.send(EmbeddingMeta("r9", "L", 64, (ImageGrid(1, 16, 16),), PLANES, torch.float32))
     await wait_for(lambda: lang.of(EmbeddingMeta))
     paired = await stub.DescribeRequest(broker_pb2.DescribeRequestRequest(request_id="r9"))
     assert paired.phase == broker_pb2.RequestDescription.PHASE_TRANSFERRING

@@ -14,6 +14,7 @@ from services.wire.messages import (
     EmbeddingMeta,
     ImageGrid,
     PeerLost,
+    Plane,
     Prealloc,
     Released,
     Resume,
@@ -25,7 +26,9 @@ E, E2, L = "enc", "enc-2", "lang"
 
 
 def meta(rid: str = "r", total: int = 100) -> EmbeddingMeta:
-    return EmbeddingMeta(rid, L, total, (ImageGrid(1, 20, 20),), 8, torch.float32)
+    return EmbeddingMeta(
+        rid, L, total, (ImageGrid(1, 20, 20),), (Plane("embeddings", 8),), torch.float32
+    )
 
 
 def prealloc(rid: str = "r", tokens: int = 64) -> Prealloc:

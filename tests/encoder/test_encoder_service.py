@@ -98,7 +98,7 @@ async def test_embeddings_equal_the_vision_tower(
         encoder_pb2.EncodeRequest(request_id="r", images=data)
     )
     expected = reference_embeddings(tiny_checkpoint, data)
-    got = tensor_from_bytes(reply.embeddings, torch.float32, reply.hidden_size)
+    got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
     assert reply.total_tokens == expected.shape[0] == got.shape[0]
     assert len(reply.grids) == num_images
     assert torch.equal(got, expected)
@@ -123,7 +123,7 @@ async def test_bfloat16_tower_and_embeddings(tiny_checkpoint: Path) -> None:
             await server.stop()
     expected = reference_embeddings(tiny_checkpoint, data, torch.bfloat16)
     assert reply.dtype == common_pb2.DTYPE_BFLOAT16
-    got = tensor_from_bytes(reply.embeddings, torch.bfloat16, reply.hidden_size)
+    got = tensor_from_bytes(reply.data[0], torch.bfloat16, reply.planes[0].width)
     assert torch.equal(got, expected)
 
 
@@ -155,9 +155,9 @@ async def test_repeated_image_is_served_from_the_cache(
     assert first.cached_images == 0
     assert again.cached_images == 2
     # The same embeddings, in the new order.
-    hidden = first.hidden_size
-    a = tensor_from_bytes(first.embeddings, torch.float32, hidden)
-    b = tensor_from_bytes(again.embeddings, torch.float32, hidden)
+    hidden = first.planes[0].width
+    a = tensor_from_bytes(first.data[0], torch.float32, hidden)
+    b = tensor_from_bytes(again.data[0], torch.float32, hidden)
     n0 = first.grids[0].t * first.grids[0].h * first.grids[0].w // 4
     assert torch.equal(a[:n0], b[b.shape[0] - n0 :])
 
@@ -258,7 +258,7 @@ async def test_cancelled_encodes_under_a_burst_leave_the_slots_whole(
         *(stub.Encode(encoder_pb2.EncodeRequest(images=d)) for d in again)
     )
     for data, reply in zip(again, replies, strict=True):
-        got = tensor_from_bytes(reply.embeddings, torch.float32, reply.hidden_size)
+        got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
         assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
 
 
@@ -275,7 +275,7 @@ async def test_slots_are_made_anew_when_triton_forgets_them(
     client.close()
     data = images(2, seed=721)
     reply = await stub.Encode(encoder_pb2.EncodeRequest(images=data))
-    got = tensor_from_bytes(reply.embeddings, torch.float32, reply.hidden_size)
+    got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
     assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
 
 

@@ -9,21 +9,21 @@ import pytest
 import torch
 
 from services.transfer.embedding_pool import EmbeddingPool
-from services.transfer.layout import PoolLayout
+from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.base import Part
 from services.transfer.transports.cuda_ipc import CudaIpcMemory, CudaIpcWriter
 from services.wire.messages import PoolDescriptor, Register, Role
 
 pytestmark = pytest.mark.gpu
 
-LAYOUT = PoolLayout(num_blocks=8, block_size=16, hidden_size=32, dtype=torch.bfloat16)
+LAYOUT = PoolLayout(8, 16, embedding_planes(32, deepstack_levels=2), torch.bfloat16)
 
 
 def _receiver(queue: mp.Queue, done: mp.Event) -> None:  # type: ignore[type-arg]
     exported = CudaIpcMemory(LAYOUT, torch.device("cuda", 0))
     queue.put(exported.endpoint())
     done.wait(60)
-    queue.put(exported.pool.read([5, 2], 0, 20)[0].cpu())
+    queue.put([plane.cpu() for plane in exported.pool.read([5, 2], 0, 20)])
     exported.close()
 
 
@@ -43,19 +43,18 @@ def test_cuda_ipc_write_is_bit_exact() -> None:
         PoolDescriptor(
             LAYOUT.num_blocks,
             LAYOUT.block_size,
-            LAYOUT.hidden_size,
-            0,
+            LAYOUT.planes,
             LAYOUT.dtype,
             cuda_ipc=endpoint,
         ),
     )
     source = EmbeddingPool.on_cuda(LAYOUT, torch.device("cuda", 0))
-    values = torch.randn(20, LAYOUT.hidden_size, dtype=LAYOUT.dtype, device="cuda")
+    values = [torch.randn(20, p.width, dtype=LAYOUT.dtype, device="cuda") for p in LAYOUT.planes]
     source.write([1, 3], 0, values)
     writer = CudaIpcWriter()
     asyncio.run(writer.write(peer, source, Part("r", [1, 3], 0, 20, [5, 2])))
     done.set()
     received = queue.get(timeout=60)
     child.join(60)
-    assert torch.equal(received, values.cpu())
+    assert all(torch.equal(r, v.cpu()) for r, v in zip(received, values, strict=True))
     asyncio.run(writer.close())

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.transfer.embedding_pool import EmbeddingPool, read_tokens, write_tokens
-from services.transfer.layout import PoolLayout, copy_runs, token_rows
+from services.transfer.layout import PoolLayout, copy_runs, embedding_planes, token_rows
+from services.wire.messages import Plane
 
 
 def test_token_rows_merge_adjacent_blocks() -> None:
@@ -37,28 +39,40 @@ def test_copy_runs_move_every_token_to_its_place(
 
 
 def test_pool_write_read_round_trip_with_deepstack() -> None:
-    layout = PoolLayout(num_blocks=6, block_size=4, hidden_size=3, deepstack_levels=2)
+    layout = PoolLayout(6, 4, embedding_planes(3, deepstack_levels=2))
+    assert [(p.name, p.width) for p in layout.planes] == [("embeddings", 3), ("deepstack", 6)]
     pool = EmbeddingPool.in_shared_memory(layout)
     try:
         blocks = pool.allocator.allocate(10)
         assert blocks is not None
         embeds = torch.randn(10, 3)
         deep = torch.randn(10, 6)
-        pool.write(blocks, 0, embeds, deep)
+        pool.write(blocks, 0, [embeds, deep])
         got, got_deep = pool.read(blocks, 0, 10)
         assert torch.equal(got, embeds)
-        assert got_deep is not None and torch.equal(got_deep, deep)
-        names = pool.shm_names
-        assert all(names)
+        assert torch.equal(got_deep, deep)
+        assert len(set(pool.shm_names)) == 2  # a segment per plane
+        with pytest.raises(ValueError, match="1 planes given"):
+            pool.write(blocks, 0, [embeds])
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    "planes",
+    [(), (Plane("embeddings", 0),), (Plane("a", 2), Plane("a", 3))],
+    ids=["none", "zero-width", "same-name"],
+)
+def test_layout_refuses_bad_planes(planes: tuple[Plane, ...]) -> None:
+    with pytest.raises(ValueError):
+        PoolLayout(4, 4, planes)
 
 
 def test_shared_memory_segments_are_private_and_removed() -> None:
     import os
     import stat
 
-    pool = EmbeddingPool.in_shared_memory(PoolLayout(2, 4, 8))
+    pool = EmbeddingPool.in_shared_memory(PoolLayout(2, 4, embedding_planes(8)))
     name = pool.shm_names[0]
     path = f"/dev/shm/{name}"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -27,7 +27,7 @@ from services.broker.rendezvous import Rendezvous
 from services.encoder import sender as tx
 from services.language import receiver as rx
 from services.transfer.allocator import BlockAllocator
-from services.transfer.layout import PoolLayout
+from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.state import TransferState
 from services.wire.messages import (
     Abort,
@@ -69,7 +69,7 @@ class World:
         clock = lambda: self.now  # noqa: E731
         self.sender = tx.Sender(TIMEOUT_S, clock)
         self.broker = Rendezvous(ttl_s=TIMEOUT_S, history_s=1e9, clock=clock)
-        layout = PoolLayout(RECEIVE_BLOCKS, RECEIVE_BLOCK_SIZE, hidden_size=8)
+        layout = PoolLayout(RECEIVE_BLOCKS, RECEIVE_BLOCK_SIZE, embedding_planes(8))
         self.receiver = rx.Receiver(layout, 8, TIMEOUT_S, QUARANTINE_S, clock=clock)
         self.receive_pool = BlockAllocator(RECEIVE_BLOCKS, RECEIVE_BLOCK_SIZE)
         self.send_pool = BlockAllocator(SEND_BLOCKS, SEND_BLOCK_SIZE)
@@ -125,7 +125,13 @@ class World:
         self.started.add(request_id)
         self.broker.route(request_id, E, L)
         meta = EmbeddingMeta(
-            request_id, L, TOKENS[request_id], (), 8, torch.float32, transport=Transport.SHM
+            request_id,
+            L,
+            TOKENS[request_id],
+            (),
+            embedding_planes(8),
+            torch.float32,
+            transport=Transport.SHM,
         )
         self.on_sender(self.sender.start(meta))
 

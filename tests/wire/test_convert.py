@@ -22,6 +22,7 @@ from services.wire.messages import (
     InstanceJoined,
     NixlPool,
     PeerLost,
+    Plane,
     PoolDescriptor,
     Prealloc,
     Register,
@@ -37,20 +38,19 @@ from services.wire.transport import Transport
 POOL = PoolDescriptor(
     64,
     256,
-    2048,
-    3,
+    (Plane("embeddings", 2048), Plane("deepstack", 3 * 2048)),
     torch.bfloat16,
-    shm=ShmPool("epd_e", "epd_d"),
-    nixl=NixlPool("agent", b"\x00meta", 1 << 40, 1 << 41, 1, "VRAM"),
-    cuda_ipc=CudaIpcPool(b"handle", b"deep", 2),
+    shm=ShmPool(("epd_e", "epd_d")),
+    nixl=NixlPool("agent", b"\x00meta", (1 << 40, 1 << 41), 1, "VRAM"),
+    cuda_ipc=CudaIpcPool((b"handle", b"deep"), 2),
     grpc=GrpcPool("10.0.0.2:50071"),
 )
 LANGUAGE = Register(
     Role.LANGUAGE, "language-0", "10.0.0.2:50071", "node-1", POOL.transports, "m", POOL
 )
 META = EmbeddingMeta(
-    "r1", "language-0", 120, (ImageGrid(1, 10, 12), ImageGrid(2, 4, 4)), 2048, torch.float16,
-    3, "encoder-1", Transport.NIXL,
+    "r1", "language-0", 120, (ImageGrid(1, 10, 12), ImageGrid(2, 4, 4)), POOL.planes,
+    torch.float16, "encoder-1", Transport.NIXL,
 )  # fmt: skip
 PEER = [
     LANGUAGE,

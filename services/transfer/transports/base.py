@@ -102,8 +102,8 @@ def copy_part(
     part: Part,
     non_blocking: bool = False,
 ) -> None:
-    """Copies a part into the receiver's tensors (`source.tensors` order), one copy
-    per run that is contiguous on both sides: the data plane of shm and cuda_ipc."""
+    """Copies a part into the receiver's tensors (one per plane), one copy per run
+    that is contiguous on both sides: the data plane of shm and cuda_ipc."""
     runs = copy_runs(
         part.src_blocks,
         source.layout.block_size,
@@ -124,19 +124,11 @@ def receiver_layout(peer: Register) -> PoolLayout:
     pool: PoolDescriptor | None = peer.pool
     if pool is None:
         raise ValueError(f"{peer.instance_id} has no receive pool")
-    return PoolLayout(
-        pool.num_blocks, pool.block_size, pool.hidden_size, pool.deepstack_levels, pool.dtype
-    )
+    return PoolLayout(pool.num_blocks, pool.block_size, pool.planes, pool.dtype)
 
 
 def check_compatible(source: PoolLayout, target: PoolLayout, peer: str) -> None:
-    if (source.hidden_size, source.deepstack_levels, source.dtype) != (
-        target.hidden_size,
-        target.deepstack_levels,
-        target.dtype,
-    ):
+    if (source.planes, source.dtype) != (target.planes, target.dtype):
         raise ValueError(
-            f"embeddings ({source.hidden_size} x {source.dtype}, "
-            f"deepstack {source.deepstack_levels}) do not fit {peer}'s pool "
-            f"({target.hidden_size} x {target.dtype}, deepstack {target.deepstack_levels})"
+            f"embeddings ({source.describe()}) do not fit {peer}'s pool ({target.describe()})"
         )

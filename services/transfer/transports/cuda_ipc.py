@@ -54,22 +54,16 @@ class CudaIpcMemory(WrittenBeforeDone):
         self._ptrs: list[int] = []
         handles: list[bytes] = []
         tensors: list[torch.Tensor] = []
-        sizes = [layout.embeddings_bytes] + (
-            [layout.deepstack_bytes] if layout.deepstack_levels else []
-        )
         with cupy.cuda.Device(self.device_id):
-            for nbytes in sizes:
+            for plane in layout.planes:
+                nbytes = layout.plane_bytes(plane)
                 ptr = cupy.cuda.runtime.malloc(nbytes)
                 cupy.cuda.runtime.memset(ptr, 0, nbytes)
                 self._ptrs.append(ptr)
                 handles.append(bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr)))
                 tensors.append(_view(ptr, nbytes, self.device_id, layout.dtype, layout.num_rows))
-        self.pool = EmbeddingPool(layout, tensors[0], tensors[1] if len(tensors) > 1 else None)
-        self._endpoint = CudaIpcPool(
-            embeddings_handle=handles[0],
-            deepstack_handle=handles[1] if len(handles) > 1 else b"",
-            device_id=self.device_id,
-        )
+        self.pool = EmbeddingPool(layout, tensors)
+        self._endpoint = CudaIpcPool(plane_handles=tuple(handles), device_id=self.device_id)
 
     def endpoint(self) -> CudaIpcPool:
         return self._endpoint
@@ -93,16 +87,16 @@ class _OpenedPool:
         self.layout = receiver_layout(peer)
         self.device_id = endpoint.device_id
         self._ptrs: list[int] = []
-        # The embeddings, then the deepstack features: EmbeddingPool.tensors' order.
-        self.tensors: list[torch.Tensor] = []
-        with cupy.cuda.Device(self.device_id):
-            self.tensors.append(
-                self._open(endpoint.embeddings_handle, self.layout.embeddings_bytes)
+        if len(endpoint.plane_handles) != len(self.layout.planes):
+            raise ValueError(
+                f"{peer.instance_id}: {len(endpoint.plane_handles)} handles "
+                f"for {self.layout.describe()}"
             )
-            if self.layout.deepstack_levels:
-                self.tensors.append(
-                    self._open(endpoint.deepstack_handle, self.layout.deepstack_bytes)
-                )
+        with cupy.cuda.Device(self.device_id):
+            self.tensors = [
+                self._open(handle, self.layout.plane_bytes(plane))
+                for handle, plane in zip(endpoint.plane_handles, self.layout.planes, strict=True)
+            ]
 
     def _open(self, handle: bytes, nbytes: int) -> torch.Tensor:
         import cupy

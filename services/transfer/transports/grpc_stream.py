@@ -59,20 +59,16 @@ class GrpcWriter:
             for offset in range(0, part.count, per_chunk):
                 n = min(per_chunk, part.count - offset)
                 start = part.start + offset
-                chunk = language_pb2.EmbeddingChunk(
+                yield language_pb2.EmbeddingChunk(
                     request_id=part.request_id,
                     start_token=start,
                     num_tokens=n,
                     encoder_instance_id=self.instance_id,
-                    embeddings=tensor_bytes(
-                        read_tokens(source.embeddings, part.src_blocks, bs, start, n)
-                    ),
+                    planes=[
+                        tensor_bytes(read_tokens(rows, part.src_blocks, bs, start, n))
+                        for rows in source.tensors
+                    ],
                 )
-                if source.deepstack is not None:
-                    chunk.deepstack = tensor_bytes(
-                        read_tokens(source.deepstack, part.src_blocks, bs, start, n)
-                    )
-                yield chunk
 
         reply = await self._stub(peer).PushEmbeddings(chunks(), timeout=self.timeout_s)
         if reply.received_tokens != part.count:

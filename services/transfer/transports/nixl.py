@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from services.transfer.embedding_pool import EmbeddingPool
-from services.transfer.layout import PoolLayout, Run, copy_runs
+from services.transfer.layout import PoolLayout, copy_runs
 from services.transfer.transports.base import Part, check_compatible, receiver_layout
 from services.wire.messages import NixlPool, Register
 from services.wire.transport import Transport
@@ -122,10 +122,9 @@ class NixlReceiver:
         return NixlPool(
             agent_name=self.agent.name,
             agent_metadata=self.agent.metadata,
-            embeddings_addr=self.pool.embeddings.data_ptr(),
-            deepstack_addr=self.pool.deepstack.data_ptr() if self.pool.deepstack is not None else 0,
-            device_id=_device(self.pool.embeddings),
-            memory_type=_memory_type(self.pool.embeddings),
+            plane_addrs=tuple(t.data_ptr() for t in self.pool.tensors),
+            device_id=_device(self.pool.tensors[0]),
+            memory_type=_memory_type(self.pool.tensors[0]),
         )
 
     def start(self, busy: Callable[[], bool]) -> None:
@@ -234,21 +233,6 @@ class NixlWriter:
             self._peers[peer.instance_id] = name.decode() if isinstance(name, bytes) else str(name)
         return self._peers[peer.instance_id], endpoint
 
-    def _descriptors(
-        self,
-        runs: list[Run],
-        local: torch.Tensor,
-        remote_addr: int,
-        remote_device: int,
-        row_bytes: int,
-    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        base, device = local.data_ptr(), _device(local)
-        src = [(base + r.src_row * row_bytes, r.length * row_bytes, device) for r in runs]
-        dst = [
-            (remote_addr + r.dst_row * row_bytes, r.length * row_bytes, remote_device) for r in runs
-        ]
-        return src, dst
-
     async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         target: PoolLayout = receiver_layout(peer)
         check_compatible(source.layout, target, peer.instance_id)
@@ -262,25 +246,22 @@ class NixlWriter:
             0,
             part.count,
         )
-        src, dst = self._descriptors(
-            runs, source.embeddings, endpoint.embeddings_addr, endpoint.device_id, target.row_bytes
-        )
-        if source.deepstack is not None:
-            deep_src, deep_dst = self._descriptors(
-                runs,
-                source.deepstack,
-                endpoint.deepstack_addr,
-                endpoint.device_id,
-                target.deepstack_row_bytes,
-            )
-            src += deep_src
-            dst += deep_dst
+        # One descriptor per run and plane, all in one WRITE with one notification.
+        src: list[tuple[int, int, int]] = []
+        dst: list[tuple[int, int, int]] = []
+        for local, remote_addr, plane in zip(
+            source.tensors, endpoint.plane_addrs, target.planes, strict=True
+        ):
+            base, device, row = local.data_ptr(), _device(local), target.row_bytes(plane)
+            for r in runs:
+                src.append((base + r.src_row * row, r.length * row, device))
+                dst.append((remote_addr + r.dst_row * row, r.length * row, endpoint.device_id))
         message = notification(part.request_id, self.instance_id, part.start + part.count)
         await asyncio.to_thread(
             self._transfer,
             src,
             dst,
-            _memory_type(source.embeddings),
+            _memory_type(source.tensors[0]),
             endpoint,
             remote_name,
             message,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.shared_memory import SharedSegment
 from services.transfer.transports.base import (
@@ -20,26 +18,21 @@ from services.wire.transport import Transport
 
 
 class _MappedPool:
-    """A language pool's segments mapped into this process."""
+    """A language pool's segments mapped into this process, one per plane."""
 
     def __init__(self, peer: Register) -> None:
         assert peer.pool is not None and peer.pool.shm is not None
-        endpoint = peer.pool.shm
         self.layout = receiver_layout(peer)
-        self.segments = [SharedSegment.attach(endpoint.embeddings_name)]
-        # The embeddings, then the deepstack features: EmbeddingPool.tensors' order.
-        self.tensors: list[torch.Tensor] = [
-            self.segments[0].tensor(
-                self.layout.dtype, (self.layout.num_rows, self.layout.hidden_size)
+        names = peer.pool.shm.segment_names
+        if len(names) != len(self.layout.planes):
+            raise ValueError(
+                f"{peer.instance_id}: {len(names)} segments for {self.layout.describe()}"
             )
+        self.segments = [SharedSegment.attach(name) for name in names]
+        self.tensors = [
+            segment.tensor(self.layout.dtype, (self.layout.num_rows, plane.width))
+            for segment, plane in zip(self.segments, self.layout.planes, strict=True)
         ]
-        if self.layout.deepstack_levels:
-            self.segments.append(SharedSegment.attach(endpoint.deepstack_name))
-            self.tensors.append(
-                self.segments[1].tensor(
-                    self.layout.dtype, (self.layout.num_rows, self.layout.deepstack_width)
-                )
-            )
 
     def close(self) -> None:
         self.tensors = []  # views first: a segment cannot close while one exports its buffer
@@ -58,7 +51,7 @@ class ShmReceiveEnd(WrittenBeforeDone):
         self.pool = pool
 
     def endpoint(self) -> ShmPool:
-        return ShmPool(*self.pool.shm_names)
+        return ShmPool(self.pool.shm_names)
 
 
 class ShmWriter:

@@ -37,26 +37,24 @@ class Heartbeat(_message.Message):
     def __init__(self, num_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
 
 class EmbeddingMeta(_message.Message):
-    __slots__ = ("request_id", "language_instance_id", "encoder_instance_id", "total_tokens", "grids", "hidden_size", "dtype", "deepstack_levels", "transport")
+    __slots__ = ("request_id", "language_instance_id", "encoder_instance_id", "total_tokens", "grids", "dtype", "transport", "planes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRIDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_LEVELS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     language_instance_id: str
     encoder_instance_id: str
     total_tokens: int
     grids: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageGrid]
-    hidden_size: int
     dtype: _common_pb2.DType
-    deepstack_levels: int
     transport: _common_pb2.Transport
-    def __init__(self, request_id: _Optional[str] = ..., language_instance_id: _Optional[str] = ..., encoder_instance_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., deepstack_levels: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ...) -> None: ...
+    planes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Plane]
+    def __init__(self, request_id: _Optional[str] = ..., language_instance_id: _Optional[str] = ..., encoder_instance_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ...) -> None: ...
 
 class Prealloc(_message.Message):
     __slots__ = ("request_id", "block_ids", "allocated_tokens", "language_instance_id")

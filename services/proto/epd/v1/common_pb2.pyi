@@ -97,39 +97,41 @@ class SamplingParams(_message.Message):
     n: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., n: _Optional[int] = ...) -> None: ...
 
+class Plane(_message.Message):
+    __slots__ = ("name", "width")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    width: int
+    def __init__(self, name: _Optional[str] = ..., width: _Optional[int] = ...) -> None: ...
+
 class ShmPool(_message.Message):
-    __slots__ = ("embeddings_name", "deepstack_name")
-    EMBEDDINGS_NAME_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_NAME_FIELD_NUMBER: _ClassVar[int]
-    embeddings_name: str
-    deepstack_name: str
-    def __init__(self, embeddings_name: _Optional[str] = ..., deepstack_name: _Optional[str] = ...) -> None: ...
+    __slots__ = ("segment_names",)
+    SEGMENT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    segment_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, segment_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NixlPool(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "embeddings_addr", "deepstack_addr", "device_id", "memory_type")
+    __slots__ = ("agent_name", "agent_metadata", "device_id", "memory_type", "plane_addrs")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
-    EMBEDDINGS_ADDR_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_ADDR_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PLANE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
-    embeddings_addr: int
-    deepstack_addr: int
     device_id: int
     memory_type: str
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., embeddings_addr: _Optional[int] = ..., deepstack_addr: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...
+    plane_addrs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ..., plane_addrs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CudaIpcPool(_message.Message):
-    __slots__ = ("embeddings_handle", "deepstack_handle", "device_id")
-    EMBEDDINGS_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("device_id", "plane_handles")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
-    embeddings_handle: bytes
-    deepstack_handle: bytes
+    PLANE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     device_id: int
-    def __init__(self, embeddings_handle: _Optional[bytes] = ..., deepstack_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ...) -> None: ...
+    plane_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, device_id: _Optional[int] = ..., plane_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GrpcPool(_message.Message):
     __slots__ = ("address",)
@@ -138,23 +140,21 @@ class GrpcPool(_message.Message):
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "hidden_size", "deepstack_levels", "dtype", "shm", "nixl", "cuda_ipc", "grpc")
+    __slots__ = ("num_blocks", "block_size", "dtype", "shm", "nixl", "cuda_ipc", "grpc", "planes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_LEVELS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     GRPC_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
-    hidden_size: int
-    deepstack_levels: int
     dtype: DType
     shm: ShmPool
     nixl: NixlPool
     cuda_ipc: CudaIpcPool
     grpc: GrpcPool
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., deepstack_levels: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., grpc: _Optional[_Union[GrpcPool, _Mapping]] = ...) -> None: ...
+    planes: _containers.RepeatedCompositeFieldContainer[Plane]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shm: _Optional[_Union[ShmPool, _Mapping]] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., grpc: _Optional[_Union[GrpcPool, _Mapping]] = ..., planes: _Optional[_Iterable[_Union[Plane, _Mapping]]] = ...) -> None: ...

@@ -18,23 +18,19 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., language_instance_id: _Optional[str] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
-    __slots__ = ("request_id", "total_tokens", "grids", "hidden_size", "dtype", "deepstack_levels", "cached_images", "embeddings", "deepstack")
+    __slots__ = ("request_id", "total_tokens", "grids", "dtype", "cached_images", "planes", "data")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRIDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_LEVELS_FIELD_NUMBER: _ClassVar[int]
     CACHED_IMAGES_FIELD_NUMBER: _ClassVar[int]
-    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     total_tokens: int
     grids: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageGrid]
-    hidden_size: int
     dtype: _common_pb2.DType
-    deepstack_levels: int
     cached_images: int
-    embeddings: bytes
-    deepstack: bytes
-    def __init__(self, request_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., deepstack_levels: _Optional[int] = ..., cached_images: _Optional[int] = ..., embeddings: _Optional[bytes] = ..., deepstack: _Optional[bytes] = ...) -> None: ...
+    planes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Plane]
+    data: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., cached_images: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...

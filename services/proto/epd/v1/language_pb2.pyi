@@ -122,20 +122,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., complete: _Optional[_Union[GenerateComplete, _Mapping]] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
-    __slots__ = ("request_id", "start_token", "num_tokens", "embeddings", "deepstack", "encoder_instance_id")
+    __slots__ = ("request_id", "start_token", "num_tokens", "encoder_instance_id", "planes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
-    DEEPSTACK_FIELD_NUMBER: _ClassVar[int]
     ENCODER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_token: int
     num_tokens: int
-    embeddings: bytes
-    deepstack: bytes
     encoder_instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., embeddings: _Optional[bytes] = ..., deepstack: _Optional[bytes] = ..., encoder_instance_id: _Optional[str] = ...) -> None: ...
+    planes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., encoder_instance_id: _Optional[str] = ..., planes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PushEmbeddingsReply(_message.Message):
     __slots__ = ("received_tokens",)
