@@ -101,8 +101,8 @@ def _protos(args: argparse.Namespace) -> int:
 def _demo_model(args: argparse.Namespace) -> int:
     from services.model.demo import build_demo_checkpoint
 
-    out = build_demo_checkpoint(Path(args.dir), size=args.size, seed=args.seed)
-    print(f"demo checkpoint ({args.size}, seed {args.seed}) written to {out}")
+    out = build_demo_checkpoint(Path(args.dir), size=args.size, seed=args.seed, arch=args.arch)
+    print(f"demo checkpoint ({args.arch}, {args.size}, seed {args.seed}) written to {out}")
     return 0
 
 
@@ -453,9 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="fail if the generated code is stale")
     p.set_defaults(handler=_protos)
 
-    p = sub.add_parser("demo-model", help="build a small Qwen2.5-VL checkpoint locally")
+    p = sub.add_parser("demo-model", help="build a small demo checkpoint locally")
     p.add_argument("dir", help="output folder")
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument(
+        "--arch", choices=("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), default="qwen2_5_vl"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_demo_model)
 

@@ -39,6 +39,15 @@ def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_checkpoint(tmp_path_factory.mktemp("small"), size="small", seed=0)
 
 
+@pytest.fixture(scope="session", params=["qwen3_vl", "qwen3_vl_moe"])
+def qwen3_checkpoint(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Tiny Qwen3-VL and Qwen3-VL-MoE demo checkpoints (deepstack in both)."""
+    arch = request.param
+    return build_demo_checkpoint(tmp_path_factory.mktemp(arch), size="tiny", seed=0, arch=arch)
+
+
 @pytest.fixture(scope="session")
 def triton(tiny_checkpoint: Path) -> Iterator[TritonServer]:
     """One real tritonserver (from the nvidia-pytriton wheel) for the whole run."""

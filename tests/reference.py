@@ -18,9 +18,9 @@ from PIL import Image
 
 @cache
 def _hf_model(folder: str, dtype: torch.dtype = torch.float32) -> Any:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
+    return AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).eval()
 
 
 @cache

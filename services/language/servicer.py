@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import torch
 
 from services.language.engine.engine import AsyncEngine, RequestFailedError, RequestOutput
 from services.language.engine.request import SamplingParams, new_request
@@ -218,10 +219,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         grids: list = []
-        embeds = None
+        planes: list[torch.Tensor] = []
         if hints:
             try:
-                grids, embeds = await self._receive(request_id, sum(hints))
+                grids, planes = await self._receive(request_id, sum(hints))
             except PoolExhaustedError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"image embeddings: {exc}")
             except TransferFailedError as exc:
@@ -246,8 +247,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.spec.image_token_id,
             grids,
             self.spec.vision.spatial_merge_size,
-            embeds,
+            planes[0] if planes else None,
             grammar=grammar,
+            deepstack=planes[1] if len(planes) > 1 else None,  # the pool's planes, in order
         )
         try:
             async for output in self.engine.generate(engine_request):
@@ -267,13 +269,13 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         the event loop (one thread: a fast tokenizer must not run concurrently)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, build, *args)
 
-    async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, Any]:
-        """Preallocates, waits for the embeddings, takes them out of the pool."""
+    async def _receive(self, request_id: str, hint_tokens: int) -> tuple[list, list[torch.Tensor]]:
+        """Preallocates, waits for the embeddings, takes them out of the pool: the
+        embeddings, then with deepstack its features."""
         try:
             await self.receiver.expect(request_id, hint_tokens)
             meta = await self.receiver.wait(request_id)
-            planes = await self.receiver.take(request_id)
-            return list(meta.grids), planes[0]
+            return list(meta.grids), await self.receiver.take(request_id)
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
 

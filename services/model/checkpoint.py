@@ -1,9 +1,10 @@
 """Role-specific weight loading: each role reads only the tensors it needs.
 
 Qwen2.5-VL checkpoints store `visual.*`, `model.*` and `lm_head.weight`;
-newer saves use `model.visual.*` and `model.language_model.*`. Both are
-accepted. Every load is strict: a missing, unexpected or misshapen tensor is a
-CheckpointError naming it, never a silently random weight.
+newer saves (and every Qwen3-VL checkpoint) use `model.visual.*` and
+`model.language_model.*`. Both are accepted. Every load is strict: a
+missing, unexpected or misshapen tensor is a CheckpointError naming it, never
+a silently random weight.
 """
 
 from __future__ import annotations
@@ -59,17 +60,53 @@ def expected_language_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (t.hidden_size,),
             p + "post_attention_layernorm.weight": (t.hidden_size,),
             p + "self_attn.q_proj.weight": (q_dim, t.hidden_size),
-            p + "self_attn.q_proj.bias": (q_dim,),
             p + "self_attn.k_proj.weight": (kv_dim, t.hidden_size),
-            p + "self_attn.k_proj.bias": (kv_dim,),
             p + "self_attn.v_proj.weight": (kv_dim, t.hidden_size),
-            p + "self_attn.v_proj.bias": (kv_dim,),
             p + "self_attn.o_proj.weight": (t.hidden_size, q_dim),
-            p + "mlp.gate_proj.weight": (t.intermediate_size, t.hidden_size),
-            p + "mlp.up_proj.weight": (t.intermediate_size, t.hidden_size),
-            p + "mlp.down_proj.weight": (t.hidden_size, t.intermediate_size),
         }
+        if t.qkv_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_dim,),
+                p + "self_attn.k_proj.bias": (kv_dim,),
+                p + "self_attn.v_proj.bias": (kv_dim,),
+            }
+        if t.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (t.hidden_size,)
+        if t.qk_norm:
+            shapes |= {
+                p + "self_attn.q_norm.weight": (t.head_dim,),
+                p + "self_attn.k_norm.weight": (t.head_dim,),
+            }
+        if t.moe is not None and i in t.moe.layers:
+            e, inter = t.moe.num_experts, t.moe.intermediate_size
+            shapes |= {
+                p + "mlp.gate.weight": (e, t.hidden_size),
+                p + "mlp.experts.gate_up_proj": (e, 2 * inter, t.hidden_size),
+                p + "mlp.experts.down_proj": (e, t.hidden_size, inter),
+            }
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (t.intermediate_size, t.hidden_size),
+                p + "mlp.up_proj.weight": (t.intermediate_size, t.hidden_size),
+                p + "mlp.down_proj.weight": (t.hidden_size, t.intermediate_size),
+            }
     return shapes
+
+
+def _as_expected(
+    tensor: torch.Tensor, canonical: str, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """The tensor in its expected shape, or None. Expert tensors come in either
+    layout: [experts, out, in] as transformers 5 keeps and saves them, or
+    [experts, in, out] as the published Qwen3-VL-MoE checkpoints store them;
+    like transformers' loader, a tensor already in the expected shape is taken
+    as it is (so a square one is read as transformers reads it), otherwise its
+    last two dimensions are swapped."""
+    if tuple(tensor.shape) == shape:
+        return tensor
+    if ".mlp.experts." in canonical and tuple(tensor.transpose(1, 2).shape) == shape:
+        return tensor.transpose(1, 2).contiguous()
+    return None
 
 
 def _canonical_language_name(name: str) -> str | None:
@@ -115,12 +152,13 @@ def load_language_weights(
         with safe_open(path, "pt") as f:
             for canonical, name in names:
                 tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != expected[canonical]:
+                shaped = _as_expected(tensor, canonical, expected[canonical])
+                if shaped is None:
                     raise CheckpointError(
                         f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, "
                         f"expected {expected[canonical]}"
                     )
-                weights[canonical] = tensor.to(dtype)
+                weights[canonical] = shaped.to(dtype)
     if spec.text.tie_word_embeddings:
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
     return weights
@@ -150,10 +188,14 @@ def vision_tower_class(model_type: str) -> type[torch.nn.Module]:
     from transformers.models.qwen2_vl.modeling_qwen2_vl import (
         Qwen2VisionTransformerPretrainedModel,
     )
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
     classes: dict[str, type[torch.nn.Module]] = {
         "qwen2_vl": Qwen2VisionTransformerPretrainedModel,
         "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel,
+        "qwen3_vl": Qwen3VLVisionModel,
+        "qwen3_vl_moe": Qwen3VLMoeVisionModel,
     }
     return classes[model_type]
 

@@ -1,9 +1,12 @@
-"""`epd demo-model`: a small Qwen2.5-VL checkpoint built locally, no downloads.
+"""`epd demo-model`: a small checkpoint built locally, no downloads, of one of
+the served architectures: Qwen2.5-VL, Qwen3-VL (deepstack) or Qwen3-VL-MoE.
 
-Random weights from a config, a byte-level BPE tokenizer trained on
-demo_corpus.txt with Qwen2-VL's special tokens and chat template, and a Qwen2-VL
-image processor config. The model's vocabulary is exactly the tokenizer's, so
-every id the model can emit decodes to text. The same seed gives the same files.
+Random weights from a config (transformers' own model class and
+save_pretrained), a byte-level BPE tokenizer trained on demo_corpus.txt with
+Qwen2-VL's special tokens and chat template, and an image processor config
+(patch 14 for Qwen2.5-VL, 16 for Qwen3-VL). The model's vocabulary is exactly
+the tokenizer's, so every id the model can emit decodes to text. The same seed
+gives the same files.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +37,7 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 TOKENIZER_VOCAB_SIZE = 1024
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -50,6 +55,7 @@ class DemoSize:
     vision_layers: int
     vision_heads: int
     vision_intermediate: int
+    num_experts: int  # Qwen3-VL-MoE: experts per sparse layer, 2 chosen per token
 
     @property
     def mrope_section(self) -> list[int]:
@@ -60,14 +66,25 @@ class DemoSize:
         return [t, h, half - t - h]
 
     @property
+    def interleaved_mrope_section(self) -> list[int]:
+        # Qwen3-VL's [24, 20, 20] of 64, scaled: h and w take 5/16 each.
+        half = self.text_hidden // self.text_heads // 2
+        hw = half * 5 // 16
+        return [half - 2 * hw, hw, hw]
+
+    @property
+    def deepstack_visual_indexes(self) -> list[int]:
+        return list(range(min(3, self.vision_layers)))
+
+    @property
     def fullatt_block_indexes(self) -> list[int]:
         # Like the real model: full attention in every fourth block, windowed elsewhere.
         return [i for i in range(self.vision_layers) if i % 4 == 3] or [self.vision_layers - 1]
 
 
 SIZES = {
-    "tiny": DemoSize(128, 2, 4, 2, 256, 64, 2, 2, 128),
-    "small": DemoSize(512, 8, 8, 4, 1376, 512, 8, 8, 1024),
+    "tiny": DemoSize(128, 2, 4, 2, 256, 64, 2, 2, 128, 4),
+    "small": DemoSize(512, 8, 8, 4, 1376, 512, 8, 8, 1024, 8),
 }
 
 
@@ -105,7 +122,8 @@ def build_tokenizer(out_dir: Path) -> dict[str, int]:
     return {t: int(i) for t, i in ids.items() if i is not None}
 
 
-def build_image_processor_config(out_dir: Path) -> None:
+def build_image_processor_config(out_dir: Path, patch_size: int = 14) -> None:
+    unit = patch_size * 2  # a merged token's side
     config = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "do_resize": True,
@@ -116,36 +134,67 @@ def build_image_processor_config(out_dir: Path) -> None:
         "image_std": list(OPENAI_CLIP_STD),
         "do_convert_rgb": True,
         "resample": 3,
-        "min_pixels": 56 * 56,
-        "max_pixels": 28 * 28 * 1280,
-        "patch_size": 14,
+        "min_pixels": 4 * unit * unit,
+        "max_pixels": 1280 * unit * unit,
+        "patch_size": patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def cached_demo_checkpoint(size: str) -> Path:
+def cached_demo_checkpoint(size: str, arch: str = "qwen2_5_vl") -> Path:
     """The demo checkpoint of a size (seed 0), built once into $EPD_CACHE_DIR."""
     from services import env
 
-    folder = Path(env.CACHE_DIR.get()) / f"demo-{size}"
+    name = f"demo-{size}" if arch == "qwen2_5_vl" else f"demo-{arch}-{size}"
+    folder = Path(env.CACHE_DIR.get()) / name
     if not (folder / "model.safetensors").is_file():
-        build_demo_checkpoint(folder, size=size, seed=0)
+        build_demo_checkpoint(folder, size=size, seed=0, arch=arch)
     return folder
 
 
-def build_demo_checkpoint(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
+def build_demo_checkpoint(
+    out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "qwen2_5_vl"
+) -> Path:
     """Writes a complete checkpoint folder and returns it."""
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import GenerationConfig
 
     if size not in SIZES:
         raise ValueError(f"unknown demo size {size!r}; choose from {sorted(SIZES)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown demo architecture {arch!r}; choose from {ARCHS}")
     spec = SIZES[size]
     out_dir.mkdir(parents=True, exist_ok=True)
 
     ids = build_tokenizer(out_dir)
     vocab_size = len(json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    build = _qwen2_5_vl if arch == "qwen2_5_vl" else _qwen3_vl
+    torch.manual_seed(seed)
+    model = build(spec, vocab_size, ids, arch).eval()
+    model.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    ).save_pretrained(out_dir)
+    build_image_processor_config(out_dir, patch_size=14 if arch == "qwen2_5_vl" else 16)
+    return out_dir
+
+
+def _token_ids(ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _qwen2_5_vl(spec: DemoSize, vocab_size: int, ids: dict[str, int], arch: str) -> Any:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": vocab_size,
@@ -181,20 +230,72 @@ def build_demo_checkpoint(out_dir: Path, size: str = "tiny", seed: int = 0) -> P
             "fullatt_block_indexes": spec.fullatt_block_indexes,
             "tokens_per_second": 2,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        **_token_ids(ids),
     )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    model.save_pretrained(out_dir)
-    GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
-    ).save_pretrained(out_dir)
-    build_image_processor_config(out_dir)
-    return out_dir
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _qwen3_vl(spec: DemoSize, vocab_size: int, ids: dict[str, int], arch: str) -> Any:
+    """Qwen3-VL, or with arch qwen3_vl_moe its MoE variant (every MLP sparse)."""
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
+
+    text: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.text_hidden,
+        "intermediate_size": spec.text_intermediate,
+        # Deeper than the deepstack: a level added after the last layer would
+        # reach no other token, and the tests could not tell it from none.
+        "num_hidden_layers": max(spec.text_layers, len(spec.deepstack_visual_indexes) + 1),
+        "num_attention_heads": spec.text_heads,
+        "num_key_value_heads": spec.text_kv_heads,
+        "head_dim": spec.text_hidden // spec.text_heads,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": spec.interleaved_mrope_section,
+            "mrope_interleaved": True,
+        },
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "initializer_range": 0.1,  # see _qwen2_5_vl
+    }
+    if arch == "qwen3_vl_moe":
+        text |= {
+            "num_experts": spec.num_experts,
+            "num_experts_per_tok": 2,
+            # Neither it nor twice it equals the hidden size, like the published
+            # models: an expert tensor's layout then shows in its shape (see
+            # checkpoint._as_expected).
+            "moe_intermediate_size": spec.text_intermediate * 3 // 8,
+            "decoder_sparse_step": 1,
+        }
+    vision = {
+        "depth": spec.vision_layers,
+        "hidden_size": spec.vision_hidden,
+        "intermediate_size": spec.vision_intermediate,
+        "num_heads": spec.vision_heads,
+        "out_hidden_size": spec.text_hidden,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 1024,  # a 32 x 32 learned grid, interpolated per image
+        "deepstack_visual_indexes": spec.deepstack_visual_indexes,
+        "initializer_range": 0.1,
+    }
+    if arch == "qwen3_vl_moe":
+        moe = Qwen3VLMoeConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=False, **_token_ids(ids)
+        )
+        return Qwen3VLMoeForConditionalGeneration(moe)
+    dense = Qwen3VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **_token_ids(ids)
+    )
+    return Qwen3VLForConditionalGeneration(dense)

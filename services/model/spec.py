@@ -1,8 +1,10 @@
 """ModelSpec: the architecture facts every role needs, read once from a checkpoint.
 
 Parsed by transformers' AutoConfig, so old (flat) and new (text_config /
-vision_config) Qwen2-VL / Qwen2.5-VL config.json layouts both work; the rest
-of the project only sees these frozen dataclasses.
+vision_config) config.json layouts both work; the rest of the project only
+sees these frozen dataclasses. Two families: Qwen2-VL / Qwen2.5-VL, and
+Qwen3-VL / Qwen3-VL-MoE (QK-norm, no attention biases, interleaved M-RoPE,
+deepstack features from the vision tower, and in the MoE model sparse MLPs).
 """
 
 from __future__ import annotations
@@ -10,12 +12,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN3_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing something or holds something wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """Sparse MLPs: each token goes to its top_k experts (weights renormalised)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    layers: tuple[int, ...]  # the decoder layers whose MLP is sparse
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +46,11 @@ class TextSpec:
     mrope_section: tuple[int, ...]
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qkv_bias: bool = True  # Qwen2: q/k/v projections with bias, o_proj without
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before the rotary
+    mrope_interleaved: bool = False  # Qwen3-VL: t/h/w frequencies interleaved, not in blocks
+    moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -97,6 +116,8 @@ def load_spec(folder: str | Path) -> ModelSpec:
     rope = text.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         raise CheckpointError(f"{folder}: rope_type {rope.get('rope_type')!r} is not supported")
+    qwen3 = config.model_type in QWEN3_MODEL_TYPES
+    bias = bool(getattr(text, "attention_bias", False))
     return ModelSpec(
         model_type=config.model_type,
         text=TextSpec(
@@ -109,11 +130,16 @@ def load_spec(folder: str | Path) -> ModelSpec:
             intermediate_size=text.intermediate_size,
             rms_norm_eps=text.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", 1_000_000.0)),
-            mrope_section=tuple(rope.get("mrope_section", (16, 24, 24))),
-            tie_word_embeddings=bool(
-                config.tie_word_embeddings or getattr(text, "tie_word_embeddings", False)
-            ),
+            mrope_section=tuple(rope.get("mrope_section", (24, 20, 20) if qwen3 else (16, 24, 24))),
+            # As transformers decides it: the whole model's flag, not text_config's
+            # (Qwen3-VL-MoE's text config defaults to True under an untied model).
+            tie_word_embeddings=bool(config.tie_word_embeddings),
             max_position_embeddings=text.max_position_embeddings,
+            qkv_bias=bias if qwen3 else True,
+            o_bias=bias if qwen3 else False,
+            qk_norm=qwen3,
+            mrope_interleaved=qwen3,
+            moe=_moe(text) if config.model_type == "qwen3_vl_moe" else None,
         ),
         vision=VisionSpec(
             patch_size=vision.patch_size,
@@ -127,6 +153,24 @@ def load_spec(folder: str | Path) -> ModelSpec:
         vision_start_token_id=config.vision_start_token_id,
         vision_end_token_id=config.vision_end_token_id,
         eos_token_ids=_eos_token_ids(folder, text),
+    )
+
+
+def _moe(text: Any) -> MoeSpec | None:
+    """Which layers are sparse: as transformers decides it (Qwen3VLMoeTextDecoderLayer)."""
+    num_experts = int(getattr(text, "num_experts", 0))
+    if num_experts <= 0:
+        return None
+    step = int(getattr(text, "decoder_sparse_step", 1))
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    layers = tuple(
+        i for i in range(text.num_hidden_layers) if i not in dense and (i + 1) % step == 0
+    )
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=int(text.num_experts_per_tok),
+        intermediate_size=int(text.moe_intermediate_size),
+        layers=layers,
     )
 
 

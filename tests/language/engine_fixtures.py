@@ -50,20 +50,30 @@ def make_request(
 ) -> Request:
     spec = load_spec(checkpoint)
     grids: list[ImageGrid] = []
-    embeds = None
+    embeds = deepstack = None
     if images:
         pixels = load_image_processor(checkpoint)(images=images, return_tensors="pt")
         grids = [ImageGrid(*map(int, g)) for g in pixels["image_grid_thw"]]
         with torch.no_grad():
-            embeds = load_vision_tower(checkpoint, spec, dtype=dtype)(
+            out = load_vision_tower(checkpoint, spec, dtype=dtype)(
                 pixels["pixel_values"].to(dtype), grid_thw=pixels["image_grid_thw"]
-            ).pooler_output
+            )
+        embeds = out.pooler_output
+        if spec.has_deepstack:
+            deepstack = torch.cat(out.deepstack_features, dim=-1)
     merge = spec.vision.spatial_merge_size
     prompt = build_prompt(
         load_tokenizer(checkpoint), spec, messages, [g.num_tokens(merge) for g in grids]
     )
     return new_request(
-        request_id, prompt.token_ids, sampling, spec.image_token_id, grids, merge, embeds
+        request_id,
+        prompt.token_ids,
+        sampling,
+        spec.image_token_id,
+        grids,
+        merge,
+        embeds,
+        deepstack=deepstack,
     )
 
 

@@ -140,3 +140,40 @@ def test_prompt_expands_each_image_placeholder(tiny_checkpoint: Path) -> None:
     assert prompt.token_ids[prompt.image_offsets[1] + 9] == spec.vision_end_token_id
     with pytest.raises(ValueError, match="2 image placeholders"):
         build_prompt(tokenizer, spec, messages, [4])
+
+
+def test_qwen3_checkpoints_load_both_expert_layouts(qwen3_checkpoint: Path, tmp_path: Path) -> None:
+    """transformers 5 saves experts as [experts, out, in]; the published
+    Qwen3-VL-MoE checkpoints store [experts, in, out]. Both load to the same weights,
+    and the Qwen3 tensors (q_norm, k_norm, the router) are required by name."""
+    spec = load_spec(qwen3_checkpoint)
+    weights = load_language_weights(qwen3_checkpoint, spec)
+    assert "layers.0.self_attn.q_norm.weight" in weights
+    assert "layers.0.self_attn.q_proj.bias" not in weights
+    folder = tmp_path / "published"
+    shutil.copytree(qwen3_checkpoint, folder)
+
+    def transpose_experts(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if ".mlp.experts." in n]:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        del tensors["model.language_model.layers.1.self_attn.k_norm.weight"]
+
+    _rewrite(folder, transpose_experts)
+    with pytest.raises(CheckpointError, match=r"layers\.1\.self_attn\.k_norm\.weight"):
+        load_language_weights(folder, spec)
+    restore = load_file(qwen3_checkpoint / "model.safetensors")
+    _rewrite(
+        folder,
+        lambda t: t.update(
+            {
+                "model.language_model.layers.1.self_attn.k_norm.weight": restore[
+                    "model.language_model.layers.1.self_attn.k_norm.weight"
+                ]
+            }
+        ),
+    )
+    again = load_language_weights(folder, spec)
+    assert again.keys() == weights.keys()
+    assert all(torch.equal(again[k], weights[k]) for k in weights)
+    if spec.text.moe is not None:
+        assert weights["layers.0.mlp.experts.down_proj"].shape[1] == spec.text.hidden_size

@@ -1,19 +1,23 @@
-"""The Qwen2 / Qwen2.5-VL language model, over the paged KV cache.
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE) language model, over the paged KV cache.
 
 Token-flattened: a step's tokens from all requests form one [T, hidden]
 batch. M-RoPE is applied here, outside the attention kernel, from 3-D
 positions [3, T] (temporal, height, width); text tokens carry the same
-position on all three axes.
+position on all three axes. Qwen3-VL adds QK-norm, interleaved M-RoPE,
+deepstack (vision features added to the image tokens' hidden states after
+the first layers) and, in the MoE model, sparse MLPs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.language.engine.attention import AttentionBackend
-from services.model.spec import TextSpec
+from services.model.spec import MoeSpec, TextSpec
 
 
 class RMSNorm(nn.Module):
@@ -30,8 +34,10 @@ class RMSNorm(nn.Module):
 
 
 class MRotaryEmbedding:
-    """cos/sin [T, head_dim] for 3-D positions: the rotary half-dimension is split
-    by mrope_section, chunk i taking its angle from axis i % 3."""
+    """cos/sin [T, head_dim] for 3-D positions. Each rotary frequency takes its
+    angle from one axis: Qwen2-VL splits the half-dimension into mrope_section
+    blocks (chunk i from axis i % 3); Qwen3-VL interleaves them (t, h, w, t, h,
+    w, ...: frequency j from axis j % 3 within 3 * section[axis], t elsewhere)."""
 
     def __init__(self, spec: TextSpec, device: torch.device) -> None:
         dim = spec.head_dim
@@ -39,13 +45,19 @@ class MRotaryEmbedding:
             spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim)
         )
         self.section = list(spec.mrope_section)
+        axis = torch.zeros(dim // 2, dtype=torch.long)
+        if spec.mrope_interleaved:
+            for a in (1, 2):
+                axis[a : self.section[a] * 3 : 3] = a
+        else:
+            axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(self.section)])
+        self.axis = axis.to(device)  # [dim / 2]: the axis each frequency takes its angle from
 
     def __call__(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq  # [3, T, dim / 2]
-        chunks = freqs.split(self.section, dim=-1)
-        freq = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+        freq = freqs.gather(0, self.axis.expand(1, freqs.shape[1], -1))[0]  # [T, dim / 2]
         emb = torch.cat([freq, freq], dim=-1)  # [T, dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -68,10 +80,13 @@ class Attention(nn.Module):
             spec.num_kv_heads,
             spec.head_dim,
         )
-        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=True)
-        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=True)
-        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=True)
-        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, q_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -82,10 +97,10 @@ class Attention(nn.Module):
         attention: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        out = attention.forward(q, k, v, cache)
+        out = attention.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cache)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -100,13 +115,61 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Router(nn.Module):
+    def __init__(self, spec: TextSpec, moe: MoeSpec) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, spec.hidden_size))
+
+
+class Experts(nn.Module):
+    def __init__(self, spec: TextSpec, moe: MoeSpec) -> None:
+        super().__init__()
+        e, inter = moe.num_experts, moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, spec.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(e, spec.hidden_size, inter))
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routing (softmax, top k, renormalised), then the tokens grouped by
+    expert: one sort of the (token, expert) pairs and one pair of matmuls per
+    expert that received tokens; contributions summed in expert order."""
+
+    def __init__(self, spec: TextSpec, moe: MoeSpec) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.gate = Router(spec, moe)
+        self.experts = Experts(spec, moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // self.top_k  # the token of each (token, expert) pair, by expert
+        counts = torch.bincount(flat, minlength=self.gate.weight.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            rows = tokens[start : start + count]
+            gate, up = F.linear(x[rows], self.experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts.down_proj[expert])
+            out.index_add_(0, rows, y * weights.flatten()[pairs, None])
+            start += count
+        return out
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: TextSpec) -> None:
+    def __init__(self, spec: TextSpec, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        sparse = spec.moe is not None and index in spec.moe.layers
+        self.mlp = SparseMoeBlock(spec, spec.moe) if spec.moe is not None and sparse else MLP(spec)
 
     def forward(
         self,
@@ -120,12 +183,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass(frozen=True, slots=True)
+class Deepstack:
+    """A step's deepstack features: `values[:, level]` is added to the hidden
+    states of the tokens at flat `offsets` after decoder layer `level`."""
+
+    offsets: torch.Tensor  # [K] flat token indices in the step's batch
+    values: torch.Tensor  # [K, levels, hidden]
+
+
 class LanguageModel(nn.Module):
     def __init__(self, spec: TextSpec) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(spec) for _ in range(spec.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(spec, i) for i in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
@@ -148,9 +220,13 @@ class LanguageModel(nn.Module):
         sin: torch.Tensor,
         caches: list[torch.Tensor],
         attention: AttentionBackend,
+        deepstack: Deepstack | None = None,
     ) -> torch.Tensor:
         """embeds [T, hidden] -> final normed hidden states [T, hidden]."""
         x = embeds
-        for layer, cache in zip(self.layers, caches, strict=True):
+        levels = deepstack.values.shape[1] if deepstack is not None else 0
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             x = layer(x, cos, sin, cache, attention)
+            if deepstack is not None and i < levels:
+                x[deepstack.offsets] = x[deepstack.offsets] + deepstack.values[:, i]
         return self.norm(x)

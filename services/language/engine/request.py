@@ -123,6 +123,8 @@ class Request:
     mrope_delta: int = 0  # decode position = sequence index + delta
     image_embeds: torch.Tensor | None = None  # [num_image_tokens, hidden], in prompt order
     image_positions: torch.Tensor | None = None  # [num_image_tokens] prompt indices
+    # Qwen3-VL: [num_image_tokens, levels * hidden], added after the first decoder layers.
+    deepstack: torch.Tensor | None = None
     # Monolithic serving only: pixels the engine's own vision tower still has to encode.
     pixel_values: torch.Tensor | None = None  # [num_patches, patch_dim]
     image_grids: tuple[ImageGrid, ...] = ()
@@ -160,6 +162,7 @@ class Request:
             self.mrope_delta,
             self.image_embeds,
             self.image_positions,
+            self.deepstack,
             image_grids=self.image_grids,
             arrival_time=self.arrival_time,
             grammar=self.grammar,
@@ -203,11 +206,13 @@ def new_request(
     image_embeds: torch.Tensor | None = None,
     pixel_values: torch.Tensor | None = None,
     grammar: Any = None,
+    deepstack: torch.Tensor | None = None,
 ) -> Request:
     """A request with its M-RoPE positions and image placeholder positions computed.
 
-    Images come either encoded (image_embeds) or, for an engine with its own
-    vision tower, as pixel_values it encodes before the request runs."""
+    Images come either encoded (image_embeds, and with deepstack its features)
+    or, for an engine with its own vision tower, as pixel_values it encodes
+    before the request runs."""
     positions, delta = mrope_positions(token_ids, image_token_id, grids, spatial_merge_size)
     image_positions = None
     if grids:
@@ -219,6 +224,11 @@ def new_request(
                 f"{image_positions.numel()} image placeholders but "
                 f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings"
             )
+        if deepstack is not None and deepstack.shape[0] != image_positions.numel():
+            raise ValueError(
+                f"{image_positions.numel()} image placeholders but deepstack features "
+                f"for {deepstack.shape[0]} tokens"
+            )
     return Request(
         request_id,
         list(token_ids),
@@ -227,6 +237,7 @@ def new_request(
         delta,
         image_embeds,
         image_positions,
+        deepstack,
         pixel_values=pixel_values,
         image_grids=tuple(grids),
         grammar=grammar,

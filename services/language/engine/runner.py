@@ -12,7 +12,7 @@ import torch
 
 from services.language.engine.attention import AttentionBackend, AttentionMetadata
 from services.language.engine.kv_cache import KVCache
-from services.language.engine.model import LanguageModel, MRotaryEmbedding
+from services.language.engine.model import Deepstack, LanguageModel, MRotaryEmbedding
 from services.language.engine.request import Request
 from services.language.engine.scheduler import Scheduled
 
@@ -72,12 +72,15 @@ class ModelRunner:
             page_size=self.page_size,
         )
 
-    def _embeds(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input embeddings [T, hidden] and positions [3, T]."""
+    def _embeds(
+        self, batch: list[Scheduled]
+    ) -> tuple[torch.Tensor, torch.Tensor, Deepstack | None]:
+        """Input embeddings [T, hidden], positions [3, T] and the deepstack features
+        of the image tokens this step computes (chunked prefill may split an image)."""
         ids: list[int] = []
         positions = []
-        # (flat offsets, embeddings) of the image tokens this step computes, per request
-        splices: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (flat offsets, embeddings, deepstack) of the image tokens this step computes
+        splices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         for s in batch:
             r = s.request
             begin, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
@@ -90,21 +93,31 @@ class ModelRunner:
                 hi = int(torch.searchsorted(r.image_positions, end))
                 if hi > lo:
                     offsets = r.image_positions[lo:hi] + (len(ids) - begin)
-                    splices.append((offsets, r.image_embeds[lo:hi]))
+                    deep = r.deepstack[lo:hi] if r.deepstack is not None else None
+                    splices.append((offsets, r.image_embeds[lo:hi], deep))
             ids += r.token_ids(begin, end)
             positions.append(_positions(r, begin, end))
         embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
-        for offsets, values in splices:
+        for offsets, values, _ in splices:
             embeds[offsets.to(self.device)] = values.to(self.device, embeds.dtype)
-        return embeds, torch.cat(positions, dim=1).to(self.device)
+        features = [(offsets, d) for offsets, _, d in splices if d is not None]
+        deepstack = None
+        if features:
+            hidden = embeds.shape[1]
+            values = torch.cat([d for _, d in features]).to(self.device, embeds.dtype)
+            deepstack = Deepstack(
+                torch.cat([o for o, _ in features]).to(self.device),
+                values.unflatten(1, (-1, hidden)),
+            )
+        return embeds, torch.cat(positions, dim=1).to(self.device), deepstack
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled]) -> torch.Tensor:
         """Runs an order()ed batch; logits [sampling requests, vocab] in batch order."""
         meta = self._metadata(batch)
         self.attention.plan(meta)
-        embeds, positions = self._embeds(batch)
+        embeds, positions, deepstack = self._embeds(batch)
         cos, sin = self.rotary(positions, embeds.dtype)
-        hidden = self.model(embeds, cos, sin, self.kv_cache.layers, self.attention)
+        hidden = self.model(embeds, cos, sin, self.kv_cache.layers, self.attention, deepstack)
         last = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
         return self.model.lm_head(hidden[last]).float()

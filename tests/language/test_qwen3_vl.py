@@ -1,0 +1,87 @@
+"""Qwen3-VL and Qwen3-VL-MoE in the engine against Hugging Face generate(),
+token for token: QK-norm, interleaved M-RoPE, deepstack features added at the
+image tokens after the first layers (also when a chunked prefill splits an
+image's tokens across steps, and after a recompute preemption), and the MoE
+block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.language.engine.request import SamplingParams
+from services.model.spec import load_spec
+from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
+from tests.language.test_engine import MIXED, _case
+from tests.reference import _generate, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_checkpoint: Path) -> list[list[int]]:
+    return [hf_greedy(qwen3_checkpoint, *_case(i)) for i in range(len(MIXED))]
+
+
+def test_the_demo_checkpoints_are_the_family(qwen3_checkpoint: Path) -> None:
+    spec = load_spec(qwen3_checkpoint)
+    assert spec.text.qk_norm and spec.text.mrope_interleaved and not spec.text.qkv_bias
+    assert spec.vision.deepstack_levels == 2 and spec.vision.patch_size == 16
+    assert (spec.text.moe is not None) == (spec.model_type == "qwen3_vl_moe")
+
+
+@pytest.mark.parametrize("index", [0, 1, 3], ids=["text", "one-image", "three-images"])
+def test_single_requests_equal_hf(
+    qwen3_checkpoint: Path, expected: list[list[int]], index: int
+) -> None:
+    engine = make_engine(qwen3_checkpoint)
+    messages, images, n = _case(index)
+    request = make_request(qwen3_checkpoint, "r", messages, images, SamplingParams(max_tokens=n))  # type: ignore[arg-type]
+    assert tokens(run_to_completion(engine, [request])["r"]) == expected[index]
+
+
+@pytest.mark.parametrize(
+    ("kv_bytes", "max_model_len", "budget", "preempts"),
+    [
+        (64 << 20, 1024, 2048, False),
+        (64 << 20, 1024, 24, False),  # 24 tokens a step: image spans split across steps
+        (24576 * 12, 192, 40, True),  # 12 pages of 16 tokens (3 layers): preemption
+    ],
+    ids=["batch", "chunked-prefill", "preemption"],
+)
+def test_batch_of_eight_mixed_requests_equals_hf(
+    qwen3_checkpoint: Path,
+    expected: list[list[int]],
+    kv_bytes: int,
+    max_model_len: int,
+    budget: int,
+    preempts: bool,
+) -> None:
+    engine = make_engine(qwen3_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
+    requests = [
+        make_request(qwen3_checkpoint, f"r{i}", m, im, SamplingParams(max_tokens=n))  # type: ignore[arg-type]
+        for i in range(len(MIXED))
+        for m, im, n in [_case(i)]
+    ]
+    out = run_to_completion(engine, requests)
+    for i in range(len(MIXED)):
+        assert tokens(out[f"r{i}"]) == expected[i], f"request {i}"
+    assert (engine.scheduler.num_preemptions > 0) == preempts
+    engine.blocks.allocator.check_integrity()
+    assert engine.blocks.num_used_pages == 0
+
+
+@pytest.mark.parametrize("index", [1, 3], ids=["one-image", "three-images"])
+def test_first_token_logprobs_match_hf(qwen3_checkpoint: Path, index: int) -> None:
+    """Closer than the greedy token: the first step's top logprobs equal HF's to
+    1e-4, so every deepstack level must land where HF adds it (a level left out
+    moves them by far more, even where the greedy tokens survive it)."""
+    messages, images, _ = _case(index)
+    scores = _generate(qwen3_checkpoint, torch.float32, messages, images, 1).scores[0][0]
+    reference = torch.log_softmax(scores.float(), dim=-1)
+    engine = make_engine(qwen3_checkpoint, max_num_batched_tokens=24)
+    sampling = SamplingParams(max_tokens=1, logprobs=True, top_logprobs=5)  # type: ignore[call-arg]
+    request = make_request(qwen3_checkpoint, "lp", messages, images, sampling)  # type: ignore[arg-type]
+    (logprob,) = [lp for o in run_to_completion(engine, [request])["lp"] for lp in o.logprobs]
+    for token_id, _, value in logprob.top:
+        assert value == pytest.approx(float(reference[token_id]), abs=1e-4)
