@@ -44,13 +44,13 @@ class MRotaryEmbedding:
         self.inv_freq = 1.0 / (
             spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim)
         )
-        self.section = list(spec.mrope_section)
+        section = spec.mrope_section
         axis = torch.zeros(dim // 2, dtype=torch.long)
         if spec.mrope_interleaved:
             for a in (1, 2):
-                axis[a : self.section[a] * 3 : 3] = a
+                axis[a : section[a] * 3 : 3] = a
         else:
-            axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(self.section)])
+            axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
         self.axis = axis.to(device)  # [dim / 2]: the axis each frequency takes its angle from
 
     def __call__(
@@ -143,7 +143,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).flatten()
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
         tokens = order // self.top_k  # the token of each (token, expert) pair, by expert
@@ -157,7 +157,7 @@ class SparseMoeBlock(nn.Module):
             rows = tokens[start : start + count]
             gate, up = F.linear(x[rows], self.experts.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.experts.down_proj[expert])
-            out.index_add_(0, rows, y * weights.flatten()[pairs, None])
+            out.index_add_(0, rows, y * weights[pairs, None])
             start += count
         return out
 
@@ -168,8 +168,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        sparse = spec.moe is not None and index in spec.moe.layers
-        self.mlp = SparseMoeBlock(spec, spec.moe) if spec.moe is not None and sparse else MLP(spec)
+        moe = spec.moe
+        self.mlp = SparseMoeBlock(spec, moe) if moe and index in moe.layers else MLP(spec)
 
     def forward(
         self,
