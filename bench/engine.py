@@ -1,6 +1,6 @@
 """Engine throughput against Hugging Face generate(), same checkpoint, same run.
 
-    .venv/bin/python -m bench.engine [--size small] [--concurrency 1 4 16]
+    .venv/bin/python -m bench.engine [--arch qwen2_5_vl] [--size small] [--concurrency 1 4 16]
 
 For each concurrency c, c requests (same prompts, fixed output length) go to
 the engine at once; the baseline is generate() on the same requests one at a
@@ -19,7 +19,7 @@ from services.language.engine.engine import EngineConfig, LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.checkpoint import load_language_weights
-from services.model.demo import cached_demo_checkpoint
+from services.model.demo import ARCHS, cached_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
 
@@ -53,9 +53,9 @@ def prompts(n: int) -> list[list[dict[str, object]]]:
 
 
 def hf_tokens_per_second(folder: str, token_ids: list[list[int]], output_len: int) -> float:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     total = 0.0
     with torch.no_grad():
         for ids in token_ids:
@@ -100,12 +100,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS)
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
 
-    folder = cached_demo_checkpoint(args.size)
+    folder = cached_demo_checkpoint(args.size, args.arch)
     spec = load_spec(folder)
     tokenizer = load_tokenizer(folder)
     engine = LLMEngine(
@@ -117,8 +118,8 @@ def main() -> None:
         ),
     )
     print(
-        f"checkpoint: demo {args.size} ({folder}), output {args.output_len} tokens per request, "
-        f"torch threads {torch.get_num_threads()}"
+        f"checkpoint: demo {args.arch} {args.size} ({folder}), "
+        f"output {args.output_len} tokens per request, torch threads {torch.get_num_threads()}"
     )
     print(f"{'concurrency':>11} {'engine tok/s':>13} {'generate() tok/s':>17} {'ratio':>7}")
     for c in args.concurrency:

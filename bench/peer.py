@@ -5,7 +5,8 @@ same machine, same checkpoint, same client, same workloads, one run.
         --peer-start '../shared/peers/vllm-cpu.sh serve /work/peer {checkpoint} 8100 bfloat16' \\
         --peer-stop '../shared/peers/vllm-cpu.sh stop /work/peer' [--quick] [--json FILE]
 
-`epd serve` is started here on the small demo checkpoint (`--epd-arg` adds its flags),
+`epd serve` is started here on the small demo checkpoint of `--arch` (default
+Qwen2.5-VL; `--epd-arg` adds its flags),
 driven, and stopped; then the peer: started with `--peer-start` (`{checkpoint}`
 is the demo checkpoint's folder), driven, stopped with `--peer-stop` (without
 them the peer must already be serving at `--peer-url`). Workloads (issue 14's):
@@ -41,7 +42,7 @@ from services.bench.command import first_model, strict_json
 from services.bench.runner import RunConfig, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
-from services.model.demo import cached_demo_checkpoint
+from services.model.demo import ARCHS, cached_demo_checkpoint
 
 CONCURRENCY = 16
 
@@ -160,13 +161,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="half the requests")
     parser.add_argument("--json", help="write every summary here")
     parser.add_argument("--doc", action="store_true", help="write docs/performance.md's section")
+    parser.add_argument("--arch", default=ARCHS[0], choices=ARCHS, help="the demo checkpoint's")
     args = parser.parse_args()
+    if args.doc and args.arch != ARCHS[0]:
+        parser.error(f"--doc writes the {ARCHS[0]} section of docs/performance.md only")
 
-    checkpoint = cached_demo_checkpoint("small")
-    print(f"{machine()}\ncheckpoint: demo small ({checkpoint})", flush=True)
+    checkpoint = cached_demo_checkpoint("small", args.arch)
+    print(f"{machine()}\ncheckpoint: demo {args.arch} small ({checkpoint})", flush=True)
     results: dict[str, Any] = {}
     print("EPD (epd serve)", flush=True)
-    epd_args = tuple(a for flag in args.epd_arg for a in shlex.split(flag))
+    epd_args = ("--model", str(checkpoint), *(a for f in args.epd_arg for a in shlex.split(f)))
     with tempfile.TemporaryDirectory() as logs:
         started = time.monotonic()
         with serve(Setup("epd", epd_args), Path(logs)) as (url, _pid):

@@ -19,6 +19,7 @@ from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
 from services.language.engine.model import LanguageModel
+from services.language.engine.moe import fuse_experts, moe_backend
 from services.language.engine.request import Request, RequestStatus, SamplingParams
 from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
@@ -38,6 +39,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     attention: str = "auto"  # "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
+    moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,8 @@ class LLMEngine:
         model = LanguageModel.from_weights(
             spec.text, {k: v.to(config.dtype) for k, v in weights.items()}, device
         )
+        if spec.text.moe and moe_backend(config.moe, config.dtype, device) == "flashinfer":
+            fuse_experts(model)
         self.runner = ModelRunner(
             model,
             KVCache(spec.text, kv_config, device),

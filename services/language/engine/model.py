@@ -122,32 +122,26 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """The experts' weights as checkpoints hold them (`gate_up_proj` [E, 2I, H]:
+    gate rows then up rows; `down_proj` [E, H, I]), run as grouped torch matmuls:
+    one sort of the (token, expert) pairs and one pair of matmuls per expert that
+    received tokens; contributions summed in expert order. The engine swaps in
+    `moe.FlashInferExperts` (the same call) on CUDA."""
+
     def __init__(self, spec: TextSpec, moe: MoeSpec) -> None:
         super().__init__()
         e, inter = moe.num_experts, moe.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, spec.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(e, spec.hidden_size, inter))
 
-
-class SparseMoeBlock(nn.Module):
-    """Top-k routing (softmax, top k, renormalised), then the tokens grouped by
-    expert: one sort of the (token, expert) pairs and one pair of matmuls per
-    expert that received tokens; contributions summed in expert order."""
-
-    def __init__(self, spec: TextSpec, moe: MoeSpec) -> None:
-        super().__init__()
-        self.top_k = moe.top_k
-        self.gate = Router(spec, moe)
-        self.experts = Experts(spec, moe)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).flatten()
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], chosen [T, k] expert ids, weights [T, k] -> [T, H]."""
+        top_k = chosen.shape[1]
         flat = chosen.flatten()
+        weights = weights.to(x.dtype).flatten()
         order = flat.argsort(stable=True)
-        tokens = order // self.top_k  # the token of each (token, expert) pair, by expert
-        counts = torch.bincount(flat, minlength=self.gate.weight.shape[0]).tolist()
+        tokens = order // top_k  # the token of each (token, expert) pair, by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
@@ -155,11 +149,26 @@ class SparseMoeBlock(nn.Module):
                 continue
             pairs = order[start : start + count]
             rows = tokens[start : start + count]
-            gate, up = F.linear(x[rows], self.experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts.down_proj[expert])
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
             out.index_add_(0, rows, y * weights[pairs, None])
             start += count
         return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routing (softmax, top k, renormalised), then the experts."""
+
+    def __init__(self, spec: TextSpec, moe: MoeSpec) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.gate = Router(spec, moe)
+        self.experts: nn.Module = Experts(spec, moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        return self.experts(x, chosen, weights / weights.sum(dim=-1, keepdim=True))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,100 @@
+"""MoE experts: which implementation the engine picks, and FlashInfer's fused
+kernel against the grouped torch experts (GPU only)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.language.engine.model import Experts, LanguageModel
+from services.language.engine.moe import FlashInferExperts, fuse_experts, moe_backend
+from services.model.checkpoint import load_language_weights
+from services.model.demo import build_demo_checkpoint
+from services.model.spec import MoeSpec, TextSpec, load_spec
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_demo_checkpoint(tmp_path_factory.mktemp("moe"), arch="qwen3_vl_moe")
+
+
+def test_auto_picks_flashinfer_only_on_cuda_in_half_precision() -> None:
+    assert moe_backend("auto", torch.float32, CPU) == "torch"
+    assert moe_backend("auto", torch.bfloat16, CPU) == "torch"
+    assert moe_backend("auto", torch.float32, CUDA) == "torch"
+    assert moe_backend("auto", torch.bfloat16, CUDA) == "flashinfer"
+    assert moe_backend("torch", torch.bfloat16, CUDA) == "torch"
+    with pytest.raises(ValueError, match="CUDA and float16 or bfloat16"):
+        moe_backend("flashinfer", torch.float32, CUDA)
+    with pytest.raises(ValueError, match="CUDA and float16 or bfloat16"):
+        moe_backend("flashinfer", torch.bfloat16, CPU)
+
+
+def _experts(
+    text: TextSpec, hidden: int, inter: int, num_experts: int, top_k: int, device: torch.device
+) -> Experts:
+    moe = MoeSpec(num_experts=num_experts, top_k=top_k, intermediate_size=inter, layers=())
+    experts = Experts(dataclasses.replace(text, hidden_size=hidden), moe)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(std=hidden**-0.5)
+        experts.down_proj.normal_(std=inter**-0.5)
+    return experts.to(device)
+
+
+def _routing(
+    tokens: int, num_experts: int, top_k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(tokens, num_experts, device=device)
+    weights, chosen = logits.softmax(-1).topk(top_k, dim=-1)
+    return chosen, weights / weights.sum(-1, keepdim=True)
+
+
+def test_fused_layout_is_the_checkpoints_with_gate_and_up_swapped(moe_checkpoint: Path) -> None:
+    """fc1 is the checkpoint's gate_up_proj with its halves swapped; fc2 is down_proj."""
+    experts = _experts(load_spec(moe_checkpoint).text, 16, 8, 4, 2, CPU)
+    fused = FlashInferExperts(experts)
+    gate, up = experts.gate_up_proj.chunk(2, dim=1)
+    assert torch.equal(fused.fc1[:, :8], up) and torch.equal(fused.fc1[:, 8:], gate)
+    assert torch.equal(fused.fc2, experts.down_proj)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("hidden", "inter", "num_experts", "top_k"),
+    [(256, 96, 8, 2), (2048, 768, 128, 8)],  # the demo's routing; Qwen3-VL-30B-A3B's shapes
+)
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_flashinfer_experts_match_the_grouped_torch_experts(
+    moe_checkpoint: Path,
+    dtype: torch.dtype,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    tokens: int,
+) -> None:
+    text = load_spec(moe_checkpoint).text
+    experts = _experts(text, hidden, inter, num_experts, top_k, CUDA).to(dtype)
+    x = torch.randn(tokens, hidden, device=CUDA, dtype=dtype)
+    chosen, weights = _routing(tokens, num_experts, top_k, CUDA)
+    expected = experts(x, chosen, weights)
+    got = FlashInferExperts(experts)(x, chosen, weights)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_every_sparse_layer_is_fused_on_cuda(moe_checkpoint: Path) -> None:
+    spec = load_spec(moe_checkpoint)
+    weights = load_language_weights(moe_checkpoint, spec)
+    model = LanguageModel.from_weights(
+        spec.text, {k: v.to(torch.bfloat16) for k, v in weights.items()}, CUDA
+    )
+    assert spec.text.moe is not None
+    assert fuse_experts(model) == len(spec.text.moe.layers)
