@@ -26,5 +26,11 @@ fi
 # The tritonserver binary and its Python backend ship inside this wheel. Its
 # metadata pins numpy<2 and Python deps the binary never uses, hence --no-deps.
 "${PIP[@]}" --no-deps "nvidia-pytriton==0.7.0"
+# transformers' video processor, the reference of the video tests, needs
+# torchvision's Python transforms. Its wheel cannot load its C ops beside the
+# CPU torch and would make transformers pick torchvision-backed processors, so
+# it lives in a folder of its own that only the tests' reference child puts on
+# its path (tests/videos.py). 0.28 is torch 2.13's torchvision.
+"${PIP[@]}" --no-deps --upgrade --target "$VENV/reference" "torchvision==0.28.0"
 
 echo "$WANT" > "$STAMP"

@@ -122,7 +122,9 @@ def build_tokenizer(out_dir: Path) -> dict[str, int]:
     return {t: int(i) for t, i in ids.items() if i is not None}
 
 
-def build_image_processor_config(out_dir: Path, patch_size: int = 14) -> None:
+def build_processor_configs(out_dir: Path, patch_size: int = 14) -> None:
+    """The image and video processor configs (Qwen2-VL's, with a demo's pixel
+    bounds: a video frame pair is at most 256 tokens, at most 64 frames)."""
     unit = patch_size * 2  # a merged token's side
     config = {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -141,6 +143,18 @@ def build_image_processor_config(out_dir: Path, patch_size: int = 14) -> None:
         "merge_size": 2,
     }
     (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    video = config | {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "size": {"shortest_edge": 4 * unit * unit, "longest_edge": 256 * unit * unit},
+        "fps": 2.0,
+        "min_frames": 4,
+        "max_frames": 64,
+        "do_sample_frames": True,
+        "cap_pixels_per_frame": False,
+    }
+    for key in ("image_processor_type", "min_pixels", "max_pixels"):
+        del video[key]
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
 
 def cached_demo_checkpoint(size: str, arch: str = "qwen2_5_vl") -> Path:
@@ -179,7 +193,7 @@ def build_demo_checkpoint(
         pad_token_id=ids["<|endoftext|>"],
         do_sample=False,
     ).save_pretrained(out_dir)
-    build_image_processor_config(out_dir, patch_size=14 if arch == "qwen2_5_vl" else 16)
+    build_processor_configs(out_dir, patch_size=14 if arch == "qwen2_5_vl" else 16)
     return out_dir
 
 

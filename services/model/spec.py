@@ -71,6 +71,8 @@ class VisionSpec:
     spatial_merge_size: int
     out_hidden_size: int
     deepstack_levels: int
+    # Qwen2.5-VL: video M-RoPE time positions per second; None: one per temporal patch.
+    tokens_per_second: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +149,7 @@ def load_spec(folder: str | Path) -> ModelSpec:
             spatial_merge_size=vision.spatial_merge_size,
             out_hidden_size=getattr(vision, "out_hidden_size", None) or text.hidden_size,
             deepstack_levels=len(getattr(vision, "deepstack_visual_indexes", None) or ()),
+            tokens_per_second=getattr(vision, "tokens_per_second", None),
         ),
         image_token_id=config.image_token_id,
         video_token_id=config.video_token_id,

@@ -26,11 +26,17 @@ class Role(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class ImageGrid:
-    """An image's patch grid (temporal, height, width) before the spatial merge."""
+    """An image's or a video's patch grid (temporal, height, width) before the
+    spatial merge; a video's also says how many seconds a temporal patch spans."""
 
     t: int
     h: int
     w: int
+    second_per_grid_t: float = 0.0  # 0: an image
+
+    @property
+    def is_video(self) -> bool:
+        return self.second_per_grid_t > 0
 
     def num_tokens(self, merge_size: int) -> int:
         return self.t * self.h * self.w // (merge_size * merge_size)

@@ -20,10 +20,16 @@ def _hf_rope_index(
     model = Qwen2_5_VLModel.__new__(Qwen2_5_VLModel)  # get_rope_index only reads the config
     model.config = config
     input_ids = torch.tensor([ids])
+    images = [[g.t, g.h, g.w] for g in grids if not g.is_video]
+    videos = [[g.t, g.h, g.w] for g in grids if g.is_video]
+    # the processor's second_per_grid_ts: float32, one per video
+    seconds = torch.tensor([g.second_per_grid_t for g in grids if g.is_video], dtype=torch.float32)
     positions, deltas = model.get_rope_index(
         input_ids,
-        (input_ids == config.image_token_id).int(),
-        image_grid_thw=torch.tensor([[g.t, g.h, g.w] for g in grids]) if grids else None,
+        (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int(),
+        image_grid_thw=torch.tensor(images) if images else None,
+        video_grid_thw=torch.tensor(videos) if videos else None,
+        second_per_grid_ts=seconds if videos else None,
     )
     return positions[:, 0], int(deltas[0, 0])
 
@@ -33,6 +39,15 @@ GRID_SETS = [
     [ImageGrid(1, 16, 16)],
     [ImageGrid(1, 4, 30)],
     [ImageGrid(1, 36, 6), ImageGrid(1, 2, 2), ImageGrid(1, 22, 36)],
+    [ImageGrid(4, 8, 12, second_per_grid_t=1.0)],  # a video sampled at 2 fps
+    # videos (frame rates that give fractional time steps) between images
+    [
+        ImageGrid(1, 4, 4),
+        ImageGrid(3, 6, 4, second_per_grid_t=2 / 3.3),
+        ImageGrid(8, 2, 2, second_per_grid_t=0.7),
+        ImageGrid(1, 6, 8),
+    ],
+    [ImageGrid(30, 2, 2, second_per_grid_t=2 / 1.5)],  # time outruns the spatial extent
 ]
 
 
@@ -42,11 +57,19 @@ def test_positions_equal_get_rope_index(tiny_checkpoint: Path, grids: list[Image
     merge = spec.vision.spatial_merge_size
     ids: list[int] = [100, 101, 102]
     for i, grid in enumerate(grids):
-        ids += [spec.vision_start_token_id] + [spec.image_token_id] * grid.num_tokens(merge)
+        placeholder = spec.video_token_id if grid.is_video else spec.image_token_id
+        ids += [spec.vision_start_token_id] + [placeholder] * grid.num_tokens(merge)
         ids += [spec.vision_end_token_id] + [200 + i] * (i + 1)
     ids += [300, 301]
 
-    positions, delta = mrope_positions(ids, spec.image_token_id, grids, merge)
+    positions, delta = mrope_positions(
+        ids,
+        spec.image_token_id,
+        grids,
+        merge,
+        video_token_id=spec.video_token_id,
+        tokens_per_second=spec.vision.tokens_per_second,
+    )
     expected, expected_delta = _hf_rope_index(tiny_checkpoint, ids, grids)
     assert torch.equal(positions, expected)
     assert delta == expected_delta
@@ -66,3 +89,5 @@ def test_mismatched_grids_are_errors() -> None:
         mrope_positions([1, 2, 3], 9, [ImageGrid(1, 2, 2)], 2)
     with pytest.raises(ValueError, match="consecutive placeholder"):
         mrope_positions([1, 9, 9, 2], 9, [ImageGrid(1, 4, 4)], 2)
+    with pytest.raises(ValueError, match="video at token 1 needs 1 consecutive"):
+        mrope_positions([1, 9, 2], 9, [ImageGrid(1, 2, 2, second_per_grid_t=1.0)], 2, 8, 2)
