@@ -7,7 +7,9 @@ needs torchvision, which does not load beside the CPU torch): each
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -60,38 +62,74 @@ def hf_greedy_logprobs(
     ]
 
 
+@dataclass(frozen=True)
+class HfVideo:
+    """A video as transformers' processor hands it to the model: its pixel rows
+    (pixel_values_videos), its grid and seconds per temporal patch."""
+
+    pixels: torch.Tensor
+    grid: tuple[int, int, int]
+    second_per_grid_t: float
+
+
+def hf_greedy_videos(
+    folder: str | Path,
+    messages: Sequence[dict[str, Any]],
+    images: Sequence[Image.Image],
+    videos: Sequence[HfVideo],
+    max_new_tokens: int = 16,
+) -> list[int]:
+    """Greedy tokens from HF generate() for a chat with images and videos."""
+    out = _generate(folder, torch.float32, messages, images, max_new_tokens, videos=videos)
+    return [int(t) for t in out.sequences[0, -len(out.scores) :]]
+
+
+def _expand(text: str, pad: str, counts: Sequence[int]) -> str:
+    pieces = text.split(pad)
+    assert len(pieces) == len(counts) + 1, f"one {pad} per item"
+    return pieces[0] + "".join(pad * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
+
+
 def _generate(
     folder: str | Path,
     dtype: torch.dtype,
     messages: Sequence[dict[str, Any]],
     images: Sequence[Image.Image],
     max_new_tokens: int,
+    videos: Sequence[HfVideo] = (),
     **processors: Any,
 ) -> Any:
     folder = str(folder)
     model = _hf_model(folder, dtype)
     tokenizer, image_processor = _hf_parts(folder)
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    merge = model.config.vision_config.spatial_merge_size
     kwargs: dict[str, Any] = {}
     if images:
         pixels = image_processor(images=list(images), return_tensors="pt")
-        merge = model.config.vision_config.spatial_merge_size
-        pad = "<|image_pad|>"
-        pieces = text.split(pad)
-        assert len(pieces) == len(images) + 1, "one <|image_pad|> per image"
         counts = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
-        text = pieces[0] + "".join(
-            pad * n + rest for n, rest in zip(counts, pieces[1:], strict=True)
-        )
-        kwargs = {
+        text = _expand(text, "<|image_pad|>", counts)
+        kwargs |= {
             "pixel_values": pixels["pixel_values"].to(dtype),
             "image_grid_thw": pixels["image_grid_thw"],
         }
+    if videos:
+        text = _expand(text, "<|video_pad|>", [math.prod(v.grid) // merge**2 for v in videos])
+        kwargs |= {
+            "pixel_values_videos": torch.cat([v.pixels for v in videos]).to(dtype),
+            "video_grid_thw": torch.tensor([v.grid for v in videos]),
+            # the processor's float32 tensor
+            "second_per_grid_ts": torch.tensor(
+                [v.second_per_grid_t for v in videos], dtype=torch.float32
+            ),
+        }
     enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
-    mm_token_type_ids = (enc["input_ids"] == model.config.image_token_id).int()
+    ids = enc["input_ids"]
+    mm_token_type_ids = (ids == model.config.image_token_id).int()
+    mm_token_type_ids += 2 * (ids == model.config.video_token_id).int()
     with torch.no_grad():
         return model.generate(
-            input_ids=enc["input_ids"],
+            input_ids=ids,
             attention_mask=enc["attention_mask"],
             mm_token_type_ids=mm_token_type_ids,
             max_new_tokens=max_new_tokens,

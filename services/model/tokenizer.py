@@ -1,7 +1,9 @@
-"""Tokenizer + chat template, and the prompt with image placeholders expanded.
+"""Tokenizer + chat template, and the prompt with image and video placeholders
+expanded.
 
-The chat template renders one `<|image_pad|>` per image; build_prompt repeats
-it once per embedding token of that image, which is what the HF processor does.
+The chat template renders one `<|image_pad|>` per image and one `<|video_pad|>`
+per video; build_prompt repeats each once per embedding token of its image or
+video, which is what the HF processor does.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from services.model.spec import CheckpointError, ModelSpec
 
-# OpenAI-shaped chat messages: {"role": ..., "content": str | [{"type": "text" | "image", ...}]}
+# Chat messages: {"role": ..., "content": str | [{"type": "text" | "image" | "video", ...}]}
 ChatMessages = Sequence[dict[str, Any]]
 
 
@@ -41,6 +43,9 @@ def load_tokenizer(folder: str | Path) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
+    """Token ids with placeholders expanded; "image" lists below are the images
+    and videos in prompt order (a video is one item)."""
+
     token_ids: list[int]
     image_offsets: list[int]  # index of each image's first placeholder token
     image_token_counts: list[int]
@@ -57,12 +62,13 @@ def render_chat(tokenizer: Any, messages: ChatMessages) -> str:
 
 
 def count_images(messages: ChatMessages) -> int:
+    """Image and video parts (each a vision item with its own placeholder)."""
     return sum(
         1
         for message in messages
         if not isinstance(message.get("content"), str)
         for part in message.get("content") or ()
-        if part.get("type") == "image"
+        if part.get("type") in ("image", "video")
     )
 
 
@@ -79,7 +85,7 @@ def completion_prompt(
     vocab = spec.text.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
-    if spec.image_token_id in ids:
+    if spec.image_token_id in ids or spec.video_token_id in ids:
         raise ValueError("a completion prompt holds no image placeholder tokens: no image comes")
     return Prompt(ids, [], [])
 
@@ -87,10 +93,11 @@ def completion_prompt(
 def build_prompt(
     tokenizer: Any, spec: ModelSpec, messages: ChatMessages, image_token_counts: Sequence[int]
 ) -> Prompt:
-    """Token ids of the templated chat with image i's placeholder repeated
-    image_token_counts[i] times."""
+    """Token ids of the templated chat with the placeholder of vision item i
+    (an image or a video, in prompt order) repeated image_token_counts[i] times."""
     ids = tokenizer(render_chat(tokenizer, messages), add_special_tokens=False)["input_ids"]
-    placeholders = [i for i, t in enumerate(ids) if t == spec.image_token_id]
+    pads = (spec.image_token_id, spec.video_token_id)
+    placeholders = [i for i, t in enumerate(ids) if t in pads]
     if len(placeholders) != len(image_token_counts):
         raise ValueError(
             f"prompt has {len(placeholders)} image placeholders "
@@ -104,7 +111,7 @@ def build_prompt(
             raise ValueError(f"image token count must be positive, got {count}")
         out.extend(ids[last:position])
         offsets.append(len(out))
-        out.extend([spec.image_token_id] * count)
+        out.extend([ids[position]] * count)
         last = position + 1
     out.extend(ids[last:])
     return Prompt(out, offsets, list(image_token_counts))

@@ -93,11 +93,16 @@ class VideoRule:
 
     def grid(self, info: VideoInfo) -> ImageGrid:
         """The patch grid of a video from its header: (sampled frames / temporal
-        patch, resized height / patch, resized width / patch)."""
+        patch, resized height / patch, resized width / patch), and the seconds a
+        temporal patch spans (temporal patch / sampled fps, as transformers'
+        processor computes second_per_grid_ts)."""
         frames = len(self.frame_indices(info.num_frames, info.fps))
         h, w = self.resize_rule.resized(info.height, info.width)
         return ImageGrid(
-            frames // self.temporal_patch_size, h // self.patch_size, w // self.patch_size
+            frames // self.temporal_patch_size,
+            h // self.patch_size,
+            w // self.patch_size,
+            second_per_grid_t=self.temporal_patch_size / self.sampled_fps(info),
         )
 
     def num_tokens(self, info: VideoInfo) -> int:
@@ -174,6 +179,17 @@ def decode(data: bytes, indices: list[int]) -> np.ndarray:
     if len(frames) != len(indices):
         raise VideoError(f"the video has {len(frames)} decodable frames of {len(indices)} sampled")
     return np.stack(frames)
+
+
+def load_video(data: bytes, rule: VideoRule) -> tuple[torch.Tensor, ImageGrid]:
+    """An encoded video -> (pixel rows, grid with its seconds per temporal patch):
+    header, sampled frames decoded, preprocessed."""
+    info = probe(data)
+    pixels, grid = preprocess(decode(data, rule.frame_indices(info.num_frames, info.fps)), rule)
+    header = rule.grid(info)
+    if (grid.t, grid.h, grid.w) != (header.t, header.h, header.w):
+        raise VideoError(f"the decoded frames ({grid}) disagree with the header ({header})")
+    return pixels, header
 
 
 def preprocess(frames: np.ndarray, rule: VideoRule) -> tuple[torch.Tensor, ImageGrid]:

@@ -207,16 +207,23 @@ def new_request(
     pixel_values: torch.Tensor | None = None,
     grammar: Any = None,
     deepstack: torch.Tensor | None = None,
+    video_token_id: int | None = None,
+    tokens_per_second: float | None = None,
 ) -> Request:
     """A request with its M-RoPE positions and image placeholder positions computed.
 
-    Images come either encoded (image_embeds, and with deepstack its features)
-    or, for an engine with its own vision tower, as pixel_values it encodes
-    before the request runs."""
-    positions, delta = mrope_positions(token_ids, image_token_id, grids, spatial_merge_size)
+    Images and videos (`grids` in prompt order; "image" below means either) come
+    either encoded (image_embeds, and with deepstack its features) or, for an
+    engine with its own vision tower, as pixel_values it encodes before the
+    request runs."""
+    positions, delta = mrope_positions(
+        token_ids, image_token_id, grids, spatial_merge_size, video_token_id, tokens_per_second
+    )
     image_positions = None
     if grids:
-        image_positions = (torch.tensor(token_ids) == image_token_id).nonzero().flatten()
+        pads = [image_token_id] if video_token_id is None else [image_token_id, video_token_id]
+        image_positions = torch.isin(torch.tensor(token_ids), torch.tensor(pads))
+        image_positions = image_positions.nonzero().flatten()
         if pixel_values is None and (
             image_embeds is None or image_embeds.shape[0] != image_positions.numel()
         ):
