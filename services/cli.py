@@ -78,6 +78,33 @@ def _local_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    from services.encoder.images import ImageLimits
+
+    d = ImageLimits()
+    p.add_argument("--max-images", type=int, default=d.max_images, help="images and videos")
+    p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
+    p.add_argument("--max-video-bytes", type=int, default=d.max_video_bytes)
+    p.add_argument("--max-video-seconds", type=float, default=d.max_video_seconds)
+    p.add_argument("--max-video-frames", type=int, default=d.max_video_frames)
+    p.add_argument("--max-video-pixels", type=int, default=d.max_video_pixels, help="per frame")
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    from services.encoder.images import ImageLimits
+
+    return ImageLimits(
+        args.max_images,
+        args.max_image_bytes,
+        args.max_image_pixels,
+        args.max_video_bytes,
+        args.max_video_seconds,
+        args.max_video_frames,
+        args.max_video_pixels,
+    )
+
+
 def _model_name(args: argparse.Namespace) -> str:
     return str(args.model_name or Path(args.checkpoint).resolve().name)
 
@@ -163,7 +190,6 @@ def _instance(args: argparse.Namespace, role: str) -> Any:
 
 
 def _encoder(args: argparse.Namespace) -> int:
-    from services.encoder.images import ImageLimits
     from services.encoder.server import EncoderConfig, EncoderServer
     from services.wire.dtypes import resolve_dtype
 
@@ -173,7 +199,7 @@ def _encoder(args: argparse.Namespace) -> int:
         instance=_instance(args, "encoder"),
         triton_url=args.triton,
         triton_shared_memory=not args.no_triton_shm,
-        limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
+        limits=_limits(args),
         cache_bytes=args.cache_mb * 1024 * 1024,
         send_buffer_tokens=args.send_buffer_tokens,
         max_pending=args.max_pending,
@@ -201,7 +227,6 @@ def _language(args: argparse.Namespace) -> int:
 
 
 def _gateway_config(args: argparse.Namespace) -> Any:
-    from services.encoder.images import ImageLimits
     from services.gateway.images import FetchPolicy
     from services.gateway.server import GatewayConfig
 
@@ -211,7 +236,7 @@ def _gateway_config(args: argparse.Namespace) -> Any:
         host=args.host,
         port=args.port,
         api_key="" if args.api_key == NO_API_KEY else args.api_key,
-        limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels),
+        limits=_limits(args),
         fetch=FetchPolicy(timeout_s=args.fetch_timeout, allow_private=args.allow_private_urls),
         encode_timeout_s=args.encode_timeout,
         served_models=tuple(args.served_model or ()),
@@ -353,9 +378,7 @@ def _add_gateway_options(p: argparse.ArgumentParser, port: int) -> None:
         default=env.API_KEY.get(),
         help=f"require this bearer key ($EPD_API_KEY; '{NO_API_KEY}': none, as when unset)",
     )
-    p.add_argument("--max-images", type=int, default=16)
-    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
-    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
+    _add_limit_options(p)
     p.add_argument(
         "--fetch-timeout", type=float, default=10.0, help="seconds for a remote image URL"
     )
@@ -495,9 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--triton", default=env.TRITON_URL.get(), help="Triton gRPC address ($EPD_TRITON_URL)"
     )
     p.add_argument("--no-triton-shm", action="store_true", help="send tensors to Triton over gRPC")
-    p.add_argument("--max-images", type=int, default=16)
-    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
-    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096)
+    _add_limit_options(p)
     p.add_argument("--cache-mb", type=int, default=256)
     p.add_argument("--send-buffer-tokens", type=int, default=65536)
     p.add_argument(

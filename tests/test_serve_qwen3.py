@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from openai import OpenAI
 from PIL import Image
@@ -92,3 +93,25 @@ def test_greedy_equals_hf_generate(
     else:
         got = client.chat.completions.create(**kwargs).choices[0].message.content
     assert got == expected_text
+
+
+def test_a_video_is_refused_with_a_400_until_qwen3_video_lands(url: str) -> None:
+    from tests.videos import make_video
+
+    video = "data:video/mp4;base64," + base64.b64encode(make_video()).decode()
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError, match="videos are not served for qwen3_vl_moe"):
+        client.chat.completions.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "video_url", "video_url": {"url": video}}],  # type: ignore[list-item,misc]
+                }
+            ],
+        )
+    ok = client.chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "still there?"}]
+    )
+    assert ok.choices[0].finish_reason == "length"

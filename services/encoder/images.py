@@ -1,7 +1,8 @@
-"""Decoding untrusted image bytes within limits.
+"""Decoding untrusted image and video bytes within limits.
 
 The header is read before any pixel: an image whose declared size is over the
-pixel limit (a decompression bomb) is refused without being decoded.
+pixel limit (a decompression bomb), or a video too long, too large or with too
+many frames, is refused without being decoded.
 """
 
 from __future__ import annotations
@@ -12,25 +13,43 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from services.model.video import VideoError, VideoInfo, probe
+
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 
 
 @dataclass(frozen=True, slots=True)
 class ImageLimits:
-    max_images: int = 16
+    """What one request's images and videos may be (videos: per video)."""
+
+    max_images: int = 16  # images and videos together
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_seconds: float = 600.0
+    max_video_frames: int = 36_000  # frames in the container (decoding cost)
+    max_video_pixels: int = 1920 * 1080  # per frame
 
     def __post_init__(self) -> None:
-        if min(self.max_images, self.max_image_bytes, self.max_image_pixels) <= 0:
+        values = (
+            self.max_images,
+            self.max_image_bytes,
+            self.max_image_pixels,
+            self.max_video_bytes,
+            self.max_video_seconds,
+            self.max_video_frames,
+            self.max_video_pixels,
+        )
+        if min(values) <= 0:
             raise ValueError(f"image limits must be positive: {self}")
 
 
 class BadImageError(ValueError):
-    """One image of a request cannot be used; the message names it and why."""
+    """One image or video of a request cannot be used; the message names it
+    (its index among the request's images and videos) and why."""
 
-    def __init__(self, index: int, reason: str) -> None:
-        super().__init__(f"image {index}: {reason}")
+    def __init__(self, index: int, reason: str, kind: str = "image") -> None:
+        super().__init__(f"{kind} {index}: {reason}")
         self.index = index
 
 
@@ -95,3 +114,31 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
         return image.convert("RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as exc:
         raise BadImageError(index, f"corrupt or truncated image: {exc}") from None
+
+
+def inspect_video(data: bytes, index: int, limits: ImageLimits) -> VideoInfo:
+    """The video's header, after checking bytes, duration, frames and frame size."""
+
+    def bad(reason: str) -> BadImageError:
+        return BadImageError(index, reason, "video")
+
+    if not data:
+        raise bad("empty video data")
+    if len(data) > limits.max_video_bytes:
+        raise bad(f"{len(data)} bytes exceeds the limit of {limits.max_video_bytes} bytes")
+    try:
+        info = probe(data)
+    except VideoError as exc:
+        raise bad(str(exc)) from None
+    if info.duration_s > limits.max_video_seconds:
+        raise bad(
+            f"{info.duration_s:.1f} s exceeds the limit of {limits.max_video_seconds:g} seconds"
+        )
+    if info.num_frames > limits.max_video_frames:
+        raise bad(f"{info.num_frames} frames exceeds the limit of {limits.max_video_frames} frames")
+    if info.width * info.height > limits.max_video_pixels:
+        raise bad(
+            f"{info.width}x{info.height} = {info.width * info.height} pixels a frame exceeds "
+            f"the limit of {limits.max_video_pixels} pixels"
+        )
+    return info

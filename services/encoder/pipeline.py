@@ -1,13 +1,14 @@
-"""EncodePipeline: image bytes -> per-image embeddings.
+"""EncodePipeline: image and video bytes -> per-item embeddings.
 
-Cached images (by content hash) skip everything; the rest are decoded and
-preprocessed in the worker pool, then sent to Triton as one request.
+Cached items (by content hash) skip everything; the rest are decoded and
+preprocessed in the worker pool, then sent to Triton as one request (a
+video's temporal patches go in the same forward as the images).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,10 +57,15 @@ class EncodePipeline:
         self.metrics = metrics
         self.merge_size = preprocessor.rule.merge_size
 
-    async def encode(self, images: Sequence[bytes]) -> Encoded:
+    async def encode(self, images: Sequence[bytes], videos: Set[int] = frozenset()) -> Encoded:
+        """`images`: the request's images and videos in order; `videos`: which are videos."""
         if not images:
             raise ValueError("no images to encode")
         check_count(len(images), self.limits)
+        if any(not 0 <= i < len(images) for i in videos):
+            raise ValueError(
+                f"video indices {sorted(videos)} are not all among the {len(images)} items"
+            )
         keys = await self.preprocessor.keys(images)
         found: dict[int, ImageEmbedding] = {}
         missing: list[int] = []
@@ -73,7 +79,7 @@ class EncodePipeline:
         self.metrics.cache_misses.inc(len(missing))
         if missing:
             started = time.perf_counter()
-            pre = await self.preprocessor.preprocess([(i, images[i]) for i in missing])
+            pre = await self.preprocessor.preprocess([(i, images[i]) for i in missing], videos)
             self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
             started = time.perf_counter()
             out = await self.vit.infer(

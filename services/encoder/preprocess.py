@@ -1,22 +1,25 @@
-"""Image bytes -> (pixel patches, grid) with the checkpoint's HF image processor.
+"""Image bytes -> (pixel patches, grid) with the checkpoint's HF image processor;
+video bytes -> the same with the model's video rules (services/model/video.py).
 
-Decoding and preprocessing run in a thread pool (PIL and numpy release the
-GIL), so one slow image never stalls the event loop or other requests.
+Decoding and preprocessing run in a thread pool (PIL, PyAV, numpy and torch
+release the GIL), so one slow image or video never stalls the event loop or
+other requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from services.encoder.images import BadImageError, ImageLimits, decode_image
+from services.encoder.images import BadImageError, ImageLimits, decode_image, inspect_video
 from services.model.processor import ImageTokenRule, load_image_processor
+from services.model.video import VideoRule, load_video
 from services.wire.messages import ImageGrid
 
 
@@ -35,6 +38,7 @@ class Preprocessor:
     def __init__(self, checkpoint: str | Path, limits: ImageLimits, workers: int = 2) -> None:
         self.limits = limits
         self.rule = ImageTokenRule.from_checkpoint(checkpoint)
+        self.video_rule = VideoRule.from_checkpoint(checkpoint)
         self._processor = load_image_processor(checkpoint)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preprocess")
 
@@ -49,6 +53,14 @@ class Preprocessor:
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         return PreprocessedImage(pixels, ImageGrid(t, h, w))
 
+    def _run_video(self, data: bytes, index: int) -> PreprocessedImage:
+        info = inspect_video(data, index, self.limits)
+        try:
+            pixels, grid = load_video(data, self.video_rule, info)
+        except ValueError as exc:  # VideoError, or the resize rule's aspect-ratio check
+            raise BadImageError(index, str(exc), "video") from None
+        return PreprocessedImage(pixels.numpy(), grid)
+
     async def keys(self, images: Sequence[bytes]) -> list[str]:
         loop = asyncio.get_running_loop()
         return list(
@@ -57,10 +69,16 @@ class Preprocessor:
             )
         )
 
-    async def preprocess(self, images: Sequence[tuple[int, bytes]]) -> list[PreprocessedImage]:
-        """(request index, bytes) pairs -> preprocessed images; BadImageError names the index."""
+    async def preprocess(
+        self, images: Sequence[tuple[int, bytes]], videos: Set[int] = frozenset()
+    ) -> list[PreprocessedImage]:
+        """(request index, bytes) pairs -> preprocessed images and videos (the
+        indices in `videos`); BadImageError names the index."""
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self._pool, self._run, d, i) for i, d in images]
+        futures = [
+            loop.run_in_executor(self._pool, self._run_video if i in videos else self._run, d, i)
+            for i, d in images
+        ]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):

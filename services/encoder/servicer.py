@@ -101,7 +101,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         if target and not request.request_id:
             raise ValueError("request_id is required to send embeddings to a language instance")
         peer = await self.sender.peer(target) if target else None
-        encoded = await self.pipeline.encode(list(request.images))
+        encoded = await self.pipeline.encode(list(request.images), set(request.video_indices))
         reply = self._reply(request.request_id, encoded)
         if peer is None:
             dtype = self.buffer.pool.layout.dtype

@@ -36,6 +36,8 @@ from services.gateway.protocol import (
     ImagePart,
     JsonObjectFormat,
     JsonSchemaFormat,
+    TextPart,
+    VideoPart,
     chat_choice,
     chunk,
     completion,
@@ -117,8 +119,11 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
     await gateway.backend.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    urls = [p.image_url.url for m in body.messages for p in m.parts if isinstance(p, ImagePart)]
-    loaded = await gateway.images.load_all(urls)
+    vision = [p for m in body.messages for p in m.parts if not isinstance(p, TextPart)]
+    loaded = await gateway.images.load_all(
+        [p.image_url.url if isinstance(p, ImagePart) else p.video_url.url for p in vision],
+        ["image" if isinstance(p, ImagePart) else "video" for p in vision],
+    )
     gateway.metrics.images.inc(len(loaded))
     hints = iter(image.token_hint for image in loaded)
     messages = []
@@ -129,6 +134,10 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
                 parts.append(
                     language_pb2.ContentPart(image=language_pb2.ImagePart(token_hint=next(hints)))
                 )
+            elif isinstance(part, VideoPart):
+                parts.append(
+                    language_pb2.ContentPart(video=language_pb2.VideoPart(token_hint=next(hints)))
+                )
             else:
                 parts.append(language_pb2.ContentPart(text=part.text))
         role = "system" if message.role == "developer" else message.role
@@ -138,6 +147,7 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
         model=body.model,
         messages=messages,
         images=[image.data for image in loaded],
+        video_indices=[i for i, p in enumerate(vision) if isinstance(p, VideoPart)],
         sampling=_structured(body, _sampling(body, body.logprobs, body.top_logprobs or 0)),
     )
 

@@ -64,11 +64,12 @@ class GenerateCall:
     request_id: str
     model: str
     messages: list[language_pb2.ChatMessage]
-    images: list[bytes]
+    images: list[bytes]  # the images and videos, in order
     sampling: common_pb2.SamplingParams
     # A completion (/v1/completions) instead of a chat: messages and images empty.
     prompt: str = ""
     prompt_token_ids: list[int] = field(default_factory=list)
+    video_indices: list[int] = field(default_factory=list)  # which of images are videos
 
     @property
     def is_completion(self) -> bool:
@@ -246,6 +247,7 @@ class Backend:
                     encoder_pb2.EncodeRequest(
                         request_id=call.request_id,
                         images=call.images,
+                        video_indices=call.video_indices,
                         language_instance_id=route.language_id,
                     ),
                     timeout=self.encode_timeout_s,

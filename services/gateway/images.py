@@ -1,4 +1,5 @@
-"""Loading the images of a chat request: data: URLs and remote http(s) URLs.
+"""Loading the images and videos of a chat request: data: URLs and remote
+http(s) URLs, checked against the limits from their headers alone.
 
 Remote fetches have a timeout and a byte cap, follow redirects only after
 checking each target, and refuse loopback, private, link-local and other
@@ -19,9 +20,10 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from services.encoder.images import BadImageError, ImageLimits, inspect_image
+from services.encoder.images import BadImageError, ImageLimits, inspect_image, inspect_video
 from services.gateway.errors import ApiError
 from services.model.processor import ImageTokenRule
+from services.model.video import VideoRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,70 +41,92 @@ class LoadedImage:
     token_hint: int  # 0 when no rule is known
 
 
-def _bad(index: int, reason: str) -> ApiError:
-    return ApiError(400, f"image {index}: {reason}", param="messages")
+def _bad(index: int, reason: str, kind: str = "image") -> ApiError:
+    return ApiError(400, f"{kind} {index}: {reason}", param="messages")
 
 
 class ImageLoader:
+    """Images and videos (`kind` "video"; indices count both, in request order)."""
+
     def __init__(
-        self, limits: ImageLimits, policy: FetchPolicy, rule: ImageTokenRule | None
+        self,
+        limits: ImageLimits,
+        policy: FetchPolicy,
+        rule: ImageTokenRule | None,
+        video_rule: VideoRule | None = None,
     ) -> None:
         self.limits = limits
         self.policy = policy
         self.rule = rule
+        self.video_rule = video_rule
         self._client = httpx.AsyncClient(follow_redirects=False, timeout=policy.timeout_s)
 
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def load_all(self, urls: list[str]) -> list[LoadedImage]:
+    async def load_all(self, urls: list[str], kinds: list[str] | None = None) -> list[LoadedImage]:
+        """`kinds`: "image" or "video" per URL (default: all images)."""
         if len(urls) > self.limits.max_images:
             raise ApiError(
                 400,
-                f"too many images: {len(urls)} > limit of {self.limits.max_images}",
+                f"too many images: {len(urls)} > limit of {self.limits.max_images} "
+                "(images and videos)",
                 param="messages",
             )
-        return list(await asyncio.gather(*(self.load(u, i) for i, u in enumerate(urls))))
+        kinds = kinds or ["image"] * len(urls)
+        return list(
+            await asyncio.gather(
+                *(self.load(u, i, k) for i, (u, k) in enumerate(zip(urls, kinds, strict=True)))
+            )
+        )
 
-    async def load(self, url: str, index: int) -> LoadedImage:
+    async def load(self, url: str, index: int, kind: str = "image") -> LoadedImage:
+        cap = self.limits.max_video_bytes if kind == "video" else self.limits.max_image_bytes
         if url.startswith("data:"):
-            data = self._decode_data_url(url, index)
+            data = self._decode_data_url(url, index, kind, cap)
         else:
             try:
-                data = await asyncio.wait_for(self._fetch(url, index), self.policy.timeout_s)
+                data = await asyncio.wait_for(
+                    self._fetch(url, index, kind, cap), self.policy.timeout_s
+                )
             except TimeoutError:
                 raise _bad(
-                    index, f"fetching {url} took longer than {self.policy.timeout_s:.0f}s"
+                    index, f"fetching {url} took longer than {self.policy.timeout_s:.0f}s", kind
                 ) from None
         try:
-            width, height = inspect_image(data, index, self.limits)
-            hint = self.rule.num_tokens(height, width) if self.rule else 0
+            if kind == "video":  # PyAV reads the header: off the event loop
+                info = await asyncio.to_thread(inspect_video, data, index, self.limits)
+                width, height = info.width, info.height
+                hint = self.video_rule.num_tokens(info) if self.video_rule else 0
+            else:
+                width, height = inspect_image(data, index, self.limits)
+                hint = self.rule.num_tokens(height, width) if self.rule else 0
         except BadImageError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        except ValueError as exc:  # the resize rule's aspect-ratio check
-            raise _bad(index, str(exc)) from None
+        except ValueError as exc:  # the resize rule's aspect-ratio check, too few frames
+            raise _bad(index, str(exc), kind) from None
         return LoadedImage(data, width, height, hint)
 
-    def _decode_data_url(self, url: str, index: int) -> bytes:
+    def _decode_data_url(self, url: str, index: int, kind: str, cap: int) -> bytes:
         header, sep, payload = url.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise _bad(index, "data URLs must be base64 (data:image/...;base64,...)")
-        if len(payload) * 3 // 4 > self.limits.max_image_bytes:
-            raise _bad(index, f"more than the limit of {self.limits.max_image_bytes} bytes")
+            raise _bad(index, f"data URLs must be base64 (data:{kind}/...;base64,...)", kind)
+        if len(payload) * 3 // 4 > cap:
+            raise _bad(index, f"more than the limit of {cap} bytes", kind)
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise _bad(index, "invalid base64 in data URL") from None
+            raise _bad(index, "invalid base64 in data URL", kind) from None
 
-    async def _checked_address(self, host: str, port: int, index: int) -> str:
+    async def _checked_address(self, host: str, port: int, index: int, kind: str) -> str:
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
                 host, port, type=socket.SOCK_STREAM
             )
         except socket.gaierror:
-            raise _bad(index, f"cannot resolve host {host!r}") from None
+            raise _bad(index, f"cannot resolve host {host!r}", kind) from None
         except UnicodeError as exc:  # IDNA: a label over 63 characters, an empty label
-            raise _bad(index, f"invalid host name {host[:80]!r}: {exc}") from None
+            raise _bad(index, f"invalid host name {host[:80]!r}: {exc}", kind) from None
         addresses = [str(info[4][0]) for info in infos]
         if not self.policy.allow_private:
             for address in addresses:
@@ -112,19 +136,20 @@ class ImageLoader:
                         index,
                         f"URL host {host!r} resolves to a non-public address ({address}); "
                         "fetching it is not allowed",
+                        kind,
                     )
         return addresses[0]
 
-    async def _fetch(self, url: str, index: int) -> bytes:
+    async def _fetch(self, url: str, index: int, kind: str, cap: int) -> bytes:
         for _ in range(self.policy.max_redirects + 1):
             try:
                 parts = urlsplit(url)
                 port = parts.port or (443 if parts.scheme == "https" else 80)
             except ValueError as exc:  # a port out of range, a broken IPv6 literal
-                raise _bad(index, f"invalid image URL: {exc}") from None
+                raise _bad(index, f"invalid {kind} URL: {exc}", kind) from None
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise _bad(index, "image URLs must be data:, http: or https: URLs")
-            address = await self._checked_address(parts.hostname, port, index)
+                raise _bad(index, f"{kind} URLs must be data:, http: or https: URLs", kind)
+            address = await self._checked_address(parts.hostname, port, index, kind)
             literal = f"[{address}]" if ":" in address else address
             pinned = urlunsplit(
                 (parts.scheme, f"{literal}:{port}", parts.path or "/", parts.query, "")
@@ -139,31 +164,34 @@ class ImageLoader:
                 response = await self._client.send(request, stream=True)
             except httpx.TimeoutException:
                 raise _bad(
-                    index, f"fetching {url} timed out after {self.policy.timeout_s:.0f}s"
+                    index, f"fetching {url} timed out after {self.policy.timeout_s:.0f}s", kind
                 ) from None
             except httpx.HTTPError as exc:
-                raise _bad(index, f"cannot fetch {url}: {exc}") from None
+                raise _bad(index, f"cannot fetch {url}: {exc}", kind) from None
             try:
                 if response.is_redirect:
                     url = urljoin(url, response.headers.get("location", ""))
                     continue
                 if response.status_code != 200:
-                    raise _bad(index, f"fetching {url} returned HTTP {response.status_code}")
-                return await self._read_capped(response, index)
+                    raise _bad(index, f"fetching {url} returned HTTP {response.status_code}", kind)
+                return await self._read_capped(response, index, kind, cap)
             finally:
                 await response.aclose()
-        raise _bad(index, f"more than {self.policy.max_redirects} redirects")
+        raise _bad(index, f"more than {self.policy.max_redirects} redirects", kind)
 
-    async def _read_capped(self, response: httpx.Response, index: int) -> bytes:
-        cap = self.limits.max_image_bytes
+    async def _read_capped(
+        self, response: httpx.Response, index: int, kind: str, cap: int
+    ) -> bytes:
         if int(response.headers.get("content-length") or 0) > cap:
-            raise _bad(index, f"more than the limit of {cap} bytes")
+            raise _bad(index, f"more than the limit of {cap} bytes", kind)
         body = bytearray()
         try:
             async for piece in response.aiter_bytes():
                 body += piece
                 if len(body) > cap:
-                    raise _bad(index, f"more than the limit of {cap} bytes")
+                    raise _bad(index, f"more than the limit of {cap} bytes", kind)
         except httpx.TimeoutException:
-            raise _bad(index, f"fetching timed out after {self.policy.timeout_s:.0f}s") from None
+            raise _bad(
+                index, f"fetching timed out after {self.policy.timeout_s:.0f}s", kind
+            ) from None
         return bytes(body)

@@ -71,7 +71,9 @@ class LocalBackend:
 
     async def generate(self, call: GenerateCall) -> Responses:
         try:
-            pre = await self.preprocessor.preprocess(list(enumerate(call.images)))
+            pre = await self.preprocessor.preprocess(
+                list(enumerate(call.images)), set(call.video_indices)
+            )
             grids = [p.grid for p in pre]
             merge = self.spec.vision.spatial_merge_size
             if call.prompt or call.prompt_token_ids:
@@ -97,6 +99,8 @@ class LocalBackend:
                 merge,
                 pixel_values=pixels,
                 grammar=grammar,
+                video_token_id=self.spec.video_token_id,
+                tokens_per_second=self.spec.vision.tokens_per_second,
             )
             outputs = self.engine.generate(request)
             first = await anext(outputs)  # validation errors surface here

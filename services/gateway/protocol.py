@@ -70,7 +70,18 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: Text
+
+
+class VideoPart(_Strict):
+    """A video, as vLLM and SGLang take it: {"type": "video_url", "video_url": {"url": ...}}."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class Message(_Strict):
@@ -79,7 +90,7 @@ class Message(_Strict):
     name: Text | None = None
 
     @property
-    def parts(self) -> list[TextPart | ImagePart]:
+    def parts(self) -> list[TextPart | ImagePart | VideoPart]:
         if self.content is None:
             return []
         if isinstance(self.content, str):

@@ -16,6 +16,7 @@ from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.images import FetchPolicy, ImageLoader
 from services.gateway.metrics import GatewayMetrics
 from services.model.processor import ImageTokenRule
+from services.model.video import VideoRule
 
 DEFAULT_PORT = 8000
 
@@ -45,6 +46,7 @@ class GatewayServer:
         self.config = config
         registry = CollectorRegistry()
         rule = ImageTokenRule.from_checkpoint(config.checkpoint) if config.checkpoint else None
+        video_rule = VideoRule.from_checkpoint(config.checkpoint) if config.checkpoint else None
         self.gateway = Gateway(
             backend=backend
             or Backend(
@@ -53,7 +55,7 @@ class GatewayServer:
                 generate_timeout_s=config.generate_timeout_s,
                 served_models=config.served_models,
             ),
-            images=ImageLoader(config.limits, config.fetch, rule),
+            images=ImageLoader(config.limits, config.fetch, rule, video_rule),
             metrics=GatewayMetrics(registry),
             registry=registry,
             api_key=config.api_key,

@@ -39,7 +39,7 @@ FINISH_REASONS = {
 def messages_from_proto(
     messages: Sequence[language_pb2.ChatMessage],
 ) -> tuple[ChatMessages, list[int]]:
-    """Chat-template messages and the token hint of each image, in order."""
+    """Chat-template messages and the token hint of each image and video, in order."""
     if not messages:
         raise ValueError("messages must not be empty")
     out: list[dict[str, Any]] = []
@@ -49,9 +49,13 @@ def messages_from_proto(
             raise ValueError(f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}")
         parts: list[dict[str, Any]] = []
         for part in message.content:
-            if part.WhichOneof("kind") == "image":
+            kind = part.WhichOneof("kind")
+            if kind == "image":
                 parts.append({"type": "image"})
                 hints.append(part.image.token_hint)
+            elif kind == "video":
+                parts.append({"type": "video"})
+                hints.append(part.video.token_hint)
             else:
                 parts.append({"type": "text", "text": part.text})
         out.append({"role": message.role, "content": parts})
@@ -250,6 +254,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             planes[0] if planes else None,
             grammar=grammar,
             deepstack=planes[1] if len(planes) > 1 else None,  # the pool's planes, in order
+            video_token_id=self.spec.video_token_id,
+            tokens_per_second=self.spec.vision.tokens_per_second,
         )
         try:
             async for output in self.engine.generate(engine_request):

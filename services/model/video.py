@@ -181,12 +181,14 @@ def decode(data: bytes, indices: list[int]) -> np.ndarray:
     return np.stack(frames)
 
 
-def load_video(data: bytes, rule: VideoRule) -> tuple[torch.Tensor, ImageGrid]:
+def load_video(
+    data: bytes, rule: VideoRule, info: VideoInfo | None = None
+) -> tuple[torch.Tensor, ImageGrid]:
     """An encoded video -> (pixel rows, grid with its seconds per temporal patch):
-    header, sampled frames decoded, preprocessed."""
-    info = probe(data)
-    pixels, grid = preprocess(decode(data, rule.frame_indices(info.num_frames, info.fps)), rule)
+    header (`info` if already read), sampled frames decoded, preprocessed."""
+    info = info or probe(data)
     header = rule.grid(info)
+    pixels, grid = preprocess(decode(data, rule.frame_indices(info.num_frames, info.fps)), rule)
     if (grid.t, grid.h, grid.w) != (header.t, header.h, header.w):
         raise VideoError(f"the decoded frames ({grid}) disagree with the header ({header})")
     return pixels, header

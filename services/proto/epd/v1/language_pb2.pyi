@@ -25,13 +25,21 @@ class ImagePart(_message.Message):
     token_hint: int
     def __init__(self, token_hint: _Optional[int] = ...) -> None: ...
 
+class VideoPart(_message.Message):
+    __slots__ = ("token_hint",)
+    TOKEN_HINT_FIELD_NUMBER: _ClassVar[int]
+    token_hint: int
+    def __init__(self, token_hint: _Optional[int] = ...) -> None: ...
+
 class ContentPart(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "video")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: ImagePart
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImagePart, _Mapping]] = ...) -> None: ...
+    video: VideoPart
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImagePart, _Mapping]] = ..., video: _Optional[_Union[VideoPart, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
