@@ -96,9 +96,9 @@ def test_greedy_equals_hf_generate(
 
 
 def test_a_video_is_refused_with_a_400_until_qwen3_video_lands(url: str) -> None:
-    from tests.videos import make_video
+    from services.bench.images import random_video
 
-    video = "data:video/mp4;base64," + base64.b64encode(make_video()).decode()
+    video = "data:video/mp4;base64," + base64.b64encode(random_video()).decode()
     client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError, match="videos are not served for qwen3_vl_moe"):
         client.chat.completions.create(

@@ -19,19 +19,18 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from services.bench.images import encode_image, random_image
+from services.bench.images import encode_image, random_image, random_video
 from services.model.demo import build_demo_checkpoint
 from services.model.tokenizer import load_tokenizer
 from services.model.video import VideoRule, load_video
 from services.ports import free_port
 from services.serve import launch
 from tests.reference import HfVideo, hf_greedy_videos
-from tests.videos import make_video
 
 MODEL = "demo-video"
 CLIPS = [
-    make_video(num_frames=30, width=64, height=48, fps=10),
-    make_video(num_frames=24, width=90, height=60, fps=30, seed=1),
+    random_video(num_frames=30, width=64, height=48, fps=10),
+    random_video(num_frames=24, width=90, height=60, fps=30, seed=1),
 ]
 IMAGE = encode_image(random_image(120, 90, seed=5))
 
@@ -125,13 +124,13 @@ def test_greedy_equals_hf_generate(url: str, checkpoint: Path, case: str, stream
 BAD = {
     "not a video": (b"\x00\x01 certainly not a container" * 50, "video 0: cannot read the video"),
     "empty": (b"", "video 0: empty video data"),
-    "one frame": (make_video(num_frames=1), "video 0: the video has 1 frames; at least 2 are"),
+    "one frame": (random_video(num_frames=1), "video 0: the video has 1 frames; at least 2 are"),
     "too long": (
-        make_video(num_frames=602, width=16, height=16, fps=1),
+        random_video(num_frames=602, width=16, height=16, fps=1),
         "video 0: 602.0 s exceeds the limit of 600 seconds",
     ),
     "too many pixels": (
-        make_video(num_frames=2, width=2000, height=1088, fps=2),
+        random_video(num_frames=2, width=2000, height=1088, fps=2),
         "video 0: 2000x1088 = 2176000 pixels a frame exceeds the limit of 2073600 pixels",
     ),
 }

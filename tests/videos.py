@@ -1,5 +1,5 @@
-"""Small videos made in the test with PyAV, and transformers' video processor
-as the reference for the project's video preprocessing.
+"""transformers' video processor as the reference for the project's video
+preprocessing (clips come from services.bench.images.random_video).
 
 transformers' `Qwen2VLVideoProcessor` needs torchvision's Python transforms.
 The torchvision wheel cannot load its C ops beside the CPU torch, and its
@@ -13,7 +13,6 @@ for ops that do not exist (what ../shared/peers/vllm-cpu.sh patches in place).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -25,35 +24,6 @@ import numpy as np
 import torch
 
 REFERENCE = Path(sys.prefix) / "reference"
-
-
-def make_video(
-    num_frames: int = 30,
-    width: int = 64,
-    height: int = 48,
-    fps: int = 10,
-    seed: int = 0,
-    container: str = "mp4",
-    codec: str = "mpeg4",
-) -> bytes:
-    """An encoded clip of moving gradients with noise (each frame differs)."""
-    import av
-
-    rng = np.random.default_rng(seed)
-    out = io.BytesIO()
-    with av.open(out, "w", format=container) as c:
-        stream = c.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(num_frames):
-            frame = np.empty((height, width, 3), np.uint8)
-            frame[..., 0] = (np.arange(width)[None, :] * 4 + i * 8 + seed * 40) % 256
-            frame[..., 1] = (np.arange(height)[:, None] * 5 + i * 3) % 256
-            frame[..., 2] = rng.integers(0, 256, (height, width))
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                c.mux(packet)
-        for packet in stream.encode():
-            c.mux(packet)
-    return out.getvalue()
 
 
 _CHILD = """

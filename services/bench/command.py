@@ -53,6 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"))
     p.add_argument("--image-dir", help="use these images instead of random ones")
     p.add_argument(
+        "--video-ratio",
+        type=float,
+        default=0.0,
+        help="share of requests with one video (drawn from those without images)",
+    )
+    p.add_argument("--video-frames", type=int, default=16, help="frames of random videos")
+    p.add_argument("--video-size", default="224x224", help="WIDTHxHEIGHT of random videos")
+    p.add_argument("--video-fps", type=int, default=4, help="frame rate of random videos")
+    p.add_argument("--video-dir", help="use these videos instead of random ones")
+    p.add_argument(
         "--request-rate",
         type=float,
         nargs="+",
@@ -116,6 +126,7 @@ def record(run_result: RunResult, summary: dict[str, Any]) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     width, _, height = args.image_size.partition("x")
+    video_width, _, video_height = args.video_size.partition("x")
     workload = Workload(
         num_prompts=args.num_prompts,
         input_len=args.input_len,
@@ -129,13 +140,19 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         endpoint=args.endpoint,
         schema_ratio=args.schema_ratio,
+        video_ratio=args.video_ratio,
+        video_frames=args.video_frames,
+        video_size=(int(video_width), int(video_height)),
+        video_fps=args.video_fps,
+        video_dir=Path(args.video_dir) if args.video_dir else None,
     )
     slo = parse_slo(args.goodput)
     model = args.model or first_model(args.base_url, args.api_key)
     requests = build_requests(workload, model)
     print(
         f"benchmarking {model!r} at {args.base_url}: {len(requests)} requests, "
-        f"{sum(r.kind == 'image' for r in requests)} with images",
+        f"{sum(r.kind == 'image' for r in requests)} with images, "
+        f"{sum(r.kind == 'video' for r in requests)} with a video",
         flush=True,
     )
     runs: dict[str, RunResult] = {}

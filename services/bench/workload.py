@@ -1,5 +1,5 @@
-"""Benchmark workloads: chat requests with synthetic or folder images and text
-prompts, deterministic for a seed."""
+"""Benchmark workloads: chat requests with synthetic or folder images or videos
+and text prompts, deterministic for a seed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from services.bench.images import encode_image, random_image
+from services.bench.images import encode_image, random_image, random_video
 
 WORDS = [
     "picture",
@@ -93,6 +93,11 @@ class Workload:
     seed: int = 0
     endpoint: Literal["chat", "completions"] = "chat"  # /v1/completions: text prompts only
     schema_ratio: float = 0.0  # share of chat requests with a response_format JSON schema
+    video_ratio: float = 0.0  # share of requests with one video (of those without images)
+    video_frames: int = 16
+    video_size: tuple[int, int] = (224, 224)
+    video_fps: int = 4
+    video_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.schema_ratio <= 1 or (self.schema_ratio and self.endpoint != "chat"):
@@ -101,6 +106,10 @@ class Workload:
             raise ValueError("/v1/completions takes no images: use --image-ratio 0")
         if not 0 <= self.image_ratio <= 1:
             raise ValueError("image_ratio must be in [0, 1]")
+        if not 0 <= self.video_ratio <= 1 or self.image_ratio + self.video_ratio > 1:
+            raise ValueError("video_ratio must be in [0, 1 - image_ratio]")
+        if self.endpoint == "completions" and self.video_ratio:
+            raise ValueError("/v1/completions takes no videos: use --video-ratio 0")
         if self.image_format not in FORMATS:
             raise ValueError(f"image format must be one of {', '.join(FORMATS)}")
         if self.num_prompts < 1 or self.output_len < 1:
@@ -110,7 +119,7 @@ class Workload:
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
     index: int
-    kind: Literal["image", "text"]
+    kind: Literal["image", "video", "text"]
     body: dict[str, Any]
     path: str = "/chat/completions"  # under the base URL
 
@@ -123,11 +132,24 @@ def _folder_images(folder: Path) -> list[tuple[bytes, str]]:
     return [(p.read_bytes(), mime[p.suffix.lower()]) for p in files]
 
 
+def _folder_videos(folder: Path) -> list[tuple[bytes, str]]:
+    mime = {".mp4": "video/mp4", ".webm": "video/webm", ".mkv": "video/x-matroska"}
+    mime |= {".mov": "video/quicktime", ".avi": "video/x-msvideo"}
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in mime)
+    if not files:
+        raise ValueError(f"no .mp4, .webm, .mkv, .mov or .avi videos in {folder}")
+    return [(p.read_bytes(), mime[p.suffix.lower()]) for p in files]
+
+
 def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
     rng = random.Random(workload.seed)
     with_images = set(
         rng.sample(range(workload.num_prompts), round(workload.image_ratio * workload.num_prompts))
     )
+    rest = sorted(set(range(workload.num_prompts)) - with_images)
+    video_rng = random.Random(workload.seed + 2)
+    with_videos = set(video_rng.sample(rest, round(workload.video_ratio * workload.num_prompts)))
+    videos = _folder_videos(workload.video_dir) if workload.video_dir else []
     schema_rng = random.Random(workload.seed + 1)
     count = round(workload.schema_ratio * workload.num_prompts)
     with_schema = set(schema_rng.sample(range(workload.num_prompts), count))
@@ -154,6 +176,17 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
                 used += 1
                 url = f"data:{kind};base64,{base64.b64encode(data).decode()}"
                 content.append({"type": "image_url", "image_url": {"url": url}})
+        if index in with_videos:
+            if videos:
+                data, kind = videos[index % len(videos)]
+            else:
+                width, height = workload.video_size
+                data = random_video(
+                    workload.video_frames, width, height, workload.video_fps, seed=index
+                )
+                kind = "video/mp4"
+            url = f"data:{kind};base64,{base64.b64encode(data).decode()}"
+            content.append({"type": "video_url", "video_url": {"url": url}})
         content.append({"type": "text", "text": text})
         prompt: dict[str, Any] = (
             {"prompt": text}
@@ -176,7 +209,8 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
                 "json_schema": {"name": "bench", "schema": BENCH_SCHEMA},
             }
         path = "/completions" if workload.endpoint == "completions" else "/chat/completions"
-        requests.append(
-            BenchRequest(index, "image" if index in with_images else "text", body, path)
+        of: Literal["image", "video", "text"] = (
+            "image" if index in with_images else "video" if index in with_videos else "text"
         )
+        requests.append(BenchRequest(index, of, body, path))
     return requests

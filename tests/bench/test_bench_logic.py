@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
 import math
 import statistics
@@ -29,6 +30,24 @@ def test_workload_is_deterministic_and_mixes_exactly() -> None:
     assert parts[0] != parts[1]  # distinct images: no cache hit within a run
     assert image.body["max_tokens"] == 64 and image.body["ignore_eos"] is True
     assert image.body["stream_options"] == {"include_usage": True}
+
+
+def test_videos_mix_with_images_and_text_and_are_readable_videos() -> None:
+    from services.model.video import probe
+
+    workload = Workload(
+        num_prompts=20, image_ratio=0.25, video_ratio=0.5, video_frames=6, video_size=(32, 32)
+    )
+    requests = build_requests(workload, "m")
+    assert [sum(r.kind == k for r in requests) for k in ("image", "video", "text")] == [5, 10, 5]
+    videos = [r.body["messages"][0]["content"][0] for r in requests if r.kind == "video"]
+    assert all(v["type"] == "video_url" for v in videos)
+    first = base64.b64decode(videos[0]["video_url"]["url"].partition(",")[2])
+    info = probe(first)
+    assert (info.num_frames, info.width, info.height, info.fps) == (6, 32, 32, 4.0)
+    assert len({v["video_url"]["url"] for v in videos}) == 10  # distinct: no cache hits
+    with pytest.raises(ValueError, match="video_ratio"):
+        Workload(image_ratio=0.6, video_ratio=0.5)
 
 
 def test_other_seed_other_workload() -> None:

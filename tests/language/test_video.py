@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from services.bench.images import random_video
 from services.language.engine.request import Request, SamplingParams, new_request
 from services.model.checkpoint import load_vision_tower
 from services.model.processor import load_image_processor
@@ -22,12 +23,11 @@ from services.model.video import VideoRule, load_video
 from services.wire.messages import ImageGrid
 from tests.language.engine_fixtures import make_engine, run_to_completion, tokens
 from tests.reference import HfVideo, hf_greedy_videos
-from tests.videos import make_video
 
 CLIPS = {
-    "a": make_video(num_frames=30, width=64, height=48, fps=10),  # 6 frames: 3 temporal patches
+    "a": random_video(num_frames=30, width=64, height=48, fps=10),  # 6 frames: 3 temporal patches
     # 0.8 s: min_frames (4) of 24 sampled at 5 fps, a temporal patch is 0.4 s
-    "b": make_video(num_frames=24, width=90, height=60, fps=30, seed=1),
+    "b": random_video(num_frames=24, width=90, height=60, fps=30, seed=1),
 }
 IMAGE = Image.new("RGB", (56, 84), (200, 40, 90))
 

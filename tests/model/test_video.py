@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from services.bench.images import random_video
 from services.model.demo import build_demo_checkpoint
 from services.model.video import VideoError, VideoRule, decode, preprocess, probe
-from tests.videos import hf_video_pixels, make_video
+from tests.videos import hf_video_pixels
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_header_gives_frames_rate_and_size_without_decoding() -> None:
-    info = probe(make_video(num_frames=30, width=64, height=48, fps=10))
+    info = probe(random_video(num_frames=30, width=64, height=48, fps=10))
     assert (info.num_frames, info.fps, info.width, info.height) == (30, 10.0, 64, 48)
     assert info.duration_s == 3.0
 
@@ -30,9 +31,9 @@ def test_sampling_and_pixels_equal_transformers(checkpoint: Path, tmp_path: Path
     rule, another size and rate): the same frame indices, grids and bit-equal pixels."""
     rule = VideoRule.from_checkpoint(checkpoint)
     clips = [
-        make_video(num_frames=30, width=64, height=48, fps=10),
-        make_video(num_frames=7, width=90, height=50, fps=4, seed=1),
-        make_video(num_frames=45, width=120, height=200, fps=15, seed=2),
+        random_video(num_frames=30, width=64, height=48, fps=10),
+        random_video(num_frames=7, width=90, height=50, fps=4, seed=1),
+        random_video(num_frames=45, width=120, height=200, fps=15, seed=2),
     ]
     infos = [probe(clip) for clip in clips]
     whole = [
@@ -54,7 +55,7 @@ def test_sampling_and_pixels_equal_transformers(checkpoint: Path, tmp_path: Path
 
 
 def test_decode_keeps_only_the_sampled_frames_in_order() -> None:
-    clip = make_video(num_frames=12)
+    clip = random_video(num_frames=12)
     every = decode(clip, list(range(12)))
     picked = decode(clip, [1, 4, 9])
     assert picked.shape == (3, 48, 64, 3)
@@ -63,7 +64,7 @@ def test_decode_keeps_only_the_sampled_frames_in_order() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"not a video at all" * 100, make_video()[:200]],
+    [b"", b"not a video at all" * 100, random_video()[:200]],
     ids=["empty", "garbage", "truncated"],
 )
 def test_bytes_that_are_no_video_are_a_video_error(data: bytes) -> None:
