@@ -46,3 +46,33 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def served(checkpoint: Path, model_name: str, logs: Path, *flags: str) -> Iterator[str]:
+    """`epd serve` on a checkpoint (context 512 tokens, a 64 MB KV cache, `flags`
+    added: `--monolithic`, ...) until the block ends, then stopped cleanly; its URL."""
+    from services.ports import free_port
+    from services.serve import launch
+
+    port = free_port()
+    process = launch(
+        [
+            *flags,
+            "--model",
+            str(checkpoint),
+            "--model-name",
+            model_name,
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--kv-cache-mb",
+            "64",
+            "--log-dir",
+            str(logs),
+        ]
+    )
+    yield f"http://127.0.0.1:{port}"
+    process.send_signal(signal.SIGINT)
+    assert process.wait(60) == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,8 +17,7 @@ from PIL import Image
 
 from services.bench.images import encode_image, random_image
 from services.model.tokenizer import load_tokenizer
-from services.ports import free_port
-from services.serve import launch
+from tests.processes import served
 from tests.reference import chat, hf_greedy, hf_greedy_prompt
 
 MODEL = "demo-tiny"
@@ -27,27 +25,8 @@ MODEL = "demo-tiny"
 
 @pytest.fixture(scope="module")
 def monolithic(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    process = launch(
-        [
-            "--monolithic",
-            "--model",
-            str(tiny_checkpoint),
-            "--model-name",
-            MODEL,
-            "--port",
-            str(port),
-            "--max-model-len",
-            "512",
-            "--kv-cache-mb",
-            "64",
-            "--log-dir",
-            str(tmp_path_factory.mktemp("logs")),
-        ]
-    )
-    yield f"http://127.0.0.1:{port}"
-    process.send_signal(signal.SIGINT)
-    assert process.wait(60) == 0
+    with served(tiny_checkpoint, MODEL, tmp_path_factory.mktemp("logs"), "--monolithic") as url:
+        yield url
 
 
 @pytest.mark.parametrize("n", [1, 3])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,7 @@ from PIL import Image
 from services.bench.images import encode_image, random_image
 from services.model.demo import build_demo_checkpoint
 from services.model.tokenizer import load_tokenizer
-from services.ports import free_port
-from services.serve import launch
+from tests.processes import served
 from tests.reference import chat, hf_greedy
 
 MODEL = "demo-qwen3-moe"
@@ -37,28 +35,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def url(
     request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    port = free_port()
     mode = ["--monolithic"] if request.param == "monolithic" else []
-    process = launch(
-        [
-            *mode,
-            "--model",
-            str(checkpoint),
-            "--model-name",
-            MODEL,
-            "--port",
-            str(port),
-            "--max-model-len",
-            "512",
-            "--kv-cache-mb",
-            "64",
-            "--log-dir",
-            str(tmp_path_factory.mktemp("logs")),
-        ]
-    )
-    yield f"http://127.0.0.1:{port}"
-    process.send_signal(signal.SIGINT)
-    assert process.wait(60) == 0
+    with served(checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *mode) as url:
+        yield url
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 3])

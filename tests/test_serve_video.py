@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,7 @@ from services.bench.images import encode_image, random_image, random_video
 from services.model.demo import build_demo_checkpoint
 from services.model.tokenizer import load_tokenizer
 from services.model.video import VideoRule, load_video
-from services.ports import free_port
-from services.serve import launch
+from tests.processes import served
 from tests.reference import HfVideo, hf_greedy_videos
 
 MODEL = "demo-video"
@@ -44,28 +42,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def url(
     request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    port = free_port()
     mode = ["--monolithic"] if request.param == "monolithic" else []
-    process = launch(
-        [
-            *mode,
-            "--model",
-            str(checkpoint),
-            "--model-name",
-            MODEL,
-            "--port",
-            str(port),
-            "--max-model-len",
-            "512",
-            "--kv-cache-mb",
-            "64",
-            "--log-dir",
-            str(tmp_path_factory.mktemp("logs")),
-        ]
-    )
-    yield f"http://127.0.0.1:{port}"
-    process.send_signal(signal.SIGINT)
-    assert process.wait(60) == 0
+    with served(checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *mode) as url:
+        yield url
 
 
 def _video_part(data: bytes) -> dict[str, Any]:

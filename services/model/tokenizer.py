@@ -85,7 +85,7 @@ def completion_prompt(
     vocab = spec.text.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
-    if spec.image_token_id in ids or spec.video_token_id in ids:
+    if spec.image_token_id in ids:
         raise ValueError("a completion prompt holds no image placeholder tokens: no image comes")
     return Prompt(ids, [], [])
 

@@ -216,6 +216,8 @@ def new_request(
     either encoded (image_embeds, and with deepstack its features) or, for an
     engine with its own vision tower, as pixel_values it encodes before the
     request runs."""
+    if not any(g.is_video for g in grids):
+        video_token_id = None  # without videos, the video pad is a token like any other
     positions, delta = mrope_positions(
         token_ids, image_token_id, grids, spatial_merge_size, video_token_id, tokens_per_second
     )
