@@ -1,7 +1,10 @@
 """Writes docs/performance.md: monolithic against disaggregated serving, same
 machine, same checkpoint (the small demo model), same workloads, one run.
 
-    .venv/bin/python -m bench.report [--quick] [--raw DIR]
+    .venv/bin/python -m bench.report [--quick] [--raw DIR] [--arch qwen3_vl_moe]
+
+With `--arch`, the small demo checkpoint of that family is served and the
+report goes to docs/performance-ARCH.md.
 
 Each configuration is started as a user would (`epd serve ...`, a child
 process on free ports) and driven with the same `epd bench` workloads:
@@ -33,7 +36,7 @@ from services.bench.command import strict_json
 from services.bench.runner import RunConfig, RunResult, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
-from services.model.demo import SIZES, cached_demo_checkpoint
+from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.ports import free_port
 from services.serve import launch
 
@@ -41,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "performance.md"
 TEMPLATE = Path(__file__).with_name("performance.md.in")
 FIGURES = REPO / "docs" / "performance"
+FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
 # bench/peer.py writes its section between these; regenerating the rest keeps it.
 START, END = "<!-- bench/peer.py: start -->", "<!-- bench/peer.py: end -->"
 
@@ -122,7 +126,8 @@ def cpu_seconds(root: int) -> dict[str, float]:
 
 
 @contextmanager
-def serve(setup: Setup, log_dir: Path) -> Iterator[tuple[str, int]]:
+def serve(setup: Setup, log_dir: Path, checkpoint: Path | None = None) -> Iterator[tuple[str, int]]:
+    """`epd serve` on the small demo checkpoint, or on `checkpoint`."""
     port = free_port()
     ports = [str(free_port()) for _ in range(6)]
     args = [
@@ -148,6 +153,7 @@ def serve(setup: Setup, log_dir: Path) -> Iterator[tuple[str, int]]:
         "256",
         "--log-dir",
         str(log_dir),
+        *(("--model", str(checkpoint)) if checkpoint else ()),
         *setup.args,
     ]
     process = launch(args)
@@ -298,13 +304,22 @@ def headline(case: Case, results: dict[str, dict[float, dict[str, Any]]]) -> lis
     return lines
 
 
+def outputs(arch: str) -> tuple[Path, Path]:
+    """The report and its figures' folder for a demo family."""
+    if arch == ARCHS[0]:
+        return DOC, FIGURES
+    return DOC.with_name(f"performance-{arch}.md"), FIGURES.with_name(f"performance-{arch}")
+
+
 def write(
     results: dict[str, dict[str, dict[float, dict[str, Any]]]],
     runs: dict[str, dict[str, RunResult]],
     all_cases: list[Case],
     elapsed: float,
+    arch: str = ARCHS[0],
 ) -> None:
-    FIGURES.mkdir(parents=True, exist_ok=True)
+    doc, figures = outputs(arch)
+    figures.mkdir(parents=True, exist_ok=True)
     spec = SIZES["small"]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
@@ -318,7 +333,7 @@ def write(
                 s: [by_rate[r] for r in case.rates if not math.isinf(r)]
                 for s, by_rate in results[case.name].items()
             },
-            FIGURES / f"{name}_throughput.png",
+            figures / f"{name}_throughput.png",
             f"{case.name}: throughput",
         )
         sections += [
@@ -326,7 +341,7 @@ def write(
             "",
             *table(case, results[case.name]),
             "",
-            f"![{case.name} throughput](performance/{name}_throughput.png)",
+            f"![{case.name} throughput]({figures.name}/{name}_throughput.png)",
             "",
         ]
     sections += [
@@ -345,16 +360,22 @@ def write(
     }
     plots.latency_cdfs(
         text_runs,
-        FIGURES / "mixed_text_latency_cdf.png",
+        figures / "mixed_text_latency_cdf.png",
         f"mixed 1:9 at {top:g} req/s: text requests",
     )
-    kept = peer_section(DOC.read_text()) if DOC.exists() else ""
-    DOC.write_text(
+    kept = peer_section(doc.read_text()) if doc.exists() else ""
+    serve_command = "epd serve --demo-size small"
+    if arch != ARCHS[0]:
+        serve_command = f"epd serve --model DEMO (epd demo-model DEMO --arch {arch} --size small)"
+    doc.write_text(
         TEMPLATE.read_text().format(
             date=time.strftime("%Y-%m-%d"),
             commit=commit or "unknown",
             minutes=f"{elapsed / 60:.0f}",
             machine=machine(),
+            family=FAMILIES[arch],
+            serve=serve_command,
+            figures=figures.name,
             model=f"text {spec.text_hidden}x{spec.text_layers}, "
             f"vision {spec.vision_hidden}x{spec.vision_layers}",
             headline="\n".join(
@@ -373,8 +394,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="half the requests per run")
     parser.add_argument("--raw", help="also write every run's summary as JSON into this folder")
+    parser.add_argument("--arch", default=ARCHS[0], choices=ARCHS, help="the demo's family")
     args = parser.parse_args()
-    cached_demo_checkpoint("small")
+    checkpoint = cached_demo_checkpoint("small", args.arch)
     started = time.monotonic()
     all_cases = cases(args.quick)
     results: dict[str, dict[str, dict[float, dict[str, Any]]]] = {c.name: {} for c in all_cases}
@@ -382,7 +404,8 @@ def main() -> None:
     log_root = Path(args.raw or "/tmp/epd-report")
     for setup in setups():
         print(f"== {setup.name}", flush=True)
-        with serve(setup, log_root / setup.name.split()[0]) as (url, pid):
+        logs = log_root / setup.name.split()[0]
+        with serve(setup, logs, checkpoint if args.arch != ARCHS[0] else None) as (url, pid):
             for case in all_cases:
                 results[case.name][setup.name] = {}
                 for rate in case.rates:
@@ -409,8 +432,8 @@ def main() -> None:
             for case, by_setup in results.items()
         }
         (Path(args.raw) / "summaries.json").write_text(json.dumps(strict_json(raw), indent=1))
-    write(results, runs, all_cases, time.monotonic() - started)
-    print(f"wrote {DOC}")
+    write(results, runs, all_cases, time.monotonic() - started, args.arch)
+    print(f"wrote {outputs(args.arch)[0]}")
 
 
 if __name__ == "__main__":

@@ -127,3 +127,12 @@ def test_the_peer_section_survives_a_regenerated_report() -> None:
     assert kept.count("vs vLLM: run 2") == 1
     assert peer_section("# Performance\n") == ""
     assert peer_section("# regenerated\n\n" + kept + "\n") == kept
+
+
+def test_report_of_another_family_goes_to_its_own_page() -> None:
+    from bench.report import DOC, FIGURES, outputs
+
+    assert outputs("qwen2_5_vl") == (DOC, FIGURES)
+    doc, figures = outputs("qwen3_vl_moe")
+    assert (doc.name, figures.name) == ("performance-qwen3_vl_moe.md", "performance-qwen3_vl_moe")
+    assert doc.parent == figures.parent == DOC.parent
