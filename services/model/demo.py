@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from services.model.processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
 # Qwen2-VL's special tokens, in the order its tokenizer adds them.
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -38,8 +40,6 @@ SPECIAL_TOKENS = (
 )
 TOKENIZER_VOCAB_SIZE = 1024
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True, slots=True)

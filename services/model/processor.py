@@ -17,6 +17,9 @@ from services.model.spec import CheckpointError
 from services.wire.messages import ImageGrid
 
 MAX_ASPECT_RATIO = 200  # the processor refuses anything more extreme
+# CLIP's normalisation, which Qwen2-VL's image and video processors use
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +71,15 @@ class ImageTokenRule:
         path = Path(folder) / "preprocessor_config.json"
         if not path.is_file():
             raise CheckpointError(f"{folder}: missing preprocessor_config.json")
-        config = json.loads(path.read_text())
+        return cls.from_config(json.loads(path.read_text()))
+
+    @classmethod
+    def from_config(
+        cls, config: dict[str, Any], defaults: ImageTokenRule | None = None
+    ) -> ImageTokenRule:
+        """From an image or video processor config; missing keys take `defaults`'."""
         size = config.get("size") or {}
-        defaults = cls()
+        defaults = defaults or cls()
         return cls(
             patch_size=config.get("patch_size", defaults.patch_size),
             merge_size=config.get("merge_size", defaults.merge_size),

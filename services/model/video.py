@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.model.processor import ImageTokenRule
+from services.model.processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageTokenRule
 from services.model.spec import CheckpointError
 from services.wire.messages import ImageGrid
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Qwen2-VL's video processor: each frame's patches, merge and pixel bounds
+VIDEO_FRAME = ImageTokenRule(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28)
 
 
 class VideoError(ValueError):
@@ -54,30 +54,16 @@ class VideoInfo:
 class VideoRule:
     """A checkpoint's video processor settings (video_preprocessor_config.json)."""
 
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 128 * 28 * 28
-    max_pixels: int = 768 * 28 * 28
+    frame: ImageTokenRule = VIDEO_FRAME  # each frame's patches, merge and pixel bounds
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
-    mean: tuple[float, float, float] = CLIP_MEAN
-    std: tuple[float, float, float] = CLIP_STD
-
-    @property
-    def resize_rule(self) -> ImageTokenRule:
-        return ImageTokenRule(
-            patch_size=self.patch_size,
-            merge_size=self.merge_size,
-            temporal_patch_size=self.temporal_patch_size,
-            min_pixels=self.min_pixels,
-            max_pixels=self.max_pixels,
-        )
+    mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    std: tuple[float, float, float] = OPENAI_CLIP_STD
 
     def frame_indices(self, num_frames: int, fps: float) -> list[int]:
         """The frames sampled from a video of `num_frames` at `fps` (Qwen2-VL's rule)."""
-        step = self.temporal_patch_size
+        step = self.frame.temporal_patch_size
         most = math.floor(min(self.max_frames, num_frames) / step) * step
         wanted = min(max(num_frames / fps * self.fps, self.min_frames), most, num_frames)
         count = math.floor(wanted / step) * step
@@ -87,26 +73,27 @@ class VideoRule:
             )
         return torch.arange(0, num_frames, num_frames / count).int().tolist()
 
+    def _sampling(self, info: VideoInfo) -> tuple[int, float]:
+        """How many frames are sampled, and their rate."""
+        count = len(self.frame_indices(info.num_frames, info.fps))
+        return count, count / info.num_frames * info.fps
+
     def sampled_fps(self, info: VideoInfo) -> float:
         """Frames per second of the sampled clip (what M-RoPE's time axis counts in)."""
-        return len(self.frame_indices(info.num_frames, info.fps)) / info.num_frames * info.fps
+        return self._sampling(info)[1]
 
     def grid(self, info: VideoInfo) -> ImageGrid:
         """The patch grid of a video from its header: (sampled frames / temporal
         patch, resized height / patch, resized width / patch), and the seconds a
         temporal patch spans (temporal patch / sampled fps, as transformers'
         processor computes second_per_grid_ts)."""
-        frames = len(self.frame_indices(info.num_frames, info.fps))
-        h, w = self.resize_rule.resized(info.height, info.width)
-        return ImageGrid(
-            frames // self.temporal_patch_size,
-            h // self.patch_size,
-            w // self.patch_size,
-            second_per_grid_t=self.temporal_patch_size / self.sampled_fps(info),
-        )
+        tp, p = self.frame.temporal_patch_size, self.frame.patch_size
+        frames, sampled_fps = self._sampling(info)
+        h, w = self.frame.resized(info.height, info.width)
+        return ImageGrid(frames // tp, h // p, w // p, second_per_grid_t=tp / sampled_fps)
 
     def num_tokens(self, info: VideoInfo) -> int:
-        return self.grid(info).num_tokens(self.merge_size)
+        return self.grid(info).num_tokens(self.frame.merge_size)
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path) -> VideoRule:
@@ -120,14 +107,9 @@ class VideoRule:
         else:
             raise CheckpointError(f"{folder}: missing video_preprocessor_config.json")
         config = json.loads(path.read_text())
-        size = config.get("size") or {}
         d = cls()
         return cls(
-            patch_size=config.get("patch_size", d.patch_size),
-            merge_size=config.get("merge_size", d.merge_size),
-            temporal_patch_size=config.get("temporal_patch_size", d.temporal_patch_size),
-            min_pixels=config.get("min_pixels") or size.get("shortest_edge", d.min_pixels),
-            max_pixels=config.get("max_pixels") or size.get("longest_edge", d.max_pixels),
+            frame=ImageTokenRule.from_config(config, VIDEO_FRAME),
             fps=float(config.get("fps") or d.fps),
             min_frames=config.get("min_frames", d.min_frames),
             max_frames=config.get("max_frames", d.max_frames),
@@ -199,7 +181,7 @@ def preprocess(frames: np.ndarray, rule: VideoRule) -> tuple[torch.Tensor, Image
     float32, grid), exactly as transformers' Qwen2VLVideoProcessor on them."""
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [T, C, H, W]
     num_frames, channels, height, width = video.shape
-    h, w = rule.resize_rule.resized(height, width)
+    h, w = rule.frame.resized(height, width)
     if (h, w) != (height, width):
         video = F.interpolate(
             video.contiguous(), size=(h, w), mode="bicubic", align_corners=False, antialias=True
@@ -207,7 +189,7 @@ def preprocess(frames: np.ndarray, rule: VideoRule) -> tuple[torch.Tensor, Image
     mean = torch.tensor(rule.mean).view(1, 3, 1, 1) * 255.0
     std = torch.tensor(rule.std).view(1, 3, 1, 1) * 255.0
     video = (video.to(torch.float32) - mean) / std
-    tp, p, m = rule.temporal_patch_size, rule.patch_size, rule.merge_size
+    tp, p, m = rule.frame.temporal_patch_size, rule.frame.patch_size, rule.frame.merge_size
     if pad := -num_frames % tp:
         video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
         num_frames += pad
