@@ -75,7 +75,7 @@ def hf_tokens_per_second(folder: str, token_ids: list[list[int]], output_len: in
 
 
 def engine_tokens_per_second(
-    engine: LLMEngine, token_ids: list[list[int]], output_len: int, image_token_id: int
+    engine: LLMEngine, token_ids: list[list[int]], output_len: int
 ) -> float:
     for i, ids in enumerate(token_ids):
         engine.add_request(
@@ -83,7 +83,7 @@ def engine_tokens_per_second(
                 f"b{time.monotonic_ns()}-{i}",
                 ids,
                 SamplingParams(max_tokens=output_len, ignore_eos=True),
-                image_token_id,
+                engine.spec,
             )
         )
     started = time.perf_counter()
@@ -124,8 +124,8 @@ def main() -> None:
     print(f"{'concurrency':>11} {'engine tok/s':>13} {'generate() tok/s':>17} {'ratio':>7}")
     for c in args.concurrency:
         ids = [build_prompt(tokenizer, spec, p, []).token_ids for p in prompts(c)]
-        engine_tokens_per_second(engine, ids[:1], 4, spec.image_token_id)  # warm-up
-        engine_rate = engine_tokens_per_second(engine, ids, args.output_len, spec.image_token_id)
+        engine_tokens_per_second(engine, ids[:1], 4)  # warm-up
+        engine_rate = engine_tokens_per_second(engine, ids, args.output_len)
         hf_rate = hf_tokens_per_second(str(folder), ids, args.output_len)
         print(
             f"{c:>11} {engine_rate:>13.1f} {hf_rate:>17.1f} {engine_rate / hf_rate:>6.2f}x",

@@ -94,13 +94,10 @@ class LocalBackend:
                 call.request_id,
                 prompt.token_ids,
                 sampling,
-                self.spec.image_token_id,
+                self.spec,
                 grids,
-                merge,
                 pixel_values=pixels,
                 grammar=grammar,
-                video_token_id=self.spec.video_token_id,
-                tokens_per_second=self.spec.vision.tokens_per_second,
             )
             outputs = self.engine.generate(request)
             first = await anext(outputs)  # validation errors surface here

@@ -248,14 +248,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             request_id,
             prompt.token_ids,
             sampling,
-            self.spec.image_token_id,
+            self.spec,
             grids,
-            self.spec.vision.spatial_merge_size,
             planes[0] if planes else None,
             grammar=grammar,
             deepstack=planes[1] if len(planes) > 1 else None,  # the pool's planes, in order
-            video_token_id=self.spec.video_token_id,
-            tokens_per_second=self.spec.vision.tokens_per_second,
         )
         try:
             async for output in self.engine.generate(engine_request):

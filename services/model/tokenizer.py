@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.model.spec import QWEN3_MODEL_TYPES, CheckpointError, ModelSpec
+from services.model.spec import CheckpointError, ModelSpec
 
 # Chat messages: {"role": ..., "content": str | [{"type": "text" | "image" | "video", ...}]}
 ChatMessages = Sequence[dict[str, Any]]
@@ -98,10 +98,7 @@ def build_prompt(
     ids = tokenizer(render_chat(tokenizer, messages), add_special_tokens=False)["input_ids"]
     pads = (spec.image_token_id, spec.video_token_id)
     placeholders = [i for i, t in enumerate(ids) if t in pads]
-    if spec.model_type in QWEN3_MODEL_TYPES and any(
-        ids[i] == spec.video_token_id for i in placeholders
-    ):
-        # Qwen3-VL interleaves per-frame timestamps with the frames' tokens
+    if not spec.serves_video and any(ids[i] == spec.video_token_id for i in placeholders):
         raise ValueError(f"videos are not served for {spec.model_type} checkpoints yet")
     if len(placeholders) != len(image_token_counts):
         raise ValueError(

@@ -69,9 +69,8 @@ def make_request(
         request_id,
         prompt.token_ids,
         sampling,
-        spec.image_token_id,
+        spec,
         grids,
-        merge,
         embeds,
         deepstack=deepstack,
     )

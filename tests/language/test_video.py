@@ -75,12 +75,9 @@ def _request(checkpoint: Path, request_id: str, case: int) -> Request:
         request_id,
         prompt.token_ids,
         SamplingParams(max_tokens=n),
-        spec.image_token_id,
+        spec,
         grids,
-        merge,
         torch.cat(embeds),
-        video_token_id=spec.video_token_id,
-        tokens_per_second=spec.vision.tokens_per_second,
     )
 
 

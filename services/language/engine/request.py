@@ -13,6 +13,7 @@ import torch
 import xgrammar as xgr
 
 from services.model.mrope import mrope_positions
+from services.model.spec import ModelSpec
 from services.wire.messages import ImageGrid
 
 # Below this temperature sampling is greedy (as in vLLM): dividing the logits by
@@ -200,26 +201,30 @@ def new_request(
     request_id: str,
     token_ids: list[int],
     sampling: SamplingParams,
-    image_token_id: int,
+    spec: ModelSpec,
     grids: Sequence[ImageGrid] = (),
-    spatial_merge_size: int = 2,
     image_embeds: torch.Tensor | None = None,
     pixel_values: torch.Tensor | None = None,
     grammar: Any = None,
     deepstack: torch.Tensor | None = None,
-    video_token_id: int | None = None,
-    tokens_per_second: float | None = None,
 ) -> Request:
-    """A request with its M-RoPE positions and image placeholder positions computed.
+    """A request with its M-RoPE positions and image placeholder positions computed
+    (the placeholder tokens, merge size and video time scale are the model's).
 
     Images and videos (`grids` in prompt order; "image" below means either) come
     either encoded (image_embeds, and with deepstack its features) or, for an
     engine with its own vision tower, as pixel_values it encodes before the
     request runs."""
-    if not any(g.is_video for g in grids):
-        video_token_id = None  # without videos, the video pad is a token like any other
+    image_token_id = spec.image_token_id
+    # without videos, the video pad is a token like any other
+    video_token_id = spec.video_token_id if any(g.is_video for g in grids) else None
     positions, delta = mrope_positions(
-        token_ids, image_token_id, grids, spatial_merge_size, video_token_id, tokens_per_second
+        token_ids,
+        image_token_id,
+        grids,
+        spec.vision.spatial_merge_size,
+        video_token_id,
+        spec.vision.tokens_per_second,
     )
     image_positions = None
     if grids:
