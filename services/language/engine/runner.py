@@ -79,8 +79,12 @@ class ModelRunner:
         of the image tokens this step computes (chunked prefill may split an image)."""
         ids: list[int] = []
         positions = []
-        # (flat offsets, embeddings, deepstack) of the image tokens this step computes
-        splices: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # flat offsets and embeddings of the image tokens this step computes, per
+        # request; with deepstack, their offsets and features
+        offsets: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        deep_offsets: list[torch.Tensor] = []
+        features: list[torch.Tensor] = []
         for s in batch:
             r = s.request
             begin, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
@@ -92,22 +96,22 @@ class ModelRunner:
                 lo = int(torch.searchsorted(r.image_positions, begin))
                 hi = int(torch.searchsorted(r.image_positions, end))
                 if hi > lo:
-                    offsets = r.image_positions[lo:hi] + (len(ids) - begin)
-                    deep = r.deepstack[lo:hi] if r.deepstack is not None else None
-                    splices.append((offsets, r.image_embeds[lo:hi], deep))
+                    offsets.append(r.image_positions[lo:hi] + (len(ids) - begin))
+                    values.append(r.image_embeds[lo:hi])
+                    if r.deepstack is not None:
+                        deep_offsets.append(offsets[-1])
+                        features.append(r.deepstack[lo:hi])
             ids += r.token_ids(begin, end)
             positions.append(_positions(r, begin, end))
         embeds = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.device))
-        for offsets, values, _ in splices:
-            embeds[offsets.to(self.device)] = values.to(self.device, embeds.dtype)
-        features = [(offsets, d) for offsets, _, d in splices if d is not None]
+        if offsets:
+            flat = torch.cat(offsets).to(self.device)
+            embeds[flat] = torch.cat(values).to(self.device, embeds.dtype)
         deepstack = None
         if features:
-            hidden = embeds.shape[1]
-            values = torch.cat([d for _, d in features]).to(self.device, embeds.dtype)
+            deep = torch.cat(features).to(self.device, embeds.dtype)
             deepstack = Deepstack(
-                torch.cat([o for o, _ in features]).to(self.device),
-                values.unflatten(1, (-1, hidden)),
+                torch.cat(deep_offsets).to(self.device), deep.unflatten(1, (-1, embeds.shape[1]))
             )
         return embeds, torch.cat(positions, dim=1).to(self.device), deepstack
 
