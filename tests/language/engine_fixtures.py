@@ -87,6 +87,19 @@ def run_to_completion(engine: LLMEngine, requests: list[Request]) -> dict[str, l
     return outputs
 
 
+def check_batch(
+    engine: LLMEngine, requests: list[Request], expected: list[list[int]], preempts: bool
+) -> None:
+    """Runs the requests together: request i's tokens are expected[i], the engine
+    preempted iff `preempts`, and every KV page came back."""
+    out = run_to_completion(engine, requests)
+    for i, request in enumerate(requests):
+        assert tokens(out[request.request_id]) == expected[i], f"request {i}"
+    assert (engine.scheduler.num_preemptions > 0) == preempts
+    engine.blocks.allocator.check_integrity()
+    assert engine.blocks.num_used_pages == 0
+
+
 def tokens(outputs: list[RequestOutput]) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 

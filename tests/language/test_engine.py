@@ -12,6 +12,7 @@ import torch
 from services.bench.images import random_image
 from services.language.engine.request import SamplingParams
 from tests.language.engine_fixtures import (
+    check_batch,
     make_engine,
     make_request,
     run_to_completion,
@@ -81,12 +82,7 @@ def test_batch_of_eight_mixed_requests_equals_hf(
     preempts: bool,
 ) -> None:
     engine = make_engine(tiny_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
-    out = run_to_completion(engine, _requests(tiny_checkpoint, list(range(8))))  # type: ignore[arg-type]
-    for i in range(8):
-        assert tokens(out[f"r{i}"]) == expected[i], f"request {i}"
-    assert (engine.scheduler.num_preemptions > 0) == preempts
-    engine.blocks.allocator.check_integrity()
-    assert engine.blocks.num_used_pages == 0
+    check_batch(engine, _requests(tiny_checkpoint, list(range(8))), expected, preempts)  # type: ignore[arg-type]
 
 
 def test_text_equals_hf_decode(tiny_checkpoint: Path, expected: list[list[int]]) -> None:

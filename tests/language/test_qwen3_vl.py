@@ -13,7 +13,13 @@ import torch
 
 from services.language.engine.request import SamplingParams
 from services.model.spec import load_spec
-from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
+from tests.language.engine_fixtures import (
+    check_batch,
+    make_engine,
+    make_request,
+    run_to_completion,
+    tokens,
+)
 from tests.language.test_engine import MIXED, _case
 from tests.reference import _generate, hf_greedy
 
@@ -63,12 +69,7 @@ def test_batch_of_eight_mixed_requests_equals_hf(
         for i in range(len(MIXED))
         for m, im, n in [_case(i)]
     ]
-    out = run_to_completion(engine, requests)
-    for i in range(len(MIXED)):
-        assert tokens(out[f"r{i}"]) == expected[i], f"request {i}"
-    assert (engine.scheduler.num_preemptions > 0) == preempts
-    engine.blocks.allocator.check_integrity()
-    assert engine.blocks.num_used_pages == 0
+    check_batch(engine, requests, expected, preempts)
 
 
 @pytest.mark.parametrize("index", [1, 3], ids=["one-image", "three-images"])

@@ -21,7 +21,7 @@ from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
 from services.model.video import VideoRule, load_video
 from services.wire.messages import ImageGrid
-from tests.language.engine_fixtures import make_engine, run_to_completion, tokens
+from tests.language.engine_fixtures import check_batch, make_engine, run_to_completion, tokens
 from tests.reference import HfVideo, hf_greedy_videos
 
 CLIPS = {
@@ -131,8 +131,4 @@ def test_a_batch_split_across_video_spans_equals_hf(
 ) -> None:
     engine = make_engine(tiny_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
     requests = [_request(tiny_checkpoint, f"r{i}", i) for i in range(len(CASES))]
-    out = run_to_completion(engine, requests)
-    for i in range(len(CASES)):
-        assert tokens(out[f"r{i}"]) == expected[i], f"request {i}"
-    assert (engine.scheduler.num_preemptions > 0) == preempts
-    assert engine.blocks.num_used_pages == 0
+    check_batch(engine, requests, expected, preempts)
