@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.language.engine.engine import moe_backend
 from services.language.engine.model import Experts, LanguageModel
-from services.language.engine.moe import FlashInferExperts, fuse_experts, moe_backend
+from services.language.engine.moe import FlashInferExperts, fuse_experts
 from services.model.checkpoint import load_language_weights
 from services.model.demo import build_demo_checkpoint
 from services.model.spec import MoeSpec, TextSpec, load_spec

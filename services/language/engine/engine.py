@@ -19,7 +19,7 @@ from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
 from services.language.engine.model import LanguageModel
-from services.language.engine.moe import fuse_experts, moe_backend
+from services.language.engine.moe import fuse_experts
 from services.language.engine.request import Request, RequestStatus, SamplingParams
 from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
@@ -79,20 +79,31 @@ class StepStats:
     tpots: list[float]  # seconds per output token, for requests that finished this step
 
 
-def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch" or "flashinfer" for EngineConfig.attention: `auto` is FlashInfer
-    on CUDA unless the model is in float32 (FlashInfer's kernels are half
-    precision only), then torch, with a log line."""
-    if choice == "flashinfer" and dtype == torch.float32:
-        raise ValueError("FlashInfer attention needs float16 or bfloat16, not float32")
+def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> str:
+    """`auto` is FlashInfer on CUDA unless the model is in float32 (FlashInfer's
+    kernels are half precision only), then torch, with a log line."""
     if choice != "auto":
         return choice
     if device.type != "cuda":
         return "torch"
     if dtype == torch.float32:
-        logger.info("float32 on %s: torch attention (FlashInfer has no float32 kernels)", device)
+        logger.info("float32 on %s: torch %s (FlashInfer has no float32 kernels)", device, what)
         return "torch"
     return "flashinfer"
+
+
+def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch" or "flashinfer" for EngineConfig.attention."""
+    if choice == "flashinfer" and dtype == torch.float32:
+        raise ValueError("FlashInfer attention needs float16 or bfloat16, not float32")
+    return _auto(choice, dtype, device, "attention")
+
+
+def moe_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch" or "flashinfer" for EngineConfig.moe (the experts of MoE layers)."""
+    if choice == "flashinfer" and (device.type != "cuda" or dtype == torch.float32):
+        raise ValueError("FlashInfer's fused MoE needs CUDA and float16 or bfloat16")
+    return _auto(choice, dtype, device, "MoE experts")
 
 
 @dataclass(frozen=True, slots=True)

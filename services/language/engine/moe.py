@@ -6,34 +6,15 @@ CUDA in half precision the engine swaps each layer's experts for
 routing weights) and runs permute, both GEMMs, SwiGLU and the weighted sum in
 `flashinfer.fused_moe.cutlass_fused_moe` (the kernel vLLM's and TensorRT-LLM's
 FlashInfer MoE backends call). Written against FlashInfer's documented API;
-not yet run on a GPU (see docs/gpu.md).
+not yet run on a GPU.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
 
 from services.language.engine.model import Experts, LanguageModel, SparseMoeBlock
-
-logger = logging.getLogger(__name__)
-
-
-def moe_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch" or "flashinfer" for EngineConfig.moe: `auto` is FlashInfer on
-    CUDA in float16/bfloat16, torch otherwise (with a log line on CUDA)."""
-    if choice == "flashinfer" and (device.type != "cuda" or dtype == torch.float32):
-        raise ValueError("FlashInfer's fused MoE needs CUDA and float16 or bfloat16")
-    if choice != "auto":
-        return choice
-    if device.type != "cuda":
-        return "torch"
-    if dtype == torch.float32:
-        logger.info("float32 on %s: torch MoE experts (the fused kernel is half precision)", device)
-        return "torch"
-    return "flashinfer"
 
 
 class FlashInferExperts(nn.Module):
