@@ -2,12 +2,13 @@
 
 The processor's placeholder expansion is done here by hand (AutoProcessor
 needs torchvision, which does not load beside the CPU torch): each
-`<|image_pad|>` becomes grid.prod() / merge^2 copies, as Qwen2VLProcessor does.
+`<|image_pad|>` becomes grid.prod() / merge^2 copies, as Qwen2VLProcessor does,
+and a Qwen3-VL video its timestamped frames as Qwen3VLProcessor writes them
+(tests/model/test_video.py holds the project's prompt equal to that processor's).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -65,11 +66,21 @@ def hf_greedy_logprobs(
 @dataclass(frozen=True)
 class HfVideo:
     """A video as transformers' processor hands it to the model: its pixel rows
-    (pixel_values_videos), its grid and seconds per temporal patch."""
+    (pixel_values_videos), its grid and seconds per temporal patch, and for
+    Qwen3-VL the timestamps its prompt spells out."""
 
     pixels: torch.Tensor
     grid: tuple[int, int, int]
     second_per_grid_t: float
+    frame_seconds: tuple[float, ...] = ()
+
+    def text(self, merge: int) -> str:
+        """What the video's `<|video_pad|>` becomes in the prompt."""
+        t, h, w = self.grid
+        if not self.frame_seconds:
+            return "<|video_pad|>" * (t * h * w // merge**2)
+        frame = "<|vision_start|>" + "<|video_pad|>" * (h * w // merge**2) + "<|vision_end|>"
+        return "".join(f"<{s:.1f} seconds>" + frame for s in self.frame_seconds)
 
 
 def hf_greedy_videos(
@@ -84,10 +95,10 @@ def hf_greedy_videos(
     return [int(t) for t in out.sequences[0, -len(out.scores) :]]
 
 
-def _expand(text: str, pad: str, counts: Sequence[int]) -> str:
+def _expand(text: str, pad: str, replacements: Sequence[str]) -> str:
     pieces = text.split(pad)
-    assert len(pieces) == len(counts) + 1, f"one {pad} per item"
-    return pieces[0] + "".join(pad * n + rest for n, rest in zip(counts, pieces[1:], strict=True))
+    assert len(pieces) == len(replacements) + 1, f"one {pad} per item"
+    return pieces[0] + "".join(r + rest for r, rest in zip(replacements, pieces[1:], strict=True))
 
 
 def _generate(
@@ -108,21 +119,22 @@ def _generate(
     if images:
         pixels = image_processor(images=list(images), return_tensors="pt")
         counts = [int(g.prod()) // merge**2 for g in pixels["image_grid_thw"]]
-        text = _expand(text, "<|image_pad|>", counts)
+        text = _expand(text, "<|image_pad|>", ["<|image_pad|>" * n for n in counts])
         kwargs |= {
             "pixel_values": pixels["pixel_values"].to(dtype),
             "image_grid_thw": pixels["image_grid_thw"],
         }
     if videos:
-        text = _expand(text, "<|video_pad|>", [math.prod(v.grid) // merge**2 for v in videos])
+        text = _expand(text, "<|video_pad|>", [v.text(merge) for v in videos])
         kwargs |= {
             "pixel_values_videos": torch.cat([v.pixels for v in videos]).to(dtype),
             "video_grid_thw": torch.tensor([v.grid for v in videos]),
-            # the processor's float32 tensor
-            "second_per_grid_ts": torch.tensor(
-                [v.second_per_grid_t for v in videos], dtype=torch.float32
-            ),
         }
+        if not any(v.frame_seconds for v in videos):  # Qwen2.5-VL's time scale
+            # the processor's float32 tensor
+            kwargs["second_per_grid_ts"] = torch.tensor(
+                [v.second_per_grid_t for v in videos], dtype=torch.float32
+            )
     enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
     ids = enc["input_ids"]
     mm_token_type_ids = (ids == model.config.image_token_id).int()

@@ -1,7 +1,8 @@
 """Qwen3-VL-MoE (deepstack) through `epd serve`, disaggregated (real Triton tower
 with its deepstack output, encoder, broker, shared-memory planes, language
 engine) and `--monolithic`, with the official openai client: greedy outputs
-equal HF generate() for text, one and three images, streaming and not."""
+equal HF generate() for text, one and three images, streaming and not, and for
+videos (Qwen3-VL's timestamped frames), alone and beside an image."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 from openai import OpenAI
 from PIL import Image
 
-from services.bench.images import encode_image, random_image
+from services.bench.images import encode_image, random_image, random_video
 from services.model.demo import build_demo_checkpoint
 from services.model.tokenizer import load_tokenizer
+from services.model.video import VideoRule, load_video, probe
 from tests.processes import served
-from tests.reference import chat, hf_greedy
+from tests.reference import HfVideo, chat, hf_greedy, hf_greedy_videos
 
 MODEL = "demo-qwen3-moe"
 
@@ -74,23 +75,56 @@ def test_greedy_equals_hf_generate(
     assert got == expected_text
 
 
-def test_a_video_is_refused_with_a_400_until_qwen3_video_lands(url: str) -> None:
-    from services.bench.images import random_video
+# the vision items in prompt order: a clip index, or "image"
+VIDEO_CASES = {"one-video": [0], "image-and-video": ["image", 1], "two-videos": [1, 0]}
 
-    video = "data:video/mp4;base64," + base64.b64encode(random_video()).decode()
+
+@pytest.mark.parametrize("case", list(VIDEO_CASES))
+def test_videos_greedy_equal_hf_generate(url: str, checkpoint: Path, case: str) -> None:
+    """Timestamped frames (`<t seconds>` before each temporal patch's span), the
+    video's deepstack planes over the transport: as HF generate() on the frames
+    its processor samples."""
+    items = VIDEO_CASES[case]
+    clips = [
+        random_video(num_frames=30, width=64, height=48, fps=10),
+        random_video(num_frames=5, width=90, height=60, fps=2, seed=1),  # 3 patches, padded
+    ]
+    image = encode_image(random_image(120, 90, seed=5))
+    rule = VideoRule.from_checkpoint(checkpoint)
+    videos = []
+    for item in items:
+        if item != "image":
+            pixels, grid = load_video(clips[int(item)], rule)
+            assert grid.frame_seconds
+            videos.append(
+                HfVideo(
+                    pixels, (grid.t, grid.h, grid.w), grid.second_per_grid_t, grid.frame_seconds
+                )
+            )
+    images = [Image.open(io.BytesIO(image)).convert("RGB") for i in items if i == "image"]
+    text = "What happens here?"
+    parts = [{"type": "image" if i == "image" else "video"} for i in items]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+    expected = hf_greedy_videos(checkpoint, messages, images, videos, 16)
+    expected_text = load_tokenizer(checkpoint).decode(expected, skip_special_tokens=True)
+
+    def part(item: str | int) -> dict[str, Any]:
+        if item == "image":
+            url = "data:image/png;base64," + base64.b64encode(image).decode()
+            return {"type": "image_url", "image_url": {"url": url}}
+        url = "data:video/mp4;base64," + base64.b64encode(clips[int(item)]).decode()
+        return {"type": "video_url", "video_url": {"url": url}}
+
     client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    with pytest.raises(openai.BadRequestError, match="videos are not served for qwen3_vl_moe"):
-        client.chat.completions.create(
-            model=MODEL,
-            max_tokens=4,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [{"type": "video_url", "video_url": {"url": video}}],  # type: ignore[list-item,misc]
-                }
-            ],
-        )
-    ok = client.chat.completions.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "still there?"}]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=16,
+        temperature=0,
+        messages=[
+            {"role": "user", "content": [*map(part, items), {"type": "text", "text": text}]}  # type: ignore[list-item,misc]
+        ],
     )
-    assert ok.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == expected_text.rstrip("\ufffd")
+    assert reply.usage is not None and reply.usage.prompt_tokens > sum(
+        rule.num_tokens(probe(clips[int(i)])) for i in items if i != "image"
+    )

@@ -75,16 +75,13 @@ class LocalBackend:
                 list(enumerate(call.images)), set(call.video_indices)
             )
             grids = [p.grid for p in pre]
-            merge = self.spec.vision.spatial_merge_size
             if call.prompt or call.prompt_token_ids:
                 prompt = completion_prompt(
                     self.tokenizer, self.spec, call.prompt, call.prompt_token_ids
                 )
             else:
                 messages, _ = messages_from_proto(call.messages)
-                prompt = build_prompt(
-                    self.tokenizer, self.spec, messages, [g.num_tokens(merge) for g in grids]
-                )
+                prompt = build_prompt(self.tokenizer, self.spec, messages, grids)
             sampling = sampling_from_proto(
                 call.sampling, self.max_model_len - len(prompt.token_ids)
             )

@@ -25,6 +25,7 @@ from services.model.tokenizer import (
 )
 from services.proto import common_pb2, language_pb2, language_pb2_grpc
 from services.transfer.state import PoolExhaustedError, TransferFailedError
+from services.wire.messages import ImageGrid
 
 logger = logging.getLogger(__name__)
 
@@ -238,9 +239,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 )
             merge = self.spec.vision.spatial_merge_size
             counts = [g.num_tokens(merge) for g in grids]
-            if counts != hints:  # the hints were unknown or wrong: tokenize again
+            # tokenize again where the hints were unknown or wrong, or a video
+            # spells out its timestamps (Qwen3-VL), which hints do not carry
+            if counts != hints or any(g.frame_seconds for g in grids):
                 try:
-                    prompt = await self._prompt(messages, counts)
+                    prompt = await self._prompt(messages, grids)
                     self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -264,8 +267,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             self.metrics.requests.labels("error").inc()
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
 
-    async def _prompt(self, messages: ChatMessages, image_tokens: list[int]) -> Prompt:
-        return await self._tokenize(build_prompt, self.tokenizer, self.spec, messages, image_tokens)
+    async def _prompt(self, messages: ChatMessages, items: Sequence[ImageGrid | int]) -> Prompt:
+        """The chat's prompt with each vision item expanded for its grid or token count."""
+        return await self._tokenize(build_prompt, self.tokenizer, self.spec, messages, items)
 
     async def _tokenize(self, build: Callable[..., Prompt], *args: Any) -> Prompt:
         """Templating and tokenizing, on their own thread: a long prompt never holds

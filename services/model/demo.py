@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from services.model.processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from services.model.processor import (
+    IMAGENET_STANDARD_MEAN,
+    IMAGENET_STANDARD_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+)
 
 # Qwen2-VL's special tokens, in the order its tokenizer adds them.
 SPECIAL_TOKENS = (
@@ -40,6 +45,9 @@ SPECIAL_TOKENS = (
 )
 TOKENIZER_VOCAB_SIZE = 1024
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# bumped when what a demo checkpoint holds changes, so that caches are rebuilt
+# (2: Qwen3-VL demos have Qwen3-VL's video processor)
+DEMO_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +130,12 @@ def build_tokenizer(out_dir: Path) -> dict[str, int]:
     return {t: int(i) for t, i in ids.items() if i is not None}
 
 
-def build_processor_configs(out_dir: Path, patch_size: int = 14) -> None:
-    """The image and video processor configs (Qwen2-VL's, with a demo's pixel
-    bounds: a video frame pair is at most 256 tokens, at most 64 frames)."""
+def build_processor_configs(out_dir: Path, arch: str = "qwen2_5_vl") -> None:
+    """The image and video processor configs, with a demo's pixel bounds: Qwen2-VL's
+    for qwen2_5_vl (a video frame pair is at most 256 tokens, at most 64 frames);
+    for Qwen3-VL its image config with patches of 16 and its own video processor
+    (a clip is at most 512 tokens, frames capped as qwen-vl-utils does)."""
+    patch_size = 14 if arch == "qwen2_5_vl" else 16
     unit = patch_size * 2  # a merged token's side
     config = {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -152,19 +163,31 @@ def build_processor_configs(out_dir: Path, patch_size: int = 14) -> None:
         "do_sample_frames": True,
         "cap_pixels_per_frame": False,
     }
+    if arch != "qwen2_5_vl":
+        video |= {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"shortest_edge": 32 * unit * unit, "longest_edge": 1024 * unit * unit},
+            "image_mean": list(IMAGENET_STANDARD_MEAN),
+            "image_std": list(IMAGENET_STANDARD_STD),
+            "cap_pixels_per_frame": True,
+        }
     for key in ("image_processor_type", "min_pixels", "max_pixels"):
         del video[key]
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
 
 def cached_demo_checkpoint(size: str, arch: str = "qwen2_5_vl") -> Path:
-    """The demo checkpoint of a size (seed 0), built once into $EPD_CACHE_DIR."""
+    """The demo checkpoint of a size (seed 0), built once into $EPD_CACHE_DIR, and
+    again when it was built by an older DEMO_VERSION."""
     from services import env
 
     name = f"demo-{size}" if arch == "qwen2_5_vl" else f"demo-{arch}-{size}"
     folder = Path(env.CACHE_DIR.get()) / name
-    if not (folder / "model.safetensors").is_file():
+    stamp = folder / "epd_demo_version"
+    current = stamp.is_file() and stamp.read_text().strip() == str(DEMO_VERSION)
+    if not (folder / "model.safetensors").is_file() or not current:
         build_demo_checkpoint(folder, size=size, seed=0, arch=arch)
+        stamp.write_text(f"{DEMO_VERSION}\n")
     return folder
 
 
@@ -193,7 +216,7 @@ def build_demo_checkpoint(
         pad_token_id=ids["<|endoftext|>"],
         do_sample=False,
     ).save_pretrained(out_dir)
-    build_processor_configs(out_dir, patch_size=14 if arch == "qwen2_5_vl" else 16)
+    build_processor_configs(out_dir, arch)
     return out_dir
 
 

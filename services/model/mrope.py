@@ -9,12 +9,16 @@ for its tokens in (t, h, w) raster order, and the text after it resumes at
 p + max(gh, gw). The interval is 1 for an image; for a video it is
 tokens_per_second * second_per_grid_t (Qwen2.5-VL: time positions follow the
 clip's seconds), or 1 for a model without tokens_per_second (Qwen2-VL). A
-decode step at sequence index n has position n + delta on all three axes,
-where delta = max(position) + 1 - prompt_length.
+Qwen3-VL video (its grid has frame_seconds) is one span per temporal patch,
+each placed like an image of grid (1, gh, gw), with the patch's timestamp text
+between them (transformers' Qwen3-VL get_rope_index). A decode step at
+sequence index n has position n + delta on all three axes, where
+delta = max(position) + 1 - prompt_length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +44,15 @@ def mrope_positions(
     is_image = [t in media for t in ids.tolist()]
     pos = 0  # next position id
     i = 0  # next sequence index
-    grid_iter = iter(grids)
+    grid_iter = iter(
+        span
+        for grid in grids
+        for span in (
+            [dataclasses.replace(grid, t=1, frame_seconds=())] * grid.t
+            if grid.frame_seconds
+            else [grid]
+        )
+    )
     while i < n:
         if not is_image[i]:
             j = i

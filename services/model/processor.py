@@ -20,6 +20,14 @@ MAX_ASPECT_RATIO = 200  # the processor refuses anything more extreme
 # CLIP's normalisation, which Qwen2-VL's image and video processors use
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# transformers' IMAGENET_STANDARD_*, which Qwen3-VL's processors use
+IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
+IMAGENET_STANDARD_STD = (0.5, 0.5, 0.5)
+
+
+def check_aspect_ratio(height: int, width: int) -> None:
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +47,7 @@ class ImageTokenRule:
         [min_pixels, max_pixels], aspect ratio kept as closely as possible."""
         if height <= 0 or width <= 0:
             raise ValueError(f"image size {width}x{height} is empty")
-        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-            raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+        check_aspect_ratio(height, width)
         factor = self.factor
         h_bar = round(height / factor) * factor
         w_bar = round(width / factor) * factor

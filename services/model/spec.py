@@ -90,11 +90,6 @@ class ModelSpec:
     def has_deepstack(self) -> bool:
         return self.vision.deepstack_levels > 0
 
-    @property
-    def serves_video(self) -> bool:
-        """Qwen3-VL puts a timestamp before each frame's tokens: not built yet."""
-        return self.model_type not in QWEN3_MODEL_TYPES
-
 
 def _require(folder: Path, name: str) -> Path:
     path = folder / name

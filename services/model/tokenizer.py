@@ -3,7 +3,14 @@ expanded.
 
 The chat template renders one `<|image_pad|>` per image and one `<|video_pad|>`
 per video; build_prompt repeats each once per embedding token of its image or
-video, which is what the HF processor does.
+video, which is what the HF processor does. A Qwen3-VL video (a grid with
+frame_seconds) becomes, per temporal patch, its timestamp as text and the
+patch's tokens between `<|vision_start|>` and `<|vision_end|>`:
+
+    <0.3 seconds><|vision_start|><|video_pad|>...<|vision_end|><1.4 seconds>...
+
+inside the template's own `<|vision_start|>`..`<|vision_end|>`, as
+transformers' Qwen3VLProcessor (and vLLM) write it.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.model.spec import CheckpointError, ModelSpec
+from services.wire.messages import ImageGrid
 
 # Chat messages: {"role": ..., "content": str | [{"type": "text" | "image" | "video", ...}]}
 ChatMessages = Sequence[dict[str, Any]]
@@ -91,29 +99,47 @@ def completion_prompt(
 
 
 def build_prompt(
-    tokenizer: Any, spec: ModelSpec, messages: ChatMessages, image_token_counts: Sequence[int]
+    tokenizer: Any, spec: ModelSpec, messages: ChatMessages, items: Sequence[ImageGrid | int]
 ) -> Prompt:
-    """Token ids of the templated chat with the placeholder of vision item i
-    (an image or a video, in prompt order) repeated image_token_counts[i] times."""
+    """Token ids of the templated chat with the placeholder of vision item i (an
+    image or a video, in prompt order) expanded for items[i]: its grid, or only
+    its token count (a hint: a Qwen3-VL video's timestamps then stay out)."""
     ids = tokenizer(render_chat(tokenizer, messages), add_special_tokens=False)["input_ids"]
     pads = (spec.image_token_id, spec.video_token_id)
     placeholders = [i for i, t in enumerate(ids) if t in pads]
-    if not spec.serves_video and any(ids[i] == spec.video_token_id for i in placeholders):
-        raise ValueError(f"videos are not served for {spec.model_type} checkpoints yet")
-    if len(placeholders) != len(image_token_counts):
+    if len(placeholders) != len(items):
         raise ValueError(
             f"prompt has {len(placeholders)} image placeholders "
-            f"but {len(image_token_counts)} image token counts were given"
+            f"but {len(items)} image token counts were given"
         )
     out: list[int] = []
     offsets: list[int] = []
+    counts: list[int] = []
     last = 0
-    for position, count in zip(placeholders, image_token_counts, strict=True):
-        if count <= 0:
-            raise ValueError(f"image token count must be positive, got {count}")
+    for position, item in zip(placeholders, items, strict=True):
         out.extend(ids[last:position])
-        offsets.append(len(out))
-        out.extend([ids[position]] * count)
+        expansion = _expand(tokenizer, spec, ids[position], item)
+        offsets.append(len(out) + expansion.index(ids[position]))
+        counts.append(expansion.count(ids[position]))
+        out.extend(expansion)
         last = position + 1
     out.extend(ids[last:])
-    return Prompt(out, offsets, list(image_token_counts))
+    return Prompt(out, offsets, counts)
+
+
+def _expand(tokenizer: Any, spec: ModelSpec, pad: int, item: ImageGrid | int) -> list[int]:
+    """The tokens that stand for one image or video in the prompt."""
+    merge = spec.vision.spatial_merge_size
+    count = item if isinstance(item, int) else item.num_tokens(merge)
+    if count <= 0:
+        raise ValueError(f"image token count must be positive, got {count}")
+    if isinstance(item, int) or not item.frame_seconds:
+        return [pad] * count
+    if pad != spec.video_token_id or len(item.frame_seconds) != item.t:
+        raise ValueError(
+            f"frame timestamps are for a video's {item.t} temporal patches, "
+            f"got {len(item.frame_seconds)}"
+        )
+    stamps = tokenizer([f"<{s:.1f} seconds>" for s in item.frame_seconds], add_special_tokens=False)
+    frame = [spec.vision_start_token_id, *[pad] * (count // item.t), spec.vision_end_token_id]
+    return [t for stamp in stamps["input_ids"] for t in (*stamp, *frame)]

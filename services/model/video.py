@@ -1,35 +1,56 @@
 """Video input: the container's header, frame sampling, decoding (PyAV, which
 ships FFmpeg in its wheel) and the model's video preprocessing.
 
-The rules are transformers' `Qwen2VLVideoProcessor` (also Qwen2.5-VL's):
-frames are sampled uniformly at `fps` frames per second of video, at least
-`min_frames`, at most `max_frames`, rounded down to a multiple of the temporal
-patch size; every frame is resized to the same size by the image resize rule
-with the video processor's pixel bounds (bicubic, antialiased, on uint8 as
-torchvision does on the CPU), normalised, and cut into patches of
-`temporal_patch_size` consecutive frames. `VideoRule.grid` gives the token
-grid from the header alone (the gateway's hint); `preprocess` gives the pixels
-(the encoder). Tests hold both equal to transformers' processor.
+Two families of rules, each transformers' video processor of its models:
+- `VideoRule`, Qwen2-VL's `Qwen2VLVideoProcessor` (also Qwen2.5-VL's): frames
+  are sampled uniformly at `fps` frames per second of video, at least
+  `min_frames`, at most `max_frames`, rounded down to a multiple of the temporal
+  patch size; every frame is resized by the image resize rule with the video
+  processor's pixel bounds per frame.
+- `Qwen3VideoRule`, Qwen3-VL's `Qwen3VLVideoProcessor`: the frame count is not
+  rounded (the last frame is repeated to fill a temporal patch), the pixel
+  bounds hold for the whole clip, and each temporal patch has a timestamp that
+  the prompt spells out before the patch's tokens (`ImageGrid.frame_seconds`).
+Either way frames are resized bicubic, antialiased, on uint8 as torchvision
+does on the CPU, normalised, and cut into patches of `temporal_patch_size`
+consecutive frames. `VideoRule.grid` gives the token grid from the header alone
+(the gateway's hint); `preprocess` gives the pixels (the encoder). Tests hold
+both equal to transformers' processors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.model.processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageTokenRule
-from services.model.spec import CheckpointError
+from services.model.processor import (
+    IMAGENET_STANDARD_MEAN,
+    IMAGENET_STANDARD_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    ImageTokenRule,
+    check_aspect_ratio,
+)
+from services.model.spec import QWEN3_MODEL_TYPES, CheckpointError
 from services.wire.messages import ImageGrid
 
 # Qwen2-VL's video processor: each frame's patches, merge and pixel bounds
 VIDEO_FRAME = ImageTokenRule(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28)
+# Qwen3-VL's: its patches and merge, and pixel bounds for the whole clip
+QWEN3_VIDEO_FRAME = ImageTokenRule(
+    patch_size=16, min_pixels=128 * 32 * 32, max_pixels=768 * 32 * 32
+)
+# the processor config's keys that are VideoRule fields of the same name
+_SETTINGS = ("fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens")
 
 
 class VideoError(ValueError):
@@ -52,7 +73,8 @@ class VideoInfo:
 
 @dataclass(frozen=True, slots=True)
 class VideoRule:
-    """A checkpoint's video processor settings (video_preprocessor_config.json)."""
+    """A checkpoint's video processor settings (video_preprocessor_config.json),
+    with Qwen2-VL's rules; `from_checkpoint` picks the family's class."""
 
     frame: ImageTokenRule = VIDEO_FRAME  # each frame's patches, merge and pixel bounds
     fps: float = 2.0
@@ -73,24 +95,34 @@ class VideoRule:
             )
         return torch.arange(0, num_frames, num_frames / count).int().tolist()
 
-    def _sampling(self, info: VideoInfo) -> tuple[int, float]:
-        """How many frames are sampled, and their rate."""
-        count = len(self.frame_indices(info.num_frames, info.fps))
-        return count, count / info.num_frames * info.fps
+    def resized(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """Every sampled frame's size: the image rule with the video's pixel bounds."""
+        return self.frame.resized(height, width)
+
+    def frame_seconds(self, indices: list[int], fps: float) -> tuple[float, ...]:
+        """Timestamps the prompt spells out per temporal patch: none in Qwen2-VL."""
+        return ()
 
     def sampled_fps(self, info: VideoInfo) -> float:
         """Frames per second of the sampled clip (what M-RoPE's time axis counts in)."""
-        return self._sampling(info)[1]
+        return len(self.frame_indices(info.num_frames, info.fps)) / info.num_frames * info.fps
 
     def grid(self, info: VideoInfo) -> ImageGrid:
-        """The patch grid of a video from its header: (sampled frames / temporal
-        patch, resized height / patch, resized width / patch), and the seconds a
-        temporal patch spans (temporal patch / sampled fps, as transformers'
-        processor computes second_per_grid_ts)."""
+        """The patch grid of a video from its header: (temporal patches of the
+        sampled frames, resized height / patch, resized width / patch), the seconds
+        a temporal patch spans (temporal patch / sampled fps, as transformers'
+        processor computes second_per_grid_ts) and the patches' timestamps."""
         tp, p = self.frame.temporal_patch_size, self.frame.patch_size
-        frames, sampled_fps = self._sampling(info)
-        h, w = self.frame.resized(info.height, info.width)
-        return ImageGrid(frames // tp, h // p, w // p, second_per_grid_t=tp / sampled_fps)
+        indices = self.frame_indices(info.num_frames, info.fps)
+        frames = len(indices)
+        h, w = self.resized(frames, info.height, info.width)
+        return ImageGrid(
+            -(-frames // tp),
+            h // p,
+            w // p,
+            second_per_grid_t=tp / self.sampled_fps(info),
+            frame_seconds=self.frame_seconds(indices, info.fps),
+        )
 
     def num_tokens(self, info: VideoInfo) -> int:
         return self.grid(info).num_tokens(self.frame.merge_size)
@@ -98,24 +130,103 @@ class VideoRule:
     @classmethod
     def from_checkpoint(cls, folder: str | Path) -> VideoRule:
         """From video_preprocessor_config.json, or like transformers from
-        preprocessor_config.json where a checkpoint has no video config; missing
-        keys take Qwen2-VL's defaults."""
+        preprocessor_config.json where a checkpoint has no video config; the
+        family from its video_processor_type, else the model's type; missing keys
+        take the family's defaults."""
+        folder = Path(folder)
         for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-            path = Path(folder) / name
+            path = folder / name
             if path.is_file():
                 break
         else:
             raise CheckpointError(f"{folder}: missing video_preprocessor_config.json")
         config = json.loads(path.read_text())
+        kind = config.get("video_processor_type")
+        if kind is None and (folder / "config.json").is_file():
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+            kind = "Qwen3VLVideoProcessor" if model_type in QWEN3_MODEL_TYPES else None
+        if kind is not None and kind.startswith("Qwen3VL"):
+            return Qwen3VideoRule.from_config(config)
+        if config.get("cap_pixels_per_frame"):
+            raise CheckpointError(f"{path}: Qwen2-VL's cap_pixels_per_frame is not supported")
+        return VideoRule.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> VideoRule:
+        """From a video processor config; missing keys take the class's defaults."""
         d = cls()
-        return cls(
-            frame=ImageTokenRule.from_config(config, VIDEO_FRAME),
-            fps=float(config.get("fps") or d.fps),
-            min_frames=config.get("min_frames", d.min_frames),
-            max_frames=config.get("max_frames", d.max_frames),
+        return dataclasses.replace(
+            d,
+            frame=ImageTokenRule.from_config(config, d.frame),
             mean=tuple(config.get("image_mean", d.mean)),
             std=tuple(config.get("image_std", d.std)),
+            **{
+                f.name: config[f.name]
+                for f in dataclasses.fields(cls)
+                if f.name in _SETTINGS and config.get(f.name) is not None
+            },
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3VideoRule(VideoRule):
+    """Qwen3-VL's video processor (transformers' `Qwen3VLVideoProcessor`)."""
+
+    frame: ImageTokenRule = QWEN3_VIDEO_FRAME  # min/max pixels: the whole clip's
+    mean: tuple[float, float, float] = IMAGENET_STANDARD_MEAN
+    std: tuple[float, float, float] = IMAGENET_STANDARD_STD
+    # qwen-vl-utils' per-frame cap: a frame costs at most max_video_tokens, and
+    # at most its even share of the clip's budget
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+
+    def frame_indices(self, num_frames: int, fps: float) -> list[int]:
+        """`fps` frames a second, at least min_frames, at most max_frames and the
+        video's frames, spread evenly from the first frame to the last."""
+        count = min(max(int(num_frames / fps * self.fps), self.min_frames), self.max_frames)
+        count = min(count, num_frames)
+        if count < self.frame.temporal_patch_size:
+            raise VideoError(
+                f"the video has {num_frames} frames; at least "
+                f"{self.frame.temporal_patch_size} are needed to sample it"
+            )
+        return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
+
+    def resized(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """Qwen3-VL's video smart_resize: sides multiples of the merged patch, the
+        clip's pixels (frames rounded to the temporal patch) within the bounds."""
+        rule, tp = self.frame, self.frame.temporal_patch_size
+        factor, min_pixels, max_pixels = rule.factor, rule.min_pixels, rule.max_pixels
+        if self.cap_pixels_per_frame:
+            cap = self.max_video_tokens * factor * factor
+            per_frame = max(min(cap, max_pixels // num_frames), int(min_pixels * 1.05))
+            max_pixels = per_frame * num_frames
+        if height <= 0 or width <= 0:
+            raise ValueError(f"video frame size {width}x{height} is empty")
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        check_aspect_ratio(height, width)
+        h_bar = round(height / factor) * factor
+        w_bar = round(width / factor) * factor
+        t_bar = round(num_frames / tp) * tp
+        if t_bar * h_bar * w_bar > max_pixels:
+            beta = math.sqrt((num_frames * height * width) / max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif t_bar * h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (num_frames * height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def frame_seconds(self, indices: list[int], fps: float) -> tuple[float, ...]:
+        """Each temporal patch's time: the mean of its first and last frame's
+        (the last frame repeated to fill the final patch)."""
+        tp = self.frame.temporal_patch_size
+        indices = indices + [indices[-1]] * (-len(indices) % tp)
+        seconds = [i / fps for i in indices]
+        return tuple((seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp))
 
 
 def probe(data: bytes) -> VideoInfo:
@@ -181,7 +292,7 @@ def preprocess(frames: np.ndarray, rule: VideoRule) -> tuple[torch.Tensor, Image
     float32, grid), exactly as transformers' Qwen2VLVideoProcessor on them."""
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [T, C, H, W]
     num_frames, channels, height, width = video.shape
-    h, w = rule.frame.resized(height, width)
+    h, w = rule.resized(num_frames, height, width)
     if (h, w) != (height, width):
         video = F.interpolate(
             video.contiguous(), size=(h, w), mode="bicubic", align_corners=False, antialias=True

@@ -27,12 +27,14 @@ class Role(enum.IntEnum):
 @dataclass(frozen=True, slots=True)
 class ImageGrid:
     """An image's or a video's patch grid (temporal, height, width) before the
-    spatial merge; a video's also says how many seconds a temporal patch spans."""
+    spatial merge; a video's also says how many seconds a temporal patch spans
+    and, for Qwen3-VL, each temporal patch's timestamp."""
 
     t: int
     h: int
     w: int
     second_per_grid_t: float = 0.0  # 0: an image
+    frame_seconds: tuple[float, ...] = ()
 
     @property
     def is_video(self) -> bool:

@@ -1,8 +1,9 @@
-"""Videos in the engine against Hugging Face generate(), token for token
-(Qwen2.5-VL): placeholders expanded per video, M-RoPE time positions from the
-clip's sampled rate, embeddings of images and videos in prompt order; one
-request at a time, and a batch whose prefill is chunked across video spans or
-preempted."""
+"""Videos in the engine against Hugging Face generate(), token for token, in
+Qwen2.5-VL (placeholders expanded per video, M-RoPE time positions from the
+clip's sampled rate) and Qwen3-VL-MoE (a timestamp and a span per temporal
+patch, deepstack features on every frame's tokens): embeddings of images and
+videos in prompt order; one request at a time, and a batch whose prefill is
+chunked across video spans or preempted."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from PIL import Image
 from services.bench.images import random_video
 from services.language.engine.request import Request, SamplingParams, new_request
 from services.model.checkpoint import load_vision_tower
+from services.model.demo import build_demo_checkpoint
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
@@ -52,25 +54,21 @@ def _pixels(checkpoint: Path, item: str) -> tuple[torch.Tensor, ImageGrid]:
 
 
 def _request(checkpoint: Path, request_id: str, case: int) -> Request:
-    """As the language service builds it: the embeddings of every item in prompt order."""
+    """As the language service builds it: the embeddings (and deepstack features)
+    of every item in prompt order."""
     spec = load_spec(checkpoint)
     text, items, n = CASES[case]
     tower = load_vision_tower(checkpoint, spec)
-    grids, embeds = [], []
+    grids, embeds, deepstack = [], [], []
     for item in items:
         pixels, grid = _pixels(checkpoint, item)
         with torch.no_grad():
-            embeds.append(
-                tower(pixels, grid_thw=torch.tensor([[grid.t, grid.h, grid.w]])).pooler_output
-            )
+            out = tower(pixels, grid_thw=torch.tensor([[grid.t, grid.h, grid.w]]))
+        embeds.append(out.pooler_output)
+        if spec.has_deepstack:
+            deepstack.append(torch.cat(out.deepstack_features, dim=-1))
         grids.append(grid)
-    merge = spec.vision.spatial_merge_size
-    prompt = build_prompt(
-        load_tokenizer(checkpoint),
-        spec,
-        _messages(text, items),
-        [g.num_tokens(merge) for g in grids],
-    )
+    prompt = build_prompt(load_tokenizer(checkpoint), spec, _messages(text, items), grids)
     return new_request(
         request_id,
         prompt.token_ids,
@@ -78,20 +76,34 @@ def _request(checkpoint: Path, request_id: str, case: int) -> Request:
         spec,
         grids,
         torch.cat(embeds),
+        deepstack=torch.cat(deepstack) if deepstack else None,
     )
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl_moe"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp(request.param)
+    return build_demo_checkpoint(folder, size="tiny", seed=0, arch=request.param)
+
+
 @pytest.fixture(scope="module")
-def expected(tiny_checkpoint: Path) -> list[list[int]]:
+def expected(checkpoint: Path) -> list[list[int]]:
     out = []
     for text, items, n in CASES:
         videos = []
         for item in items:
             if item != "image":
-                pixels, grid = _pixels(tiny_checkpoint, item)
-                videos.append(HfVideo(pixels, (grid.t, grid.h, grid.w), grid.second_per_grid_t))
+                pixels, grid = _pixels(checkpoint, item)
+                videos.append(
+                    HfVideo(
+                        pixels,
+                        (grid.t, grid.h, grid.w),
+                        grid.second_per_grid_t,
+                        grid.frame_seconds,
+                    )
+                )
         images = [IMAGE for i in items if i == "image"]
-        out.append(hf_greedy_videos(tiny_checkpoint, _messages(text, items), images, videos, n))
+        out.append(hf_greedy_videos(checkpoint, _messages(text, items), images, videos, n))
     return out
 
 
@@ -107,28 +119,35 @@ def test_the_clips_have_time_steps_that_matter(tiny_checkpoint: Path) -> None:
     assert steps == pytest.approx([2.0, 0.8])
 
 
+def test_qwen3_clips_have_several_timestamped_frames(checkpoint: Path) -> None:
+    rule = VideoRule.from_checkpoint(checkpoint)
+    grids = [load_video(CLIPS[c], rule)[1] for c in ("a", "b")]
+    stamps = [len(g.frame_seconds) for g in grids]
+    assert stamps == ([3, 2] if load_spec(checkpoint).has_deepstack else [0, 0])
+
+
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["video", "image-video", "two-videos"])
-def test_single_requests_equal_hf(
-    tiny_checkpoint: Path, expected: list[list[int]], case: int
-) -> None:
-    engine = make_engine(tiny_checkpoint)
-    out = run_to_completion(engine, [_request(tiny_checkpoint, "r", case)])
+def test_single_requests_equal_hf(checkpoint: Path, expected: list[list[int]], case: int) -> None:
+    engine = make_engine(checkpoint)
+    out = run_to_completion(engine, [_request(checkpoint, "r", case)])
     assert tokens(out["r"]) == expected[case]
 
 
 @pytest.mark.parametrize(
-    ("kv_bytes", "max_model_len", "budget", "preempts"),
-    [(64 << 20, 1024, 24, False), (1024 * 192, 192, 32, True)],  # 192 cached tokens
+    ("kv_tokens", "max_model_len", "budget", "preempts"),
+    [(8192, 1024, 24, False), (192, 192, 32, True)],
     ids=["chunked-prefill", "preemption"],
 )
 def test_a_batch_split_across_video_spans_equals_hf(
-    tiny_checkpoint: Path,
+    checkpoint: Path,
     expected: list[list[int]],
-    kv_bytes: int,
+    kv_tokens: int,
     max_model_len: int,
     budget: int,
     preempts: bool,
 ) -> None:
-    engine = make_engine(tiny_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
-    requests = [_request(tiny_checkpoint, f"r{i}", i) for i in range(len(CASES))]
+    text = load_spec(checkpoint).text
+    kv_bytes = kv_tokens * text.num_layers * 2 * text.num_kv_heads * text.head_dim * 4  # fp32
+    engine = make_engine(checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
+    requests = [_request(checkpoint, f"r{i}", i) for i in range(len(CASES))]
     check_batch(engine, requests, expected, preempts)

@@ -3,9 +3,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
+
 from services.cli import main
+from services.model.demo import DEMO_VERSION, cached_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
+from services.model.video import Qwen3VideoRule, VideoRule
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -44,3 +48,23 @@ def test_sizes(small_checkpoint: Path, tiny_checkpoint: Path) -> None:
     assert (tiny.text.hidden_size, tiny.text.num_layers) == (128, 2)
     assert (small.text.hidden_size, small.text.num_layers) == (512, 8)
     assert small.vision.out_hidden_size == 512
+
+
+def test_a_cached_demo_from_an_older_version_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen3-VL demo cached before it had Qwen3-VL's video processor must not
+    keep serving Qwen2-VL's video rules."""
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    folder = cached_demo_checkpoint("tiny", "qwen3_vl")
+    assert isinstance(VideoRule.from_checkpoint(folder), Qwen3VideoRule)
+    built = (folder / "model.safetensors").stat().st_mtime_ns
+    assert cached_demo_checkpoint("tiny", "qwen3_vl") == folder  # current: kept
+    assert (folder / "model.safetensors").stat().st_mtime_ns == built
+    old = '{"video_processor_type": "Qwen2VLVideoProcessor"}'  # as version 1 built it
+    (folder / "video_preprocessor_config.json").write_text(old)
+    (folder / "epd_demo_version").unlink()
+    assert type(VideoRule.from_checkpoint(folder)) is VideoRule
+    cached_demo_checkpoint("tiny", "qwen3_vl")
+    assert isinstance(VideoRule.from_checkpoint(folder), Qwen3VideoRule)
+    assert (folder / "epd_demo_version").read_text().strip() == str(DEMO_VERSION)

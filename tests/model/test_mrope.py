@@ -7,6 +7,7 @@ import torch
 
 from services.model.mrope import decode_position, mrope_positions
 from services.model.spec import load_spec
+from services.model.tokenizer import build_prompt, load_tokenizer
 from services.wire.messages import ImageGrid
 
 
@@ -91,3 +92,38 @@ def test_mismatched_grids_are_errors() -> None:
         mrope_positions([1, 9, 9, 2], 9, [ImageGrid(1, 4, 4)], 2)
     with pytest.raises(ValueError, match="video at token 1 needs 1 consecutive"):
         mrope_positions([1, 9, 2], 9, [ImageGrid(1, 2, 2, second_per_grid_t=1.0)], 2, 8, 2)
+
+
+def test_qwen3_timestamped_videos_equal_get_rope_index(qwen3_checkpoint: Path) -> None:
+    """Qwen3-VL: each temporal patch of a video is its own span (grid t = 1)
+    after its timestamp text; images and videos mixed, as its get_rope_index."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    spec = load_spec(qwen3_checkpoint)
+    grids = [
+        ImageGrid(3, 4, 6, second_per_grid_t=1.0, frame_seconds=(0.3, 1.45, 2.6)),
+        ImageGrid(1, 6, 8),
+        ImageGrid(2, 8, 2, second_per_grid_t=0.8, frame_seconds=(0.2, 14.0)),
+    ]
+    kinds = ["video", "image", "video"]
+    messages = [
+        {"role": "user", "content": [*({"type": k} for k in kinds), {"type": "text", "text": "hm"}]}
+    ]
+    ids = build_prompt(load_tokenizer(qwen3_checkpoint), spec, messages, grids).token_ids
+    positions, delta = mrope_positions(
+        ids, spec.image_token_id, grids, spec.vision.spatial_merge_size, spec.video_token_id
+    )
+
+    config = AutoConfig.from_pretrained(qwen3_checkpoint)
+    model = Qwen3VLModel.__new__(Qwen3VLModel)  # get_rope_index only reads the config
+    model.config = config
+    input_ids = torch.tensor([ids])
+    expected, deltas = model.get_rope_index(
+        input_ids,
+        (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int(),
+        image_grid_thw=torch.tensor([[1, 6, 8]]),
+        video_grid_thw=torch.tensor([[3, 4, 6], [2, 8, 2]]),
+    )
+    assert torch.equal(positions, expected[:, 0])
+    assert delta == int(deltas[0, 0])

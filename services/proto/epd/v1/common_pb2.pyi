@@ -41,16 +41,18 @@ TRANSPORT_SHM: Transport
 TRANSPORT_GRPC: Transport
 
 class ImageGrid(_message.Message):
-    __slots__ = ("t", "h", "w", "second_per_grid_t")
+    __slots__ = ("t", "h", "w", "second_per_grid_t", "frame_seconds")
     T_FIELD_NUMBER: _ClassVar[int]
     H_FIELD_NUMBER: _ClassVar[int]
     W_FIELD_NUMBER: _ClassVar[int]
     SECOND_PER_GRID_T_FIELD_NUMBER: _ClassVar[int]
+    FRAME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     t: int
     h: int
     w: int
     second_per_grid_t: float
-    def __init__(self, t: _Optional[int] = ..., h: _Optional[int] = ..., w: _Optional[int] = ..., second_per_grid_t: _Optional[float] = ...) -> None: ...
+    frame_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, t: _Optional[int] = ..., h: _Optional[int] = ..., w: _Optional[int] = ..., second_per_grid_t: _Optional[float] = ..., frame_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "json_schema", "json_object", "n")
