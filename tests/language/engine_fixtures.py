@@ -25,6 +25,7 @@ def make_engine(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
     return LLMEngine(
@@ -36,6 +37,7 @@ def make_engine(
             kv_cache_bytes=kv_cache_bytes,
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             dtype=dtype,
+            device=device,
         ),
     )
 

@@ -1,6 +1,12 @@
-"""FlashInfer attention against the torch reference (GPU only)."""
+"""FlashInfer attention against the torch reference (GPU only): shuffled,
+non-contiguous page tables; query-per-KV-head ratios 4, 5 and 7 (5 and 7 only
+exist on FlashInfer's tensor-core decode); bf16 and fp16; head_dim 64 and 128;
+prefill-only, decode-only and mixed steps, and one wrapper re-planned across
+them. And the rule that picks tensor cores, which runs anywhere."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -9,19 +15,22 @@ from services.language.engine.attention import (
     AttentionMetadata,
     FlashInferAttention,
     TorchAttention,
+    decode_uses_tensor_cores,
 )
 
-pytestmark = pytest.mark.gpu
+NUM_PAGES = 64
 
 
 def _metadata(
-    q_lens: list[int], seq_lens: list[int], page_size: int, device: torch.device
+    q_lens: list[int], seq_lens: list[int], page_size: int, device: torch.device, seed: int
 ) -> AttentionMetadata:
-    tables, slots, next_page = [], [], 0
+    """Each sequence's pages drawn at random from the whole cache, in no order:
+    a backend that ignored the page table (or read it in order) would differ."""
+    free = list(range(NUM_PAGES))
+    random.Random(seed).shuffle(free)
+    tables, slots = [], []
     for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
-        pages = -(-seq_len // page_size)
-        table = list(range(next_page, next_page + pages))
-        next_page += pages
+        table = [free.pop() for _ in range(-(-seq_len // page_size))]
         tables.append(table)
         slots += [
             table[i // page_size] * page_size + i % page_size
@@ -40,27 +49,81 @@ def _metadata(
     )
 
 
-def test_flashinfer_matches_torch_for_mixed_prefill_and_decode() -> None:
-    device = torch.device("cuda")
-    heads, kv_heads, dim, page = 8, 2, 64, 16
-    q_lens, seq_lens = [37, 5, 1, 1], [37, 20, 70, 3]  # full prefill, chunked prefill, two decodes
-    meta = _metadata(q_lens, seq_lens, page, device)
-    tokens = sum(q_lens)
-    torch.manual_seed(0)
-    q = torch.randn(tokens, heads, dim, device=device, dtype=torch.float16)
-    k = torch.randn(tokens, kv_heads, dim, device=device, dtype=torch.float16)
-    v = torch.randn(tokens, kv_heads, dim, device=device, dtype=torch.float16)
-    prefix = torch.randn(16, 2, page, kv_heads, dim, device=device, dtype=torch.float16)
-    scale = dim**-0.5
+# (query lengths, KV lengths after the step); prefills first, as the runner orders them
+STEPS = {
+    "mixed": ([37, 5, 1, 1], [37, 20, 70, 3]),  # full prefill, chunked prefill, two decodes
+    "prefill-only": ([64, 9], [64, 40]),
+    "decode-only": ([1, 1, 1], [1, 33, 129]),
+}
 
-    reference = TorchAttention(scale)
+
+def _check_step(
+    flash: FlashInferAttention,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    step: str,
+    seed: int,
+) -> None:
+    device, page = torch.device("cuda"), 16
+    q_lens, seq_lens = STEPS[step]
+    meta = _metadata(q_lens, seq_lens, page, device, seed)
+    tokens = sum(q_lens)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
+
+    q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
+    prefix = randn(NUM_PAGES, 2, page, kv_heads, dim)
+    reference = TorchAttention(dim**-0.5)
     cache_ref = prefix.clone()
     reference.plan(meta)
     expected = reference.forward(q, k, v, cache_ref)
-
-    flash = FlashInferAttention(heads, kv_heads, dim, scale, torch.float16, device)
     cache = prefix.clone()
     flash.plan(meta)
     got = flash.forward(q, k, v, cache)
     torch.testing.assert_close(cache, cache_ref)
-    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "dtype"),
+    [
+        (8, 2, 64, torch.float16),  # ratio 4: CUDA-core decode
+        (8, 2, 128, torch.bfloat16),
+        (40, 8, 128, torch.bfloat16),  # ratio 5 (Qwen2.5-VL-32B): tensor cores
+        (28, 4, 128, torch.bfloat16),  # ratio 7 (Qwen2.5-VL-7B): tensor cores
+    ],
+    ids=["r4-d64-fp16", "r4-d128-bf16", "r5-d128-bf16", "r7-d128-bf16"],
+)
+def test_flashinfer_matches_torch(
+    step: str, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> None:
+    flash = FlashInferAttention(heads, kv_heads, dim, dim**-0.5, dtype, torch.device("cuda"))
+    _check_step(flash, heads, kv_heads, dim, dtype, step, seed=0)
+
+
+@pytest.mark.gpu
+def test_one_wrapper_replanned_across_step_kinds() -> None:
+    """As the engine does: one backend, planned anew every step."""
+    heads, kv_heads, dim, dtype = 28, 4, 128, torch.bfloat16
+    flash = FlashInferAttention(heads, kv_heads, dim, dim**-0.5, dtype, torch.device("cuda"))
+    for seed, step in enumerate(["prefill-only", "mixed", "decode-only", "mixed", "prefill-only"]):
+        _check_step(flash, heads, kv_heads, dim, dtype, step, seed)
+
+
+def test_tensor_core_decode_for_ratios_above_four() -> None:
+    assert [decode_uses_tensor_cores(h, 1) for h in (1, 2, 4, 5, 7, 8)] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    assert decode_uses_tensor_cores(28, 4) and not decode_uses_tensor_cores(16, 4)

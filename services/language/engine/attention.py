@@ -151,8 +151,19 @@ class TorchAttention:
         return out
 
 
+def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """FlashInfer's decode on tensor cores: for query-per-KV-head ratios above 4."""
+    return num_heads // num_kv_heads > 4
+
+
 class FlashInferAttention:
     """GPU backend: FlashInfer's paged prefill and decode wrappers, planned once per step.
+
+    Decode uses the tensor-core kernels where a KV head serves more than 4 query
+    heads: FlashInfer's CUDA-core decode kernels exist only for group sizes 1, 2,
+    3, 4, 6 and 8 (SGLang's `should_use_tensor_core` draws the same line). The
+    page tables are built on the host: `plan()` needs indptr and last-page
+    lengths there, and copies what the kernels read to the device itself.
 
     Written against FlashInfer's documented API; needs CUDA (see the gpu-marked tests).
     """
@@ -171,9 +182,14 @@ class FlashInferAttention:
 
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.dtype, self.device = scale, dtype, device
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        # zeroed, as the wrappers' docstrings ask of the float workspace
+        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            kv_layout="NHD",
+            use_tensor_cores=decode_uses_tensor_cores(num_heads, num_kv_heads),
+        )
         self.meta: AttentionMetadata | None = None
 
     def _paging(self, meta: AttentionMetadata, seqs: range) -> tuple[torch.Tensor, ...]:
@@ -185,7 +201,7 @@ class FlashInferAttention:
             last.append(meta.seq_lens[i] - (pages - 1) * meta.page_size)
 
         def as_int32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
+            return torch.tensor(values, dtype=torch.int32)  # host: plan() reads it there
 
         return as_int32(indptr), as_int32(indices), as_int32(last)
 
@@ -194,7 +210,7 @@ class FlashInferAttention:
         if meta.num_prefills:
             indptr, indices, last = self._paging(meta, range(meta.num_prefills))
             qo_indptr = torch.tensor(
-                meta.query_start_loc[: meta.num_prefills + 1], dtype=torch.int32, device=self.device
+                meta.query_start_loc[: meta.num_prefills + 1], dtype=torch.int32
             )
             self.prefill.plan(
                 qo_indptr,
