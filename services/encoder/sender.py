@@ -140,6 +140,13 @@ class Sender:
             return [Send(done)]
         return [Send(done), *self._end(outbound, TransferState.SUCCESS)]
 
+    def switch_transport(self, request_id: str, transport: Transport) -> None:
+        """The part in flight and the rest go over `transport` (a fallback after
+        a failed write; TransferDone names it, so the receiver confirms it so)."""
+        outbound = self.transfers.get(request_id)
+        if outbound is not None:
+            outbound.transport = transport
+
     def write_failed(self, request_id: str, reason: str) -> list[Action]:
         outbound = self._writer(request_id)
         if outbound is None:

@@ -80,6 +80,8 @@ class SenderDriver:
         self._targets: dict[str, Register] = {}  # each transfer's language instance
         self._writes: dict[str, asyncio.Task[None]] = {}
         self._on_finished = on_finished
+        # (language instance, transport) pairs whose memory mapping failed: not again
+        self._broken: set[tuple[str, Transport]] = set()
 
     @property
     def transports(self) -> tuple[Transport, ...]:
@@ -96,7 +98,8 @@ class SenderDriver:
 
     def transport_to(self, peer: Register) -> Transport | None:
         assert peer.pool is not None
-        return choose_transport(self.transports, self.host_id, peer.pool.transports, peer.host_id)
+        ours = tuple(t for t in self.transports if (peer.instance_id, t) not in self._broken)
+        return choose_transport(ours, self.host_id, peer.pool.transports, peer.host_id)
 
     async def peer(self, instance_id: str, wait_s: float = 2.0) -> Register:
         """The language instance's registration; waits briefly for a just-joined one."""
@@ -221,7 +224,14 @@ class SenderDriver:
 
     async def _writing(self, transport: Transport, peer: Register, part: Part) -> None:
         try:
-            await self.writers[transport].write(peer, self.buffer.pool, part)
+            try:
+                await self.writers[transport].write(peer, self.buffer.pool, part)
+            except Exception as exc:
+                fallback = self._fallback(transport, peer, exc, part.request_id)
+                if fallback is None:
+                    raise
+                self.machine.switch_transport(part.request_id, fallback)
+                await self.writers[fallback].write(peer, self.buffer.pool, part)
         except Exception as exc:  # the writer's own timeout bounds it
             name = transport.name.lower()
             logger.warning("%s: %s write failed: %s", part.request_id, name, exc)
@@ -231,6 +241,31 @@ class SenderDriver:
             self._run(self.machine.write_failed(part.request_id, "write cancelled"))
             raise
         self._run(self.machine.written(part.request_id))
+
+    def _fallback(
+        self, transport: Transport, peer: Register, error: Exception, request_id: str
+    ) -> Transport | None:
+        """After a failed write into mapped memory (CUDA IPC, shm: a handle or
+        segment this process cannot open, e.g. containers without a shared PID or
+        IPC namespace), the part goes again over gRPC, whose receive end needs no
+        announcement, and later requests to that peer take the next transport both
+        sides have. A slow or dead peer (a timeout) is not a reason to switch."""
+        assert peer.pool is not None
+        if transport not in (Transport.CUDA_IPC, Transport.SHM) or isinstance(error, TimeoutError):
+            return None
+        if Transport.GRPC not in self.writers or Transport.GRPC not in peer.pool.transports:
+            return None
+        self._broken.add((peer.instance_id, transport))
+        logger.warning(
+            "%s: %s write to %s failed (%s); this part goes over grpc, later requests "
+            "to it over %s",
+            request_id,
+            transport.name.lower(),
+            peer.instance_id,
+            error,
+            (self.transport_to(peer) or Transport.GRPC).name.lower(),
+        )
+        return Transport.GRPC
 
     def _spawn(self, request_id: str, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -26,8 +26,10 @@ from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
+from services.transfer.transports.cuda_ipc import cuda_ipc_available
 from services.transfer.transports.ends import writers
 from services.wire.messages import Heartbeat, PeerMessage, Register, Role
+from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,9 @@ class EncoderServer:
             planes=embedding_planes(spec.vision.out_hidden_size, spec.vision.deepstack_levels),
             dtype=config.dtype,
         )
-        self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout))
+        # pinned where CUDA IPC copies from it, so that the host-to-GPU copy is one DMA
+        pin = Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available()
+        self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout, pin=pin))
         self.sender = SenderDriver(
             self.buffer,
             self._to_broker,

@@ -112,9 +112,14 @@ class EmbeddingPool:
             write_tokens(rows, blocks, self.layout.block_size, start, values.to(self.layout.dtype))
 
     def read(self, blocks: Sequence[int], start: int, count: int) -> list[torch.Tensor]:
-        """A copy of tokens [start, start + count) of the block list, per plane."""
+        """A copy of tokens [start, start + count) of the block list, per plane,
+        finished when this returns: the blocks may be freed and written again (on a
+        GPU, by another process over CUDA IPC) straight away."""
         bs = self.layout.block_size
-        return [read_tokens(rows, blocks, bs, start, count) for rows in self.tensors]
+        parts = [read_tokens(rows, blocks, bs, start, count) for rows in self.tensors]
+        if self.tensors and self.tensors[0].is_cuda:  # the copies are queued, not done
+            torch.cuda.current_stream(self.tensors[0].device).synchronize()
+        return parts
 
     def close(self) -> None:
         # Views first: a segment cannot close while a tensor still exports its buffer.

@@ -81,7 +81,8 @@ class NixlPool:
 @dataclass(frozen=True, slots=True)
 class CudaIpcPool:
     plane_handles: tuple[bytes, ...]
-    device_id: int = 0
+    device_id: int = 0  # the receiver's own index
+    pci_bus_id: str = ""  # the same GPU in the writer's numbering (empty: device_id)
 
 
 @dataclass(frozen=True, slots=True)

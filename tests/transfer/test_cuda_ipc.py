@@ -1,4 +1,5 @@
-"""CUDA IPC: a pool exported by one process, written by another (GPU only)."""
+"""CUDA IPC: a pool exported by one process, written by another (GPU only):
+from a GPU pool, and from pinned host memory as the encoder's send buffer is."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ def _receiver(queue: mp.Queue, done: mp.Event) -> None:  # type: ignore[type-arg
     exported.close()
 
 
-def test_cuda_ipc_write_is_bit_exact() -> None:
+@pytest.mark.parametrize("source_kind", ["cuda", "pinned-host"])
+def test_cuda_ipc_write_is_bit_exact(source_kind: str) -> None:
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
     child = ctx.Process(target=_receiver, args=(queue, done))
     child.start()
     endpoint = queue.get(timeout=60)
+    assert endpoint.pci_bus_id  # the writer finds the GPU by it, not by index
     peer = Register(
         Role.LANGUAGE,
         "gpu-lang",
@@ -48,8 +51,13 @@ def test_cuda_ipc_write_is_bit_exact() -> None:
             cuda_ipc=endpoint,
         ),
     )
-    source = EmbeddingPool.on_cuda(LAYOUT, torch.device("cuda", 0))
-    values = [torch.randn(20, p.width, dtype=LAYOUT.dtype, device="cuda") for p in LAYOUT.planes]
+    if source_kind == "cuda":
+        source = EmbeddingPool.on_cuda(LAYOUT, torch.device("cuda", 0))
+    else:
+        source = EmbeddingPool.in_host_memory(LAYOUT, pin=True)
+        assert source.tensors[0].is_pinned()
+    device = "cuda" if source_kind == "cuda" else "cpu"
+    values = [torch.randn(20, p.width, dtype=LAYOUT.dtype, device=device) for p in LAYOUT.planes]
     source.write([1, 3], 0, values)
     writer = CudaIpcWriter()
     asyncio.run(writer.write(peer, source, Part("r", [1, 3], 0, 20, [5, 2])))

@@ -25,6 +25,7 @@ from services.broker.server import BrokerServer
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender_driver import SenderDriver
+from services.language.engine.engine import EngineConfig
 from services.model.spec import load_spec
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
@@ -57,24 +58,34 @@ async def broker() -> AsyncIterator[BrokerServer]:
 
 
 @pytest.mark.parametrize(
-    "transport", [Transport.SHM, Transport.NIXL, Transport.GRPC], ids=lambda t: t.name.lower()
+    ("transport", "device"),
+    [
+        (Transport.SHM, "cpu"),
+        (Transport.NIXL, "cpu"),
+        (Transport.GRPC, "cpu"),
+        pytest.param(Transport.NIXL, "cuda", marks=pytest.mark.gpu, id="nixl-into-gpu"),
+    ],
+    ids=["shm", "nixl", "grpc", "nixl-into-gpu"],
 )
 async def test_embeddings_and_deepstack_arrive_bit_exact_through_resume(
-    deepstack_checkpoint: Path, broker: BrokerServer, transport: Transport
+    deepstack_checkpoint: Path, broker: BrokerServer, transport: Transport, device: str
 ) -> None:
+    """On "cuda" the receive pool is GPU memory that NIXL registers as VRAM."""
     language = await start_language(
         deepstack_checkpoint,
         broker,
+        EngineConfig(max_model_len=2048, kv_cache_bytes=64 << 20, device=device),
         transports=(transport,),
         embedding_pool_tokens=1024,
         default_allocate_tokens=1024,
     )
+    assert language.pool.tensors[0].device.type == device
     hidden = load_spec(deepstack_checkpoint).text.hidden_size
     layout = PoolLayout(16, 256, embedding_planes(hidden, LEVELS))
     assert language.pool.layout.planes == layout.planes
     source = EmbeddingPool.in_host_memory(layout)
     buffer = SendBuffer(source)
-    encoder_id = f"planes-encoder-{transport.name.lower()}"
+    encoder_id = f"planes-encoder-{transport.name.lower()}-{device}"
     host = env.HOST_ID.get()  # the language server's: shm needs the same host
     sender = SenderDriver(
         buffer, lambda m: link.send(m), writers([transport], encoder_id, source, 30), host
@@ -90,7 +101,7 @@ async def test_embeddings_and_deepstack_arrive_bit_exact_through_resume(
         peer = await sender.peer(language.instance_id, wait_s=10)
         grid = ImageGrid(1, 50, 200)  # 2500 tokens: three parts through a 1024-token pool
         planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
-        request_id = f"planes-{transport.name}"
+        request_id = f"planes-{transport.name}-{device}"
         broker.broker.rendezvous.route(request_id, encoder_id, language.instance_id)
         await language.receiver.expect(request_id, 0)
         held = await buffer.hold(request_id, [ImageEmbedding(planes, grid)], 5)
@@ -99,10 +110,79 @@ async def test_embeddings_and_deepstack_arrive_bit_exact_through_resume(
         assert meta.planes == layout.planes
         got = await language.receiver.take(request_id)
         assert len(got) == 2
-        assert all(torch.equal(g, p) for g, p in zip(got, planes, strict=True))
+        assert all(torch.equal(g.cpu(), p) for g, p in zip(got, planes, strict=True))
         pairing = broker.broker.rendezvous.describe(request_id)
         assert pairing is not None and pairing.num_resumes == 2
         language.pool.allocator.check_integrity()
+        assert language.pool.allocator.num_used_blocks == 0
+    finally:
+        await sender.close()
+        await link.close()
+        await language.stop()
+
+
+class _UnmappableShm:
+    """An shm writer whose segment cannot be opened, as in a container without the
+    receiver's IPC namespace (the one stand-in here: the real failure needs two
+    namespaces)."""
+
+    transport = Transport.SHM
+
+    async def write(self, peer: Register, source: EmbeddingPool, part: object) -> None:
+        raise FileNotFoundError("[Errno 2] No such file or directory: '/epd-pool-embeddings'")
+
+    async def forget(self, instance_id: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_mapping_that_fails_falls_back_to_grpc_and_stays_off(
+    deepstack_checkpoint: Path, broker: BrokerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The failed part goes again over gRPC and arrives bit-exact; the next request
+    to that language instance is announced over gRPC from the start."""
+    language = await start_language(
+        deepstack_checkpoint, broker, transports=(Transport.SHM, Transport.GRPC)
+    )
+    hidden = load_spec(deepstack_checkpoint).text.hidden_size
+    layout = PoolLayout(16, 256, embedding_planes(hidden, LEVELS))
+    source = EmbeddingPool.in_host_memory(layout)
+    buffer = SendBuffer(source)
+    encoder_id = "fallback-encoder"
+    host = env.HOST_ID.get()
+    grpc_writer = writers([Transport.GRPC], encoder_id, source, 30)[Transport.GRPC]
+    sender = SenderDriver(
+        buffer,
+        lambda m: link.send(m),
+        {Transport.SHM: _UnmappableShm(), Transport.GRPC: grpc_writer},
+        host,
+    )
+    link = BrokerLink(
+        broker.address,
+        Register(Role.ENCODER, encoder_id, "-", host, (Transport.SHM, Transport.GRPC), "epd-test"),
+        sender.on_message,
+        Heartbeat,
+    )
+    try:
+        await link.start(wait_s=10)
+        peer = await sender.peer(language.instance_id, wait_s=10)
+        assert sender.transport_to(peer) is Transport.SHM
+        for i in range(2):
+            grid = ImageGrid(1, 20, 20)
+            planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
+            request_id = f"fallback-{i}"
+            broker.broker.rendezvous.route(request_id, encoder_id, language.instance_id)
+            await language.receiver.expect(request_id, 0)
+            held = await buffer.hold(request_id, [ImageEmbedding(planes, grid)], 5)
+            await sender.start(request_id, peer, held, [grid])
+            meta = await language.receiver.wait(request_id)
+            assert meta.transport is (Transport.SHM if i == 0 else Transport.GRPC)
+            got = await language.receiver.take(request_id)
+            assert all(torch.equal(g, p) for g, p in zip(got, planes, strict=True))
+        assert "shm write to" in caplog.text and "this part goes over grpc" in caplog.text
+        assert buffer.pool.allocator.num_used_blocks == 0
         assert language.pool.allocator.num_used_blocks == 0
     finally:
         await sender.close()

@@ -63,7 +63,11 @@ class CudaIpcMemory(WrittenBeforeDone):
                 handles.append(bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr)))
                 tensors.append(_view(ptr, nbytes, self.device_id, layout.dtype, layout.num_rows))
         self.pool = EmbeddingPool(layout, tensors)
-        self._endpoint = CudaIpcPool(plane_handles=tuple(handles), device_id=self.device_id)
+        self._endpoint = CudaIpcPool(
+            plane_handles=tuple(handles),
+            device_id=self.device_id,
+            pci_bus_id=cupy.cuda.runtime.deviceGetPCIBusId(self.device_id),
+        )
 
     def endpoint(self) -> CudaIpcPool:
         return self._endpoint
@@ -85,8 +89,16 @@ class _OpenedPool:
         assert peer.pool is not None and peer.pool.cuda_ipc is not None
         endpoint = peer.pool.cuda_ipc
         self.layout = receiver_layout(peer)
-        self.device_id = endpoint.device_id
+        # the receiver's GPU in this process's numbering (its index may differ here)
+        self.device_id = (
+            cupy.cuda.runtime.deviceGetByPCIBusId(endpoint.pci_bus_id)
+            if endpoint.pci_bus_id
+            else endpoint.device_id
+        )
         self._ptrs: list[int] = []
+        self.writing = 0  # copies in flight in worker threads
+        self.idle = asyncio.Event()
+        self.idle.set()
         if len(endpoint.plane_handles) != len(self.layout.planes):
             raise ValueError(
                 f"{peer.instance_id}: {len(endpoint.plane_handles)} handles "
@@ -97,6 +109,11 @@ class _OpenedPool:
                 self._open(handle, self.layout.plane_bytes(plane))
                 for handle, plane in zip(endpoint.plane_handles, self.layout.planes, strict=True)
             ]
+
+    def copied(self) -> None:
+        self.writing -= 1
+        if self.writing == 0:
+            self.idle.set()
 
     def _open(self, handle: bytes, nbytes: int) -> torch.Tensor:
         import cupy
@@ -132,11 +149,20 @@ class CudaIpcWriter:
         if opened is None:
             opened = self._opened[peer.instance_id] = _OpenedPool(peer)
         check_compatible(source.layout, opened.layout, peer.instance_id)
-        await asyncio.to_thread(_copy, source, opened, part)
+        # A cancelled write leaves its thread copying: the count drops when the
+        # copy is over, not when the caller stops waiting.
+        copy = asyncio.ensure_future(asyncio.to_thread(_copy, source, opened, part))
+        opened.writing += 1
+        opened.idle.clear()
+        copy.add_done_callback(lambda _: opened.copied())
+        await asyncio.shield(copy)
 
     async def forget(self, instance_id: str) -> None:
+        """Unmaps a language instance's pool once no copy into it is running (a
+        worker thread's copy outlives a cancelled write)."""
         opened = self._opened.pop(instance_id, None)
         if opened is not None:
+            await opened.idle.wait()
             opened.close()
 
     async def close(self) -> None:

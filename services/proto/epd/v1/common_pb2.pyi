@@ -130,12 +130,14 @@ class NixlPool(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ..., plane_addrs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CudaIpcPool(_message.Message):
-    __slots__ = ("device_id", "plane_handles")
+    __slots__ = ("device_id", "plane_handles", "pci_bus_id")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     PLANE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     device_id: int
     plane_handles: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, device_id: _Optional[int] = ..., plane_handles: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    pci_bus_id: str
+    def __init__(self, device_id: _Optional[int] = ..., plane_handles: _Optional[_Iterable[bytes]] = ..., pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class GrpcPool(_message.Message):
     __slots__ = ("address",)
