@@ -85,6 +85,29 @@ def test_batch_of_eight_mixed_requests_equals_hf(
     check_batch(engine, _requests(tiny_checkpoint, list(range(8))), expected, preempts)  # type: ignore[arg-type]
 
 
+def test_warm_up_leaves_nothing_behind_and_changes_no_output(
+    tiny_checkpoint: Path, expected: list[list[int]]
+) -> None:
+    """What servers run before they say serving: prefill-only, mixed and
+    decode-only steps, then an engine as fresh as a cold one."""
+    engine = make_engine(tiny_checkpoint)
+    steps: list[tuple[int, int]] = []  # (prefills, decodes) of each step
+    execute = engine.runner.execute
+
+    def counting(batch: Any) -> Any:
+        prefills = sum(1 for s in batch if s.is_prefill)
+        steps.append((prefills, len(batch) - prefills))
+        return execute(batch)
+
+    engine.runner.execute = counting  # type: ignore[method-assign]
+    engine.warm_up()
+    assert (1, 0) in steps and (1, 1) in steps and (0, 1) in steps
+    assert not engine.has_work() and not engine.requests and not engine.detokenizers
+    assert engine.blocks.num_used_pages == 0
+    out = run_to_completion(engine, _requests(tiny_checkpoint, [1]))  # type: ignore[arg-type]
+    assert tokens(out["r1"]) == expected[1]
+
+
 def test_text_equals_hf_decode(tiny_checkpoint: Path, expected: list[list[int]]) -> None:
     from services.model.tokenizer import load_tokenizer
 

@@ -20,7 +20,7 @@ from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import fuse_experts
-from services.language.engine.request import Request, RequestStatus, SamplingParams
+from services.language.engine.request import Request, RequestStatus, SamplingParams, new_request
 from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
 from services.language.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
@@ -212,6 +212,22 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def warm_up(self) -> None:
+        """Two short requests through a prefill-only, a mixed and a decode-only
+        step, before serving: kernels (on CUDA, FlashInfer's, compiled on first
+        use) are built and loaded now, not on the first client's time."""
+        started = time.perf_counter()
+        sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+        length = min(16, self.config.max_model_len - sampling.max_tokens)
+        text = self.tokenizer.encode("An engine warms up. " * length, add_special_tokens=False)
+        for i in range(2):
+            ids = text[: length >> i]
+            self.add_request(new_request(f"warm-up-{i}", ids, sampling, self.spec))
+            self.step()
+        while self.has_work():
+            self.step()
+        logger.info("engine warmed up in %.2f s", time.perf_counter() - started)
 
     def load(self) -> EngineLoad:
         return EngineLoad(
