@@ -13,6 +13,9 @@ COPY pyproject.toml README.md ./
 COPY protos protos
 COPY services services
 COPY model_repository model_repository
-RUN /opt/epd-venv/bin/pip install --no-cache-dir .
+# torch's CUDA 12 build, as in epd.Dockerfile (PyPI's default is a CUDA 13 one)
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu129
+RUN /opt/epd-venv/bin/pip install --no-cache-dir --index-url "$TORCH_INDEX" "torch>=2.8" \
+ && /opt/epd-venv/bin/pip install --no-cache-dir .
 
 ENV EPD_SITE_PACKAGES=/opt/epd-venv/lib/python3.12/site-packages

@@ -61,6 +61,9 @@ def test_gpus_ipc_and_the_model_volume(config: dict[str, Any]) -> None:
         assert devices[0]["capabilities"] == ["gpu"], name
     for name in ("triton", "encoder", "language"):
         assert services[name]["ipc"] == "host", name
+    for name in ("encoder", "language"):  # CUDA IPC needs distinct PIDs across them
+        assert services[name]["pid"] == "host", name
+    assert "pid" not in services["gateway"]
     volume = services["language"]["volumes"][0]
     assert (volume["source"], volume["target"], volume["read_only"]) == (
         "/srv/models/qwen",
