@@ -224,14 +224,7 @@ class SenderDriver:
 
     async def _writing(self, transport: Transport, peer: Register, part: Part) -> None:
         try:
-            try:
-                await self.writers[transport].write(peer, self.buffer.pool, part)
-            except Exception as exc:
-                fallback = self._fallback(transport, peer, exc, part.request_id)
-                if fallback is None:
-                    raise
-                self.machine.switch_transport(part.request_id, fallback)
-                await self.writers[fallback].write(peer, self.buffer.pool, part)
+            await self._write_part(transport, peer, part)
         except Exception as exc:  # the writer's own timeout bounds it
             name = transport.name.lower()
             logger.warning("%s: %s write failed: %s", part.request_id, name, exc)
@@ -241,6 +234,18 @@ class SenderDriver:
             self._run(self.machine.write_failed(part.request_id, "write cancelled"))
             raise
         self._run(self.machine.written(part.request_id))
+
+    async def _write_part(self, transport: Transport, peer: Register, part: Part) -> None:
+        """One write, and where the transport cannot reach the peer's memory, the
+        same part again over the fallback."""
+        try:
+            await self.writers[transport].write(peer, self.buffer.pool, part)
+        except Exception as exc:
+            fallback = self._fallback(transport, peer, exc, part.request_id)
+            if fallback is None:
+                raise
+            self.machine.switch_transport(part.request_id, fallback)
+            await self.writers[fallback].write(peer, self.buffer.pool, part)
 
     def _fallback(
         self, transport: Transport, peer: Register, error: Exception, request_id: str

@@ -43,9 +43,7 @@ class LocalBackend:
         tower = load_vision_tower(checkpoint, self.spec, dtype=engine.dtype, device=device)
         vision = VisionTower(tower, self.spec.vision.spatial_merge_size, device)
         weights = load_language_weights(checkpoint, self.spec, engine.dtype)
-        core = LLMEngine(self.spec, weights, self.tokenizer, engine, vision)
-        core.warm_up()  # before the health check says serving
-        self.engine = AsyncEngine(core)
+        self.engine = AsyncEngine(LLMEngine(self.spec, weights, self.tokenizer, engine, vision))
         self.preprocessor = Preprocessor(checkpoint, limits)
         self.max_model_len = engine.max_model_len
 

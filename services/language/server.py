@@ -74,9 +74,9 @@ class LanguageServer:
         registry = CollectorRegistry()
         self.metrics = LanguageMetrics(registry)
         weights = load_language_weights(config.checkpoint, self.spec, config.dtype)
-        core = LLMEngine(self.spec, weights, self.tokenizer, config.engine)
-        core.warm_up()  # before the health check says serving
-        self.engine = AsyncEngine(core, self.metrics.on_step)
+        self.engine = AsyncEngine(
+            LLMEngine(self.spec, weights, self.tokenizer, config.engine), self.metrics.on_step
+        )
         self.metrics.kv_pages_total.set(self.engine.num_kv_pages)
         self.pool, self.ends = receive_side(
             PoolLayout(

@@ -105,7 +105,7 @@ class VideoRule:
 
     def sampled_fps(self, info: VideoInfo) -> float:
         """Frames per second of the sampled clip (what M-RoPE's time axis counts in)."""
-        return len(self.frame_indices(info.num_frames, info.fps)) / info.num_frames * info.fps
+        return _sampled_fps(len(self.frame_indices(info.num_frames, info.fps)), info)
 
     def grid(self, info: VideoInfo) -> ImageGrid:
         """The patch grid of a video from its header: (temporal patches of the
@@ -120,7 +120,7 @@ class VideoRule:
             -(-frames // tp),
             h // p,
             w // p,
-            second_per_grid_t=tp / self.sampled_fps(info),
+            second_per_grid_t=tp / _sampled_fps(frames, info),
             frame_seconds=self.frame_seconds(indices, info.fps),
         )
 
@@ -227,6 +227,10 @@ class Qwen3VideoRule(VideoRule):
         indices = indices + [indices[-1]] * (-len(indices) % tp)
         seconds = [i / fps for i in indices]
         return tuple((seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp))
+
+
+def _sampled_fps(count: int, info: VideoInfo) -> float:
+    return count / info.num_frames * info.fps
 
 
 def probe(data: bytes) -> VideoInfo:

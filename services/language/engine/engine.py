@@ -455,6 +455,9 @@ class AsyncEngine:
         return len(self._queues)
 
     def start(self) -> None:
+        """Warms the engine up, then starts its loop: whoever serves it says
+        serving only after this."""
+        self.engine.warm_up()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
