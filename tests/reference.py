@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from services.wire.messages import ImageGrid
+
 
 @cache
 def _hf_model(folder: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -73,6 +75,11 @@ class HfVideo:
     grid: tuple[int, int, int]
     second_per_grid_t: float
     frame_seconds: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, pixels: torch.Tensor, grid: ImageGrid) -> HfVideo:
+        """The video the project's preprocessing made (equal to the processor's)."""
+        return cls(pixels, (grid.t, grid.h, grid.w), grid.second_per_grid_t, grid.frame_seconds)
 
     def text(self, merge: int) -> str:
         """What the video's `<|video_pad|>` becomes in the prompt."""

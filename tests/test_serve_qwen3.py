@@ -96,11 +96,7 @@ def test_videos_greedy_equal_hf_generate(url: str, checkpoint: Path, case: str) 
         if item != "image":
             pixels, grid = load_video(clips[int(item)], rule)
             assert grid.frame_seconds
-            videos.append(
-                HfVideo(
-                    pixels, (grid.t, grid.h, grid.w), grid.second_per_grid_t, grid.frame_seconds
-                )
-            )
+            videos.append(HfVideo.of(pixels, grid))
     images = [Image.open(io.BytesIO(image)).convert("RGB") for i in items if i == "image"]
     text = "What happens here?"
     parts = [{"type": "image" if i == "image" else "video"} for i in items]

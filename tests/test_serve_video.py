@@ -75,7 +75,7 @@ def test_greedy_equals_hf_generate(url: str, checkpoint: Path, case: str, stream
     for item in items:
         if item != "image":
             pixels, grid = load_video(CLIPS[int(item)], rule)
-            videos.append(HfVideo(pixels, (grid.t, grid.h, grid.w), grid.second_per_grid_t))
+            videos.append(HfVideo.of(pixels, grid))
     images = [Image.open(io.BytesIO(IMAGE)).convert("RGB") for i in items if i == "image"]
     parts = [{"type": "image" if i == "image" else "video"} for i in items]
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]

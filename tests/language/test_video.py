@@ -94,14 +94,7 @@ def expected(checkpoint: Path) -> list[list[int]]:
         for item in items:
             if item != "image":
                 pixels, grid = _pixels(checkpoint, item)
-                videos.append(
-                    HfVideo(
-                        pixels,
-                        (grid.t, grid.h, grid.w),
-                        grid.second_per_grid_t,
-                        grid.frame_seconds,
-                    )
-                )
+                videos.append(HfVideo.of(pixels, grid))
         images = [IMAGE for i in items if i == "image"]
         out.append(hf_greedy_videos(checkpoint, _messages(text, items), images, videos, n))
     return out

@@ -10,9 +10,10 @@ features are random tensors, as no Qwen2.5-VL tower makes deepstack features.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,13 @@ from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender_driver import SenderDriver
 from services.language.engine.engine import EngineConfig
+from services.language.server import LanguageServer
 from services.model.spec import load_spec
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
+from services.transfer.transports.base import Writer
 from services.transfer.transports.ends import writers
-from services.wire.messages import Heartbeat, ImageGrid, Register, Role
+from services.wire.messages import EmbeddingMeta, Heartbeat, ImageGrid, Register, Role
 from services.wire.transport import Transport
 from tests.stack import start_broker, start_language
 
@@ -84,41 +87,69 @@ async def test_embeddings_and_deepstack_arrive_bit_exact_through_resume(
     layout = PoolLayout(16, 256, embedding_planes(hidden, LEVELS))
     assert language.pool.layout.planes == layout.planes
     source = EmbeddingPool.in_host_memory(layout)
-    buffer = SendBuffer(source)
     encoder_id = f"planes-encoder-{transport.name.lower()}-{device}"
-    host = env.HOST_ID.get()  # the language server's: shm needs the same host
-    sender = SenderDriver(
-        buffer, lambda m: link.send(m), writers([transport], encoder_id, source, 30), host
-    )
+    try:
+        async with _encoder(
+            broker, encoder_id, source, writers([transport], encoder_id, source, 30)
+        ) as sender:
+            grid = ImageGrid(1, 50, 200)  # 2500 tokens: three parts through a 1024-token pool
+            planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
+            request_id = f"planes-{transport.name}-{device}"
+            meta = await _send(broker, language, sender, encoder_id, request_id, grid, planes)
+            assert meta.planes == layout.planes
+            got = await language.receiver.take(request_id)
+            assert len(got) == 2
+            assert all(torch.equal(g.cpu(), p) for g, p in zip(got, planes, strict=True))
+            pairing = broker.broker.rendezvous.describe(request_id)
+            assert pairing is not None and pairing.num_resumes == 2
+            language.pool.allocator.check_integrity()
+            assert language.pool.allocator.num_used_blocks == 0
+    finally:
+        await language.stop()
+
+
+@contextlib.asynccontextmanager
+async def _encoder(
+    broker: BrokerServer,
+    encoder_id: str,
+    source: EmbeddingPool,
+    by_transport: Mapping[Transport, Writer],
+) -> AsyncIterator[SenderDriver]:
+    """The encoder's send buffer and SenderDriver over these writers, in this
+    process, attached to the broker on the language server's host (shm needs it)."""
+    host = env.HOST_ID.get()
+    sender = SenderDriver(SendBuffer(source), lambda m: link.send(m), by_transport, host)
     link = BrokerLink(
         broker.address,
-        Register(Role.ENCODER, encoder_id, "-", host, (transport,), "epd-test"),
+        Register(Role.ENCODER, encoder_id, "-", host, tuple(by_transport), "epd-test"),
         sender.on_message,
         Heartbeat,
     )
     try:
         await link.start(wait_s=10)
-        peer = await sender.peer(language.instance_id, wait_s=10)
-        grid = ImageGrid(1, 50, 200)  # 2500 tokens: three parts through a 1024-token pool
-        planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
-        request_id = f"planes-{transport.name}-{device}"
-        broker.broker.rendezvous.route(request_id, encoder_id, language.instance_id)
-        await language.receiver.expect(request_id, 0)
-        held = await buffer.hold(request_id, [ImageEmbedding(planes, grid)], 5)
-        await sender.start(request_id, peer, held, [grid])
-        meta = await language.receiver.wait(request_id)
-        assert meta.planes == layout.planes
-        got = await language.receiver.take(request_id)
-        assert len(got) == 2
-        assert all(torch.equal(g.cpu(), p) for g, p in zip(got, planes, strict=True))
-        pairing = broker.broker.rendezvous.describe(request_id)
-        assert pairing is not None and pairing.num_resumes == 2
-        language.pool.allocator.check_integrity()
-        assert language.pool.allocator.num_used_blocks == 0
+        yield sender
     finally:
         await sender.close()
         await link.close()
-        await language.stop()
+
+
+async def _send(
+    broker: BrokerServer,
+    language: LanguageServer,
+    sender: SenderDriver,
+    encoder_id: str,
+    request_id: str,
+    grid: ImageGrid,
+    planes: tuple[torch.Tensor, ...],
+) -> EmbeddingMeta:
+    """One request's embeddings from the encoder side to the language server, routed
+    as the broker would; the metadata once every token is in."""
+    peer = await sender.peer(language.instance_id, wait_s=10)
+    broker.broker.rendezvous.route(request_id, encoder_id, language.instance_id)
+    await language.receiver.expect(request_id, 0)
+    held = await sender.buffer.hold(request_id, [ImageEmbedding(planes, grid)], 5)
+    await sender.start(request_id, peer, held, [grid])
+    return await language.receiver.wait(request_id)
 
 
 class _UnmappableShm:
@@ -149,42 +180,23 @@ async def test_a_mapping_that_fails_falls_back_to_grpc_and_stays_off(
     hidden = load_spec(deepstack_checkpoint).text.hidden_size
     layout = PoolLayout(16, 256, embedding_planes(hidden, LEVELS))
     source = EmbeddingPool.in_host_memory(layout)
-    buffer = SendBuffer(source)
     encoder_id = "fallback-encoder"
-    host = env.HOST_ID.get()
     grpc_writer = writers([Transport.GRPC], encoder_id, source, 30)[Transport.GRPC]
-    sender = SenderDriver(
-        buffer,
-        lambda m: link.send(m),
-        {Transport.SHM: _UnmappableShm(), Transport.GRPC: grpc_writer},
-        host,
-    )
-    link = BrokerLink(
-        broker.address,
-        Register(Role.ENCODER, encoder_id, "-", host, (Transport.SHM, Transport.GRPC), "epd-test"),
-        sender.on_message,
-        Heartbeat,
-    )
+    by_transport = {Transport.SHM: _UnmappableShm(), Transport.GRPC: grpc_writer}
     try:
-        await link.start(wait_s=10)
-        peer = await sender.peer(language.instance_id, wait_s=10)
-        assert sender.transport_to(peer) is Transport.SHM
-        for i in range(2):
-            grid = ImageGrid(1, 20, 20)
-            planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
-            request_id = f"fallback-{i}"
-            broker.broker.rendezvous.route(request_id, encoder_id, language.instance_id)
-            await language.receiver.expect(request_id, 0)
-            held = await buffer.hold(request_id, [ImageEmbedding(planes, grid)], 5)
-            await sender.start(request_id, peer, held, [grid])
-            meta = await language.receiver.wait(request_id)
-            assert meta.transport is (Transport.SHM if i == 0 else Transport.GRPC)
-            got = await language.receiver.take(request_id)
-            assert all(torch.equal(g, p) for g, p in zip(got, planes, strict=True))
-        assert "shm write to" in caplog.text and "this part goes over grpc" in caplog.text
-        assert buffer.pool.allocator.num_used_blocks == 0
+        async with _encoder(broker, encoder_id, source, by_transport) as sender:
+            peer = await sender.peer(language.instance_id, wait_s=10)
+            assert sender.transport_to(peer) is Transport.SHM
+            for i in range(2):
+                grid = ImageGrid(1, 20, 20)
+                planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
+                request_id = f"fallback-{i}"
+                meta = await _send(broker, language, sender, encoder_id, request_id, grid, planes)
+                assert meta.transport is (Transport.SHM if i == 0 else Transport.GRPC)
+                got = await language.receiver.take(request_id)
+                assert all(torch.equal(g, p) for g, p in zip(got, planes, strict=True))
+            assert "shm write to" in caplog.text and "this part goes over grpc" in caplog.text
+            assert sender.buffer.pool.allocator.num_used_blocks == 0
         assert language.pool.allocator.num_used_blocks == 0
     finally:
-        await sender.close()
-        await link.close()
         await language.stop()
