@@ -1,6 +1,7 @@
 """Engine throughput against Hugging Face generate(), same checkpoint, same run.
 
     .venv/bin/python -m bench.engine [--arch qwen2_5_vl] [--size small] [--concurrency 1 4 16]
+        [--linear auto|torch|onednn]
 
 For each concurrency c, c requests (same prompts, fixed output length) go to
 the engine at once; the baseline is generate() on the same requests one at a
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--linear", default="auto", choices=("auto", "torch", "onednn"), help="EngineConfig.linear"
+    )
     args = parser.parse_args()
 
     folder = cached_demo_checkpoint(args.size, args.arch)
@@ -114,12 +118,16 @@ def main() -> None:
         load_language_weights(folder, spec),
         tokenizer,
         EngineConfig(
-            max_model_len=2048, kv_cache_bytes=1 << 30, scheduler=SchedulerConfig(max_num_seqs=64)
+            max_model_len=2048,
+            kv_cache_bytes=1 << 30,
+            scheduler=SchedulerConfig(max_num_seqs=64),
+            linear=args.linear,
         ),
     )
     print(
         f"checkpoint: demo {args.arch} {args.size} ({folder}), "
-        f"output {args.output_len} tokens per request, torch threads {torch.get_num_threads()}"
+        f"output {args.output_len} tokens per request, torch threads {torch.get_num_threads()}, "
+        f"projections: {args.linear}"
     )
     print(f"{'concurrency':>11} {'engine tok/s':>13} {'generate() tok/s':>17} {'ratio':>7}")
     for c in args.concurrency:

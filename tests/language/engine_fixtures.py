@@ -26,6 +26,7 @@ def make_engine(
     max_num_batched_tokens: int = 2048,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    linear: str = "auto",
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
     return LLMEngine(
@@ -38,6 +39,7 @@ def make_engine(
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             dtype=dtype,
             device=device,
+            linear=linear,
         ),
     )
 

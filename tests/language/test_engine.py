@@ -73,6 +73,7 @@ def test_single_requests_equal_hf(
     ],
     ids=["batch", "chunked-prefill", "preemption"],
 )
+@pytest.mark.parametrize("linear", ["onednn", "torch"])
 def test_batch_of_eight_mixed_requests_equals_hf(
     tiny_checkpoint: Path,
     expected: list[list[int]],
@@ -80,8 +81,12 @@ def test_batch_of_eight_mixed_requests_equals_hf(
     max_model_len: int,
     budget: int,
     preempts: bool,
+    linear: str,
 ) -> None:
-    engine = make_engine(tiny_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
+    """With oneDNN's packed projections (the CPU default) and with F.linear."""
+    engine = make_engine(
+        tiny_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget, linear=linear
+    )
     check_batch(engine, _requests(tiny_checkpoint, list(range(8))), expected, preempts)  # type: ignore[arg-type]
 
 

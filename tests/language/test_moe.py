@@ -1,5 +1,5 @@
-"""MoE experts: which implementation the engine picks, and FlashInfer's fused
-kernel against the grouped torch experts (GPU only)."""
+"""MoE experts: which implementation the engine picks, oneDNN's packed experts
+and FlashInfer's fused kernel (GPU only) against the grouped torch experts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.language.engine.engine import moe_backend
+from services.language.engine.linear import PackedExperts
 from services.language.engine.model import Experts, LanguageModel
 from services.language.engine.moe import FlashInferExperts, fuse_experts
 from services.model.checkpoint import load_language_weights
@@ -63,6 +64,18 @@ def test_fused_layout_is_the_checkpoints_with_gate_and_up_swapped(moe_checkpoint
     gate, up = experts.gate_up_proj.chunk(2, dim=1)
     assert torch.equal(fused.fc1[:, :8], up) and torch.equal(fused.fc1[:, 8:], gate)
     assert torch.equal(fused.fc2, experts.down_proj)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_packed_experts_match_the_grouped_torch_experts(moe_checkpoint: Path, tokens: int) -> None:
+    """oneDNN's packed matrices (the CPU default) under the same routing."""
+    experts = _experts(load_spec(moe_checkpoint).text, 256, 96, 8, 2, CPU)
+    x = torch.randn(tokens, 256)
+    chosen, weights = _routing(tokens, 8, 2, CPU)
+    expected = experts(x, chosen, weights)
+    packed = PackedExperts(experts)
+    assert not list(packed.parameters())  # the packed copies replace the weights
+    torch.testing.assert_close(packed(x, chosen, weights), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

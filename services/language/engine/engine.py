@@ -18,6 +18,7 @@ from services.language.engine.attention import AttentionBackend, FlashInferAtten
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
+from services.language.engine.linear import onednn_supports, pack_linears
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import fuse_experts
 from services.language.engine.request import Request, RequestStatus, SamplingParams, new_request
@@ -40,6 +41,7 @@ class EngineConfig:
     device: str = "cpu"
     attention: str = "auto"  # "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
+    linear: str = "auto"  # projections: "torch", "onednn", or "auto" (packed oneDNN on CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,17 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
     return _auto(choice, dtype, device, "attention")
 
 
+def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch" or "onednn" for EngineConfig.linear: `auto` is oneDNN on CPU where it
+    packs this dtype (linear.py), torch (cuBLAS) on GPUs."""
+    supported = device.type == "cpu" and onednn_supports(dtype)
+    if choice == "onednn" and not supported:
+        raise ValueError(f"oneDNN packed projections need a CPU that packs {dtype}")
+    if choice != "auto":
+        return choice
+    return "onednn" if supported else "torch"
+
+
 def moe_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
     """ "torch" or "flashinfer" for EngineConfig.moe (the experts of MoE layers)."""
     if choice == "flashinfer" and (device.type != "cuda" or dtype == torch.float32):
@@ -118,6 +131,10 @@ class EngineLoad:
 
 
 class LLMEngine:
+    """The model, its KV cache, scheduler and sampler, stepped by one thread.
+    `weights` (the loader's tensors by checkpoint name) are the engine's from
+    then on: it changes the dict in place as it stacks and converts them."""
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -138,11 +155,13 @@ class LLMEngine:
                 f"the KV cache holds {kv_config.num_tokens} tokens, less than max_model_len "
                 f"{config.max_model_len}: raise kv_cache_bytes or lower max_model_len"
             )
-        model = LanguageModel.from_weights(
-            spec.text, {k: v.to(config.dtype) for k, v in weights.items()}, device
-        )
+        for name, tensor in weights.items():
+            weights[name] = tensor.to(config.dtype)
+        model = LanguageModel.from_weights(spec.text, weights, device)
         if spec.text.moe and moe_backend(config.moe, config.dtype, device) == "flashinfer":
             fuse_experts(model)
+        if linear_backend(config.linear, config.dtype, device) == "onednn":
+            pack_linears(model)
         self.runner = ModelRunner(
             model,
             KVCache(spec.text, kv_config, device),

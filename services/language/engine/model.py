@@ -81,9 +81,8 @@ class Attention(nn.Module):
             spec.head_dim,
         )
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden_size, q_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.sizes = [q_dim, kv_dim, kv_dim]
+        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
@@ -97,9 +96,10 @@ class Attention(nn.Module):
         attention: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = attention.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cache)
         return self.o_proj(out.reshape(t, -1))
 
@@ -107,12 +107,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: TextSpec) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -131,8 +131,15 @@ class Experts(nn.Module):
     def __init__(self, spec: TextSpec, moe: MoeSpec) -> None:
         super().__init__()
         e, inter = moe.num_experts, moe.intermediate_size
+        self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, spec.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(e, spec.hidden_size, inter))
+
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.gate_up_proj[expert])
+
+    def down(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.down_proj[expert])
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], chosen [T, k] expert ids, weights [T, k] -> [T, H]."""
@@ -141,7 +148,7 @@ class Experts(nn.Module):
         weights = weights.to(x.dtype).flatten()
         order = flat.argsort(stable=True)
         tokens = order // top_k  # the token of each (token, expert) pair, by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
@@ -149,8 +156,8 @@ class Experts(nn.Module):
                 continue
             pairs = order[start : start + count]
             rows = tokens[start : start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            gate, up = self.gate_up(expert, x[rows]).chunk(2, dim=-1)
+            y = self.down(expert, F.silu(gate) * up)
             out.index_add_(0, rows, y * weights[pairs, None])
             start += count
         return out
@@ -192,6 +199,29 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# each fused projection and the checkpoint's projections it stacks, in order
+STACKED = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
+
+def stack_projections(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Concatenates each layer's q/k/v and gate/up weights (and biases) along the
+    output dimension into `qkv_proj` and `gate_up_proj`, in place: one matmul
+    where there were three and two (vLLM's stacked parameters). The parts leave
+    the dict as they are stacked, so a caller that holds no other reference never
+    has both in memory. Returns `weights`."""
+    for name in list(weights):
+        for fused, parts in STACKED:
+            layer, found, param = name.rpartition(parts[0] + ".")
+            if found:
+                weights[layer + fused + "." + param] = torch.cat(
+                    [weights.pop(layer + part + "." + param) for part in parts]
+                )
+    return weights
+
+
 @dataclass(frozen=True, slots=True)
 class Deepstack:
     """A step's deepstack features: `values[:, level]` is added to the hidden
@@ -214,10 +244,12 @@ class LanguageModel(nn.Module):
     def from_weights(
         cls, spec: TextSpec, weights: dict[str, torch.Tensor], device: torch.device
     ) -> LanguageModel:
-        """Builds on the meta device and takes the loaded tensors as they are (no random init)."""
+        """Builds on the meta device and takes the loaded tensors (checkpoint names, as
+        `load_language_weights` returns them) as they are, no random init. The
+        projections are stacked in `weights` itself (`stack_projections`)."""
         with torch.device("meta"):
             model = cls(spec)
-        model.load_state_dict(weights, strict=True, assign=True)
+        model.load_state_dict(stack_projections(weights), strict=True, assign=True)
         if spec.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model.to(device).eval()
