@@ -27,9 +27,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """HF's Qwen2RMSNorm: normalised in float32, scaled in the input's dtype."""
         dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
 
 
