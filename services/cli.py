@@ -279,6 +279,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         dtype=resolve_dtype(args.dtype, args.device),
         device=args.device,
+        cuda_graphs=not args.no_cuda_graphs,
     )
 
 
@@ -290,6 +291,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run decode steps eagerly on CUDA (by default they replay captured CUDA graphs)",
+    )
 
 
 def _health(args: argparse.Namespace) -> int:

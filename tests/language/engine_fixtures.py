@@ -27,6 +27,7 @@ def make_engine(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     linear: str = "auto",
+    cuda_graphs: bool = True,
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
     return LLMEngine(
@@ -40,6 +41,7 @@ def make_engine(
             dtype=dtype,
             device=device,
             linear=linear,
+            cuda_graphs=cuda_graphs,
         ),
     )
 

@@ -9,6 +9,7 @@ A step's batch is ordered prefills first (query length > 1), then decodes
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -185,14 +186,39 @@ class FlashInferAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.dtype, self.device = scale, dtype, device
         # zeroed, as the wrappers' docstrings ask of the float workspace
-        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD"
+        )
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace,
+            self.workspace,
             kv_layout="NHD",
             use_tensor_cores=decode_uses_tensor_cores(num_heads, num_kv_heads),
         )
         self.meta: AttentionMetadata | None = None
+
+    def for_graph(self, batch_size: int, max_pages: int) -> FlashInferAttention:
+        """A twin for decode steps of exactly `batch_size` sequences captured in a
+        CUDA graph: its decode wrapper keeps the page tables in fixed buffers
+        (FlashInfer's `use_cuda_graph`), which `plan()`, run outside the graph,
+        refills before each replay. Shares this one's workspace: one step runs
+        at a time."""
+        import flashinfer
+
+        def buffer(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int32, device=self.device)
+
+        twin = copy.copy(self)
+        twin.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            kv_layout="NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=decode_uses_tensor_cores(self.num_heads, self.num_kv_heads),
+            paged_kv_indptr_buffer=buffer(batch_size + 1),
+            paged_kv_indices_buffer=buffer(max_pages),
+            paged_kv_last_page_len_buffer=buffer(batch_size),
+        )
+        return twin
 
     def _paging(self, meta: AttentionMetadata, seqs: range) -> tuple[torch.Tensor, ...]:
         indptr, indices, last = [0], [], []

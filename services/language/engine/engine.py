@@ -42,6 +42,7 @@ class EngineConfig:
     attention: str = "auto"  # "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     linear: str = "auto"  # projections: "torch", "onednn", or "auto" (packed oneDNN on CPU)
+    cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,17 +159,27 @@ class LLMEngine:
         for name, tensor in weights.items():
             weights[name] = tensor.to(config.dtype)
         model = LanguageModel.from_weights(spec.text, weights, device)
-        if spec.text.moe and moe_backend(config.moe, config.dtype, device) == "flashinfer":
+        fused_moe = moe_backend(config.moe, config.dtype, device) == "flashinfer"
+        if spec.text.moe and fused_moe:
             fuse_experts(model)
         if linear_backend(config.linear, config.dtype, device) == "onednn":
             pack_linears(model)
+        attention = self._attention(device)
+        # capturable: FlashInfer attention, and MoE experts without host syncs
+        graphs = (
+            config.cuda_graphs
+            and isinstance(attention, FlashInferAttention)
+            and (spec.text.moe is None or fused_moe)
+        )
         self.runner = ModelRunner(
             model,
-            KVCache(spec.text, kv_config, device),
-            self._attention(device),
+            KVCache(spec.text, kv_config, device, spare_pages=int(graphs)),
+            attention,
             device,
             config.dtype,
         )
+        if graphs:
+            self.runner.use_graphs(config.scheduler.max_num_seqs, config.max_model_len)
         self.blocks = KVBlockManager(kv_config)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.sampler = Sampler(set(spec.eos_token_ids))
@@ -235,7 +246,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Two short requests through a prefill-only, a mixed and a decode-only
         step, before serving: kernels (on CUDA, FlashInfer's, compiled on first
-        use) are built and loaded now, not on the first client's time."""
+        use) are built and loaded now, not on the first client's time. Then, on
+        CUDA, the decode graphs are captured."""
         started = time.perf_counter()
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)
         length = min(16, self.config.max_model_len - sampling.max_tokens)
@@ -246,6 +258,7 @@ class LLMEngine:
             self.step()
         while self.has_work():
             self.step()
+        self.runner.capture_graphs()
         logger.info("engine warmed up in %.2f s", time.perf_counter() - started)
 
     def load(self) -> EngineLoad:

@@ -47,9 +47,14 @@ class KVCacheConfig:
 
 
 class KVCache:
-    def __init__(self, spec: TextSpec, config: KVCacheConfig, device: torch.device) -> None:
+    def __init__(
+        self, spec: TextSpec, config: KVCacheConfig, device: torch.device, spare_pages: int = 0
+    ) -> None:
+        """`spare_pages` past config.num_pages, which the block manager never hands
+        out (the sink page CUDA graphs' padding rows write to)."""
         self.config = config
-        shape = (config.num_pages, 2, config.page_size, spec.num_kv_heads, spec.head_dim)
+        pages = config.num_pages + spare_pages
+        shape = (pages, 2, config.page_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [
             torch.zeros(shape, dtype=config.dtype, device=device) for _ in range(spec.num_layers)
         ]

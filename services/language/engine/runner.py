@@ -3,14 +3,20 @@
 Builds the flat token batch (prefills first, then decodes), splices image
 embeddings at the placeholder positions, computes M-RoPE positions (from the
 prompt's precomputed 3-D positions; sequence index + delta past the prompt),
-runs the model and returns the logits of the requests that sample this step.
+runs the model (a decode-only step on CUDA from a captured graph,
+cuda_graphs.py) and returns the logits of the requests that sample this step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.language.engine.attention import AttentionBackend, AttentionMetadata
+from services.language.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    FlashInferAttention,
+)
+from services.language.engine.cuda_graphs import DecodeGraphs
 from services.language.engine.kv_cache import KVCache
 from services.language.engine.model import Deepstack, LanguageModel, MRotaryEmbedding
 from services.language.engine.request import Request
@@ -45,6 +51,39 @@ class ModelRunner:
         self.dtype = dtype
         self.rotary = MRotaryEmbedding(model.spec, device)
         self.page_size = kv_cache.config.page_size
+        self.graphs: DecodeGraphs | None = None
+
+    def use_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Decode steps from CUDA graphs once `graphs.capture()` has run (FlashInfer
+        attention; the KV cache's sink page, past the block manager's, pads them)."""
+        assert isinstance(self.attention, FlashInferAttention)
+        spec = self.model.spec
+        self.graphs = DecodeGraphs(
+            self._forward,
+            self.attention,
+            spec.hidden_size,
+            spec.head_dim,
+            self.dtype,
+            self.page_size,
+            sink_page=self.kv_cache.config.num_pages,
+            max_num_seqs=max_num_seqs,
+            max_pages_per_seq=-(-max_model_len // self.page_size),
+        )
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def _forward(
+        self,
+        embeds: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        """Logits of every row (what a decode graph captures)."""
+        return self.model.lm_head(self.model(embeds, cos, sin, self.kv_cache.layers, attention))
 
     @staticmethod
     def order(batch: list[Scheduled]) -> list[Scheduled]:
@@ -119,9 +158,13 @@ class ModelRunner:
     def execute(self, batch: list[Scheduled]) -> torch.Tensor:
         """Runs an order()ed batch; logits [sampling requests, vocab] in batch order."""
         meta = self._metadata(batch)
-        self.attention.plan(meta)
         embeds, positions, deepstack = self._embeds(batch)
         cos, sin = self.rotary(positions, embeds.dtype)
-        hidden = self.model(embeds, cos, sin, self.kv_cache.layers, self.attention, deepstack)
         last = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
+        if self.graphs is not None and not meta.num_prefills:
+            size = self.graphs.size_for(meta.num_seqs)
+            if size is not None:
+                return self.graphs.replay(size, meta, embeds, cos, sin)[last].float()
+        self.attention.plan(meta)
+        hidden = self.model(embeds, cos, sin, self.kv_cache.layers, self.attention, deepstack)
         return self.model.lm_head(hidden[last]).float()
