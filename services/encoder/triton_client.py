@@ -148,6 +148,11 @@ class VitClient:
             channel_args=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                # gRPC's reconnect backoff grows to 120 s: a Triton that comes up
+                # (or back) later than the encoder would be seen seconds late
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
             ],
         )
         self.shm_prefix = f"{env.SHM_PREFIX.get()}vit_{secrets.token_hex(4)}"
