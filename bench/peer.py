@@ -17,6 +17,9 @@ them the peer must already be serving at `--peer-url`). Workloads (issue 14's):
 - probe: the image workload again with one-token text probes beside it (2/s,
   Poisson): what a short text request waits behind a burst of images.
 
+Then, for the stack's own cost: the language engine alone, in this process, on
+the text workload's prompts, 16 at a time (EPD's output tokens/s over it).
+
 Prints each figure and EPD's ratio to the peer; `--json` writes every summary,
 `--doc` writes the table into docs/performance.md as its "vs vLLM" section
 (bench/report.py keeps that section when it regenerates the rest).
@@ -37,12 +40,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.engine import engine_tokens_per_second
 from bench.report import DOC, END, START, Setup, machine, serve
 from services.bench.command import first_model, strict_json
 from services.bench.runner import RunConfig, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
+from services.language.engine.engine import EngineConfig, LLMEngine
+from services.language.engine.scheduler import SchedulerConfig
+from services.model.checkpoint import load_language_weights
 from services.model.demo import ARCHS, cached_demo_checkpoint
+from services.model.spec import load_spec
+from services.model.tokenizer import build_prompt, load_tokenizer
 
 CONCURRENCY = 16
 
@@ -87,6 +96,26 @@ def drive(base_url: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+def engine_alone(checkpoint: Path, workload: Workload) -> float:
+    """Output tokens/s of the language engine alone (`epd serve`'s engine settings,
+    no gRPC, gateway or client) on the workload's prompts, as many at a time as
+    the client keeps in flight."""
+    spec = load_spec(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
+    engine = LLMEngine(
+        spec,
+        load_language_weights(checkpoint, spec),
+        tokenizer,
+        EngineConfig(scheduler=SchedulerConfig(max_num_seqs=CONCURRENCY)),
+    )
+    engine.warm_up()
+    ids = [
+        build_prompt(tokenizer, spec, r.body["messages"], []).token_ids
+        for r in build_requests(workload, "engine")
+    ]
+    return engine_tokens_per_second(engine, ids, workload.output_len)
+
+
 def p(summary: dict[str, Any], metric: str, q: str) -> float:
     return float(summary["latency_ms"].get(metric, {}).get(q, math.nan))
 
@@ -124,7 +153,17 @@ def ratio(epd: dict[str, float], peer: dict[str, float], name: str) -> str:
     return f"{epd[name] / peer[name]:.2f}x" if peer[name] else "-"
 
 
-def markdown(peer_name: str, epd: dict[str, float], peer: dict[str, float], command: str) -> str:
+def stack_cost(result: dict[str, Any]) -> str:
+    stack, alone = result["text"]["output_throughput"], result["engine_alone_tok_s"]
+    return (
+        f"EPD's stack on the text workload: {stack:.1f} output tok/s, its engine alone "
+        f"{alone:.1f} ({stack / alone:.2f}x)"
+    )
+
+
+def markdown(
+    peer_name: str, epd: dict[str, float], peer: dict[str, float], command: str, cost: str
+) -> str:
     lines = [
         f"## vs {peer_name}: the same workloads against each server, one at a time",
         "",
@@ -142,6 +181,7 @@ def markdown(peer_name: str, epd: dict[str, float], peer: dict[str, float], comm
     ]
     for name in epd:
         lines.append(f"| {name} | {epd[name]:.2f} | {peer[name]:.2f} | {ratio(epd, peer, name)} |")
+    lines += ["", cost + "."]
     return "\n".join(lines)
 
 
@@ -177,6 +217,8 @@ def main() -> None:
         with serve(Setup("epd", epd_args), Path(logs)) as (url, _pid):
             startup = time.monotonic() - started
             results["epd"] = drive(url, args.quick) | {"startup_s": startup}
+    results["epd"]["engine_alone_tok_s"] = engine_alone(checkpoint, workloads(args.quick)["text"])
+    print(f"  engine alone: {results['epd']['engine_alone_tok_s']:.1f} tok/s", flush=True)
     print(args.peer_name, flush=True)
     started = time.monotonic()
     if args.peer_start:
@@ -192,9 +234,12 @@ def main() -> None:
     print(f"\n{'figure':<22} {'EPD':>10} {args.peer_name:>10} {'EPD/peer':>9}")
     for name in epd:
         print(f"{name:<22} {epd[name]:>10.2f} {peer[name]:>10.2f} {ratio(epd, peer, name):>9}")
+    cost = stack_cost(results["epd"])
+    print(cost)
     if args.doc:
         command = "python -m bench.peer " + shlex.join(sys.argv[1:])
-        DOC.write_text(with_section(DOC.read_text(), markdown(args.peer_name, epd, peer, command)))
+        section = markdown(args.peer_name, epd, peer, command, cost)
+        DOC.write_text(with_section(DOC.read_text(), section))
     if args.json:
         payload = {"machine": machine(), "checkpoint": str(checkpoint), "results": results}
         Path(args.json).write_text(json.dumps(strict_json(payload), indent=1))
