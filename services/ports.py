@@ -64,3 +64,24 @@ def free_port_block(offsets: Sequence[int]) -> int:
             for probe in sockets:
                 probe.close()
     raise OSError("no block of free ports on loopback")
+
+
+# `epd serve`'s port flags and their offsets in one block: the gRPC components'
+# Prometheus ports are theirs + 100 (StackConfig.metrics_offset)
+SERVE_PORTS = {
+    "port": 0,
+    "broker-port": 1,
+    "encoder-port": 2,
+    "language-port": 3,
+    "triton-http-port": 4,
+    "triton-grpc-port": 5,
+    "triton-metrics-port": 6,
+}
+
+
+def free_serve_ports() -> dict[str, int]:
+    """Free ports for one `epd serve` (one encoder, one language instance) by its
+    flags' names, metrics ports included: ports picked one by one could put a
+    component near 65535, where its metrics port (+100) does not exist."""
+    base = free_port_block([*SERVE_PORTS.values(), 101, 102, 103])
+    return {flag: base + offset for flag, offset in SERVE_PORTS.items()}

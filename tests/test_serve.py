@@ -30,7 +30,7 @@ from services.bench.images import encode_image, random_image
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
-from services.ports import free_port
+from services.ports import free_serve_ports
 from services.serve import launch
 from services.transfer.shared_memory import SHM_DIR
 from tests.bad_images import png_header_only
@@ -53,7 +53,7 @@ class Served:
         return OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     def language_metric(self, name: str) -> float:
-        port = self.ports["language"] + 100
+        port = self.ports["language-port"] + 100
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         line = next(line for line in text.splitlines() if line.startswith(name + " "))
         return float(line.split()[-1])
@@ -75,9 +75,7 @@ def _our_processes(marker: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    ports = {
-        name: free_port() for name in ("gateway", "broker", "encoder", "language", "th", "tg", "tm")
-    }
+    ports = free_serve_ports()
     banner: list[str] = []
     process = launch(
         [
@@ -85,20 +83,7 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             str(tiny_checkpoint),
             "--model-name",
             MODEL,
-            "--port",
-            str(ports["gateway"]),
-            "--broker-port",
-            str(ports["broker"]),
-            "--encoder-port",
-            str(ports["encoder"]),
-            "--language-port",
-            str(ports["language"]),
-            "--triton-http-port",
-            str(ports["th"]),
-            "--triton-grpc-port",
-            str(ports["tg"]),
-            "--triton-metrics-port",
-            str(ports["tm"]),
+            *(arg for flag, port in ports.items() for arg in (f"--{flag}", str(port))),
             "--max-model-len",
             "512",
             "--kv-cache-mb",
@@ -112,7 +97,7 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             env.SHM_PREFIX.name: SHM_PREFIX,  # this stack's segments, apart from the tests'
         },
     )
-    url = f"http://127.0.0.1:{ports['gateway']}"
+    url = f"http://127.0.0.1:{ports['port']}"
     served = Served(process, url, ports, "".join(banner))
     yield served
     if process.poll() is None:
@@ -458,7 +443,7 @@ def test_only_the_stacks_token_opens_its_control_plane(served: Served) -> None:
     instances = json.loads(listed.stdout)["instances"]
     names = sorted(i["registration"]["instance_id"] for i in instances)  # grpcurl: proto names
     assert names == ["encoder-0", "language-0"]
-    broker = f"127.0.0.1:{served.ports['broker']}"
+    broker = f"127.0.0.1:{served.ports['broker-port']}"
     for header in ([], ["-H", "authorization: Bearer guess"]):
         refused = grpcurl("-plaintext", *header, broker, "epd.v1.Broker/ListInstances")
         assert "Code: Unauthenticated" in refused.stderr, refused.stderr
@@ -466,10 +451,10 @@ def test_only_the_stacks_token_opens_its_control_plane(served: Served) -> None:
 
 
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:
-    marker = f"--broker {served.url.split(':')[1][2:]}:{served.ports['broker']}"
-    assert _our_processes(f":{served.ports['broker']}"), "the stack's processes are running"
+    marker = f"--broker {served.url.split(':')[1][2:]}:{served.ports['broker-port']}"
+    assert _our_processes(f":{served.ports['broker-port']}"), "the stack's processes are running"
     assert list(SHM_DIR.glob(SHM_PREFIX + "*")), "the stack's shared memory is there"
     served.process.send_signal(signal.SIGINT)
     assert served.process.wait(60) == 0
-    assert _our_processes(f":{served.ports['broker']}") == [], marker
+    assert _our_processes(f":{served.ports['broker-port']}") == [], marker
     assert list(SHM_DIR.glob(SHM_PREFIX + "*")) == []
