@@ -214,7 +214,8 @@ def main() -> None:
     epd_args = ("--model", str(checkpoint), *(a for f in args.epd_arg for a in shlex.split(f)))
     with tempfile.TemporaryDirectory() as logs:
         started = time.monotonic()
-        with serve(Setup("epd", epd_args), Path(logs)) as (url, _pid):
+        # epd serve's own step budget (2048 tokens, as vLLM's CPU server's), not the report's
+        with serve(Setup("epd", epd_args), Path(logs), max_num_batched_tokens=None) as (url, _pid):
             startup = time.monotonic() - started
             results["epd"] = drive(url, args.quick) | {"startup_s": startup}
     results["epd"]["engine_alone_tok_s"] = engine_alone(checkpoint, workloads(args.quick)["text"])
