@@ -96,9 +96,7 @@ class _OpenedPool:
             else endpoint.device_id
         )
         self._ptrs: list[int] = []
-        self.writing = 0  # copies in flight in worker threads
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self.copies: set[asyncio.Future[None]] = set()  # running in worker threads
         if len(endpoint.plane_handles) != len(self.layout.planes):
             raise ValueError(
                 f"{peer.instance_id}: {len(endpoint.plane_handles)} handles "
@@ -109,11 +107,6 @@ class _OpenedPool:
                 self._open(handle, self.layout.plane_bytes(plane))
                 for handle, plane in zip(endpoint.plane_handles, self.layout.planes, strict=True)
             ]
-
-    def copied(self) -> None:
-        self.writing -= 1
-        if self.writing == 0:
-            self.idle.set()
 
     def _open(self, handle: bytes, nbytes: int) -> torch.Tensor:
         import cupy
@@ -149,12 +142,11 @@ class CudaIpcWriter:
         if opened is None:
             opened = self._opened[peer.instance_id] = _OpenedPool(peer)
         check_compatible(source.layout, opened.layout, peer.instance_id)
-        # A cancelled write leaves its thread copying: the count drops when the
-        # copy is over, not when the caller stops waiting.
+        # A cancelled write leaves its thread copying: the copy stays in the set
+        # until it is over, not until the caller stops waiting.
         copy = asyncio.ensure_future(asyncio.to_thread(_copy, source, opened, part))
-        opened.writing += 1
-        opened.idle.clear()
-        copy.add_done_callback(lambda _: opened.copied())
+        opened.copies.add(copy)
+        copy.add_done_callback(opened.copies.discard)
         await asyncio.shield(copy)
 
     async def forget(self, instance_id: str) -> None:
@@ -162,7 +154,7 @@ class CudaIpcWriter:
         worker thread's copy outlives a cancelled write)."""
         opened = self._opened.pop(instance_id, None)
         if opened is not None:
-            await opened.idle.wait()
+            await asyncio.gather(*opened.copies, return_exceptions=True)
             opened.close()
 
     async def close(self) -> None:
