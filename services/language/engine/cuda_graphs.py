@@ -73,6 +73,7 @@ class DecodeGraphs:
         self.hidden_size, self.head_dim, self.dtype = hidden_size, head_dim, dtype
         self.page_size = page_size
         self.sink_page = sink_page  # pages [0, sink_page) hold requests
+        self.sink_slot = sink_page * page_size  # where every padding row writes
         self.sizes = graph_batch_sizes(max_num_seqs)
         # page-table room per row: the choices of an n > 1 request list their shared
         # prompt pages each, so rows can name more pages than the cache has
@@ -96,13 +97,15 @@ class DecodeGraphs:
             time.perf_counter() - started,
         )
 
-    def _padded(self, meta: AttentionMetadata, size: int, slots: torch.Tensor) -> AttentionMetadata:
-        """meta's decodes and size - num_seqs padding rows, on the sink page."""
-        pad = size - meta.num_seqs
+    def _padded(
+        self, seq_lens: list[int], block_tables: list[list[int]], size: int, slots: torch.Tensor
+    ) -> AttentionMetadata:
+        """These decodes and size - len(seq_lens) padding rows, on the sink page."""
+        pad = size - len(seq_lens)
         return AttentionMetadata(
             query_start_loc=list(range(size + 1)),
-            seq_lens=meta.seq_lens + [1] * pad,
-            block_tables=meta.block_tables + [[self.sink_page]] * pad,
+            seq_lens=seq_lens + [1] * pad,
+            block_tables=block_tables + [[self.sink_page]] * pad,
             slot_mapping=slots,
             num_prefills=0,
             page_size=self.page_size,
@@ -111,9 +114,8 @@ class DecodeGraphs:
     def _capture(self, size: int, pool: Any) -> _Graph:  # pool: graph_pool_handle()'s
         device = self.attention.device
         attention = self.attention.for_graph(size, size * self.max_pages_per_seq)
-        slots = torch.full((size,), self.sink_page * self.page_size, device=device)
-        empty = AttentionMetadata([0], [], [], slots[:0], 0, self.page_size)
-        attention.plan(self._padded(empty, size, slots))
+        slots = torch.full((size,), self.sink_slot, device=device)
+        attention.plan(self._padded([], [], size, slots))  # all padding
         embeds = torch.zeros(size, self.hidden_size, dtype=self.dtype, device=device)
         cos = torch.ones(size, self.head_dim, dtype=self.dtype, device=device)
         sin = torch.zeros(size, self.head_dim, dtype=self.dtype, device=device)
@@ -144,7 +146,7 @@ class DecodeGraphs:
         g.cos[:n].copy_(cos)
         g.sin[:n].copy_(sin)
         g.slots[:n].copy_(meta.slot_mapping)
-        g.slots[n:].fill_(self.sink_page * self.page_size)
-        g.attention.plan(self._padded(meta, size, g.slots))
+        g.slots[n:].fill_(self.sink_slot)
+        g.attention.plan(self._padded(meta.seq_lens, meta.block_tables, size, g.slots))
         g.graph.replay()
         return g.logits[:n]

@@ -159,8 +159,11 @@ class LLMEngine:
         for name, tensor in weights.items():
             weights[name] = tensor.to(config.dtype)
         model = LanguageModel.from_weights(spec.text, weights, device)
-        fused_moe = moe_backend(config.moe, config.dtype, device) == "flashinfer"
-        if spec.text.moe and fused_moe:
+        fused_moe = (
+            spec.text.moe is not None
+            and moe_backend(config.moe, config.dtype, device) == "flashinfer"
+        )
+        if fused_moe:
             fuse_experts(model)
         if linear_backend(config.linear, config.dtype, device) == "onednn":
             pack_linears(model)
