@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,6 +76,12 @@ def hf_tokens_per_second(folder: str, token_ids: list[list[int]], output_len: in
     return len(token_ids) * output_len / total
 
 
+def load_engine(folder: Path, config: EngineConfig) -> LLMEngine:
+    """The language engine of a checkpoint, in this process."""
+    spec = load_spec(folder)
+    return LLMEngine(spec, load_language_weights(folder, spec), load_tokenizer(folder), config)
+
+
 def engine_tokens_per_second(
     engine: LLMEngine, token_ids: list[list[int]], output_len: int
 ) -> float:
@@ -111,12 +118,8 @@ def main() -> None:
     args = parser.parse_args()
 
     folder = cached_demo_checkpoint(args.size, args.arch)
-    spec = load_spec(folder)
-    tokenizer = load_tokenizer(folder)
-    engine = LLMEngine(
-        spec,
-        load_language_weights(folder, spec),
-        tokenizer,
+    engine = load_engine(
+        folder,
         EngineConfig(
             max_model_len=2048,
             kv_cache_bytes=1 << 30,
@@ -124,6 +127,7 @@ def main() -> None:
             linear=args.linear,
         ),
     )
+    spec, tokenizer = engine.spec, engine.tokenizer
     print(
         f"checkpoint: demo {args.arch} {args.size} ({folder}), "
         f"output {args.output_len} tokens per request, torch threads {torch.get_num_threads()}, "

@@ -40,18 +40,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.engine import engine_tokens_per_second
+from bench.engine import engine_tokens_per_second, load_engine
 from bench.report import DOC, END, START, Setup, machine, serve
 from services.bench.command import first_model, strict_json
 from services.bench.runner import RunConfig, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
-from services.language.engine.engine import EngineConfig, LLMEngine
+from services.language.engine.engine import EngineConfig
 from services.language.engine.scheduler import SchedulerConfig
-from services.model.checkpoint import load_language_weights
 from services.model.demo import ARCHS, cached_demo_checkpoint
-from services.model.spec import load_spec
-from services.model.tokenizer import build_prompt, load_tokenizer
+from services.model.tokenizer import build_prompt
 
 CONCURRENCY = 16
 
@@ -100,17 +98,12 @@ def engine_alone(checkpoint: Path, workload: Workload) -> float:
     """Output tokens/s of the language engine alone (`epd serve`'s engine settings,
     no gRPC, gateway or client) on the workload's prompts, as many at a time as
     the client keeps in flight."""
-    spec = load_spec(checkpoint)
-    tokenizer = load_tokenizer(checkpoint)
-    engine = LLMEngine(
-        spec,
-        load_language_weights(checkpoint, spec),
-        tokenizer,
-        EngineConfig(scheduler=SchedulerConfig(max_num_seqs=CONCURRENCY)),
+    engine = load_engine(
+        checkpoint, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=CONCURRENCY))
     )
     engine.warm_up()
     ids = [
-        build_prompt(tokenizer, spec, r.body["messages"], []).token_ids
+        build_prompt(engine.tokenizer, engine.spec, r.body["messages"], []).token_ids
         for r in build_requests(workload, "engine")
     ]
     return engine_tokens_per_second(engine, ids, workload.output_len)
