@@ -1,7 +1,7 @@
 """Engine throughput against Hugging Face generate(), same checkpoint, same run.
 
     .venv/bin/python -m bench.engine [--arch qwen2_5_vl] [--size small] [--concurrency 1 4 16]
-        [--linear auto|torch|onednn]
+        [--linear auto|torch|onednn] [--attention auto|torch|cpu]
 
 For each concurrency c, c requests (same prompts, fixed output length) go to
 the engine at once; the baseline is generate() on the same requests one at a
@@ -115,6 +115,12 @@ def main() -> None:
     parser.add_argument(
         "--linear", default="auto", choices=("auto", "torch", "onednn"), help="EngineConfig.linear"
     )
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "torch", "cpu"),
+        help="EngineConfig.attention (cpu: the compiled paged decode kernel)",
+    )
     args = parser.parse_args()
 
     folder = cached_demo_checkpoint(args.size, args.arch)
@@ -125,13 +131,14 @@ def main() -> None:
             kv_cache_bytes=1 << 30,
             scheduler=SchedulerConfig(max_num_seqs=64),
             linear=args.linear,
+            attention=args.attention,
         ),
     )
     spec, tokenizer = engine.spec, engine.tokenizer
     print(
         f"checkpoint: demo {args.arch} {args.size} ({folder}), "
         f"output {args.output_len} tokens per request, torch threads {torch.get_num_threads()}, "
-        f"projections: {args.linear}"
+        f"projections: {args.linear}, attention: {args.attention}"
     )
     print(f"{'concurrency':>11} {'engine tok/s':>13} {'generate() tok/s':>17} {'ratio':>7}")
     for c in args.concurrency:

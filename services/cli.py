@@ -279,6 +279,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         dtype=resolve_dtype(args.dtype, args.device),
         device=args.device,
+        attention=args.attention,
         cuda_graphs=not args.no_cuda_graphs,
     )
 
@@ -291,6 +292,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "torch", "cpu", "flashinfer"),
+        help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
+        "(built on first use with the machine's C compiler), else torch (SDPA)",
+    )
     p.add_argument(
         "--no-cuda-graphs",
         action="store_true",
@@ -627,6 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "torch", "cpu", "flashinfer"),
+        help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
+        "(built on first use with the machine's C compiler), else torch (SDPA)",
+    )
     _add_dtype_option(p, "dtype of the vision tower, the embeddings and the language model")
     p.add_argument(
         "--encoder-cpus",

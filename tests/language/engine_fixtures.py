@@ -27,6 +27,7 @@ def make_engine(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     linear: str = "auto",
+    attention: str = "auto",
     cuda_graphs: bool = True,
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
@@ -41,6 +42,7 @@ def make_engine(
             dtype=dtype,
             device=device,
             linear=linear,
+            attention=attention,
             cuda_graphs=cuda_graphs,
         ),
     )

@@ -73,7 +73,9 @@ def test_single_requests_equal_hf(
     ],
     ids=["batch", "chunked-prefill", "preemption"],
 )
-@pytest.mark.parametrize("linear", ["onednn", "torch"])
+@pytest.mark.parametrize(
+    ("linear", "attention"), [("onednn", "cpu"), ("torch", "torch")], ids=["cpu", "torch"]
+)
 def test_batch_of_eight_mixed_requests_equals_hf(
     tiny_checkpoint: Path,
     expected: list[list[int]],
@@ -82,10 +84,17 @@ def test_batch_of_eight_mixed_requests_equals_hf(
     budget: int,
     preempts: bool,
     linear: str,
+    attention: str,
 ) -> None:
-    """With oneDNN's packed projections (the CPU default) and with F.linear."""
+    """With the CPU defaults (oneDNN's packed projections, the compiled paged
+    decode attention) and with torch alone (F.linear, gathered pages and SDPA)."""
     engine = make_engine(
-        tiny_checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget, linear=linear
+        tiny_checkpoint,
+        kv_bytes,
+        max_model_len,
+        max_num_batched_tokens=budget,
+        linear=linear,
+        attention=attention,
     )
     check_batch(engine, _requests(tiny_checkpoint, list(range(8))), expected, preempts)  # type: ignore[arg-type]
 

@@ -6,55 +6,15 @@ them. And the rule that picks tensor cores, which runs anywhere."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from services.language.engine.attention import (
-    AttentionMetadata,
     FlashInferAttention,
     TorchAttention,
     decode_uses_tensor_cores,
 )
-
-NUM_PAGES = 64
-
-
-def _metadata(
-    q_lens: list[int], seq_lens: list[int], page_size: int, device: torch.device, seed: int
-) -> AttentionMetadata:
-    """Each sequence's pages drawn at random from the whole cache, in no order:
-    a backend that ignored the page table (or read it in order) would differ."""
-    free = list(range(NUM_PAGES))
-    random.Random(seed).shuffle(free)
-    tables, slots = [], []
-    for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
-        table = [free.pop() for _ in range(-(-seq_len // page_size))]
-        tables.append(table)
-        slots += [
-            table[i // page_size] * page_size + i % page_size
-            for i in range(seq_len - q_len, seq_len)
-        ]
-    starts = [0]
-    for q_len in q_lens:
-        starts.append(starts[-1] + q_len)
-    return AttentionMetadata(
-        starts,
-        seq_lens,
-        tables,
-        torch.tensor(slots, device=device),
-        num_prefills=sum(1 for q in q_lens if q > 1),
-        page_size=page_size,
-    )
-
-
-# (query lengths, KV lengths after the step); prefills first, as the runner orders them
-STEPS = {
-    "mixed": ([37, 5, 1, 1], [37, 20, 70, 3]),  # full prefill, chunked prefill, two decodes
-    "prefill-only": ([64, 9], [64, 40]),
-    "decode-only": ([1, 1, 1], [1, 33, 129]),
-}
+from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
 
 
 def _check_step(
@@ -68,7 +28,7 @@ def _check_step(
 ) -> None:
     device, page = torch.device("cuda"), 16
     q_lens, seq_lens = STEPS[step]
-    meta = _metadata(q_lens, seq_lens, page, device, seed)
+    meta = paged_metadata(q_lens, seq_lens, page, device, seed)
     tokens = sum(q_lens)
     generator = torch.Generator(device=device).manual_seed(seed)
 

@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.language.engine.cpu_kernels import Kernel
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -68,13 +70,17 @@ def gather_pages(cache: torch.Tensor, kv: int, pages: torch.Tensor) -> torch.Ten
 
 
 class TorchAttention:
-    """Reference backend (CPU): SDPA per prefill, one padded SDPA for all decodes."""
+    """CPU backend: SDPA per prefill; all decodes at once, either in the compiled
+    paged kernel (cpu_kernels.py: reads each sequence's pages in place; float32)
+    or, without it, in one padded SDPA over their gathered pages."""
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, decode_kernel: Kernel | None = None) -> None:
         self.scale = scale
+        self.decode_kernel = decode_kernel
         self.meta: AttentionMetadata | None = None
         self._prefill_pages: list[torch.Tensor] = []
         self._decode_pages: torch.Tensor | None = None
+        self._decode_lens: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -85,7 +91,7 @@ class TorchAttention:
         ]
         decodes = range(meta.num_prefills, meta.num_seqs)
         if not decodes:
-            self._decode_pages = self._decode_mask = None
+            self._decode_pages = self._decode_lens = self._decode_mask = None
             return
         max_pages = max(len(meta.block_tables[i]) for i in decodes)
         pages = torch.zeros(len(decodes), max_pages, dtype=torch.long)
@@ -93,10 +99,12 @@ class TorchAttention:
             pages[row, : len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i])
         lens = torch.tensor([meta.seq_lens[i] for i in decodes])
         self._decode_pages = pages.to(device)  # [decodes, max_pages], padded with page 0
-        # [decodes, 1, 1, max_pages * page_size]: True where a key exists
-        self._decode_mask = (torch.arange(max_pages * meta.page_size) < lens[:, None]).to(device)[
-            :, None, None, :
-        ]
+        self._decode_lens = lens  # the kernel's, on the host
+        if self.decode_kernel is None:
+            # [decodes, 1, 1, max_pages * page_size]: True where a key exists
+            self._decode_mask = (torch.arange(max_pages * meta.page_size) < lens[:, None]).to(
+                device
+            )[:, None, None, :]
 
     @staticmethod
     def _gather(cache: torch.Tensor, kv: int, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -109,7 +117,7 @@ class TorchAttention:
         meta = self.meta
         assert meta is not None, "plan() first"
         write_kv(cache, k, v, meta)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         starts = meta.query_start_loc
         for i in range(meta.num_prefills):
             s, e, length = starts[i], starts[i + 1], meta.seq_lens[i]
@@ -134,24 +142,53 @@ class TorchAttention:
             out[s:e] = o[0].transpose(0, 1)
         if self._decode_pages is not None:
             d0 = meta.num_prefill_tokens
-            num, max_pages = self._decode_pages.shape
-            pages = self._decode_pages.flatten()
-            keys = gather_pages(cache, 0, pages).view(
-                num, max_pages * meta.page_size, *cache.shape[3:]
-            )
-            values = gather_pages(cache, 1, pages).view(
-                num, max_pages * meta.page_size, *cache.shape[3:]
-            )
-            o = F.scaled_dot_product_attention(
-                q[d0:][:, :, None, :],  # [decodes, heads, 1, dim]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=self._decode_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[d0:] = o[:, :, 0, :]
+            if self.decode_kernel is not None:
+                self._decode_paged(out[d0:], q[d0:].contiguous(), cache)
+            else:
+                out[d0:] = self._decode_gathered(q[d0:], cache)
         return out
+
+    def _decode_paged(self, out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor) -> None:
+        """The compiled kernel, reading the pages where they lie: out [decodes, heads, dim]."""
+        assert self.decode_kernel is not None and self._decode_pages is not None
+        assert self._decode_lens is not None and self.meta is not None
+        assert q.dtype == cache.dtype == torch.float32 and cache.is_contiguous()
+        num, max_pages = self._decode_pages.shape
+        failed = self.decode_kernel(
+            out.data_ptr(),
+            q.data_ptr(),
+            cache.data_ptr(),
+            self._decode_pages.data_ptr(),
+            self._decode_lens.data_ptr(),
+            num,
+            q.shape[1],
+            cache.shape[3],
+            q.shape[2],
+            self.meta.page_size,
+            max_pages,
+            self.scale,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("paged decode attention: no memory for its scores")
+
+    def _decode_gathered(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """Each sequence's pages copied out, then one padded SDPA: [decodes, heads, dim]."""
+        assert self._decode_pages is not None and self.meta is not None
+        num, max_pages = self._decode_pages.shape
+        pages = self._decode_pages.flatten()
+        shape = (num, max_pages * self.meta.page_size, *cache.shape[3:])
+        keys = gather_pages(cache, 0, pages).view(shape)
+        values = gather_pages(cache, 1, pages).view(shape)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [decodes, heads, 1, dim]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self._decode_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o[:, :, 0, :]
 
 
 def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from services.language.engine.attention import AttentionBackend, FlashInferAttention, TorchAttention
+from services.language.engine.cpu_kernels import paged_decode_attention
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
@@ -39,7 +40,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    attention: str = "auto"  # "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
+    # "torch", "cpu" (torch with the compiled paged decode kernel), "flashinfer", or
+    # "auto": FlashInfer on CUDA, the compiled kernel on CPU in float32, else torch
+    attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     linear: str = "auto"  # projections: "torch", "onednn", or "auto" (packed oneDNN on CPU)
     cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
@@ -96,9 +99,14 @@ def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> s
 
 
 def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch" or "flashinfer" for EngineConfig.attention."""
+    """ "torch", "cpu" or "flashinfer" for EngineConfig.attention."""
     if choice == "flashinfer" and dtype == torch.float32:
         raise ValueError("FlashInfer attention needs float16 or bfloat16, not float32")
+    compiled = device.type == "cpu" and dtype == torch.float32
+    if choice == "cpu" and not (compiled and paged_decode_attention() is not None):
+        raise ValueError("the compiled paged attention needs float32 on CPU and a C compiler")
+    if choice == "auto" and compiled and paged_decode_attention() is not None:
+        return "cpu"
     return _auto(choice, dtype, device, "attention")
 
 
@@ -195,11 +203,12 @@ class LLMEngine:
     def _attention(self, device: torch.device) -> AttentionBackend:
         t = self.spec.text
         scale = t.head_dim**-0.5
-        if attention_backend(self.config.attention, self.config.dtype, device) == "flashinfer":
+        backend = attention_backend(self.config.attention, self.config.dtype, device)
+        if backend == "flashinfer":
             return FlashInferAttention(
                 t.num_heads, t.num_kv_heads, t.head_dim, scale, self.config.dtype, device
             )
-        return TorchAttention(scale)
+        return TorchAttention(scale, paged_decode_attention() if backend == "cpu" else None)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError unless the request fits the context (and so the cache, alone)."""

@@ -1,0 +1,120 @@
+"""The compiled paged decode attention (csrc/paged_attention.c) against torch's
+path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
+on and off page boundaries, grouped-query ratios 1 to 7, head_dim 64 and 128,
+page sizes 16 and 5. Then how it is built and cached, and when the engine
+uses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.language.engine import cpu_kernels, engine
+from services.language.engine.attention import TorchAttention
+from services.language.engine.engine import attention_backend
+from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
+
+CASES = {
+    **STEPS,
+    # one key; whole pages; a page and a token; long contexts
+    "decode-edges": ([1, 1, 1, 1], [1, 32, 17, 300]),
+}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.Kernel:
+    built = cpu_kernels.paged_decode_attention()
+    assert built is not None, "no C compiler: the CPU default would be torch's path"
+    return built
+
+
+@pytest.mark.parametrize("step", list(CASES))
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page"),
+    [(4, 4, 64, 16), (8, 4, 64, 16), (8, 2, 128, 16), (28, 4, 128, 16), (6, 2, 64, 5)],
+)
+def test_paged_kernel_equals_gathered_sdpa(
+    kernel: cpu_kernels.Kernel, step: str, heads: int, kv_heads: int, dim: int, page: int
+) -> None:
+    q_lens, seq_lens = CASES[step]
+    pages = max(NUM_PAGES, sum(-(-n // page) for n in seq_lens))
+    meta = paged_metadata(q_lens, seq_lens, page, torch.device("cpu"), heads + page, pages)
+    generator = torch.Generator().manual_seed(heads * dim)
+    tokens = sum(q_lens)
+    q = torch.randn(tokens, heads, dim, generator=generator)
+    k = torch.randn(tokens, kv_heads, dim, generator=generator)
+    v = torch.randn(tokens, kv_heads, dim, generator=generator)
+    prefix = torch.randn(pages, 2, page, kv_heads, dim, generator=generator)
+    outputs, caches = [], []
+    for backend in (TorchAttention(dim**-0.5), TorchAttention(dim**-0.5, kernel)):
+        cache = prefix.clone()
+        backend.plan(meta)
+        outputs.append(backend.forward(q, k, v, cache))
+        caches.append(cache)
+    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_reads_only_its_own_pages(kernel: cpu_kernels.Kernel) -> None:
+    """NaN in every page but the sequence's: none reaches its output."""
+    page, kv_heads, dim = 16, 2, 64
+    meta = paged_metadata([1], [40], page, torch.device("cpu"), seed=3)
+    cache = torch.full((NUM_PAGES, 2, page, kv_heads, dim), float("nan"))
+    for p in meta.block_tables[0]:
+        cache[p] = torch.randn(2, page, kv_heads, dim)
+    attention = TorchAttention(dim**-0.5, kernel)
+    attention.plan(meta)
+    out = attention.forward(
+        torch.randn(1, 4, dim), torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim), cache
+    )
+    assert torch.isfinite(out).all()
+
+
+def test_built_once_then_loaded_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    library = cpu_kernels.build()
+    assert library.parent == tmp_path / "kernels" and library.exists()
+    built_at = library.stat().st_mtime_ns
+    monkeypatch.setenv("CC", "no-such-compiler")  # another compiler: another library
+    with pytest.raises(FileNotFoundError, match="no-such-compiler"):
+        cpu_kernels.build()
+    monkeypatch.delenv("CC")
+    assert cpu_kernels.build() == library
+    assert library.stat().st_mtime_ns == built_at
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [library.name]
+
+
+def test_a_changed_source_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "paged_attention.c"
+    source.write_text(cpu_kernels.SOURCE.read_text())
+    first = cpu_kernels.build(source)
+    source.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
+    assert cpu_kernels.build(source) != first
+
+
+def test_without_a_compiler_the_engine_keeps_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    uncached = cpu_kernels.paged_decode_attention.__wrapped__
+    assert uncached() is None
+    monkeypatch.setattr(engine, "paged_decode_attention", uncached)
+    cpu = torch.device("cpu")
+    assert attention_backend("auto", torch.float32, cpu) == "torch"
+    with pytest.raises(ValueError, match="C compiler"):
+        attention_backend("cpu", torch.float32, cpu)
+
+
+def test_the_cpu_default_is_the_kernel_in_float32_only(kernel: cpu_kernels.Kernel) -> None:
+    cpu = torch.device("cpu")
+    assert attention_backend("auto", torch.float32, cpu) == "cpu"
+    assert attention_backend("torch", torch.float32, cpu) == "torch"
+    assert attention_backend("auto", torch.bfloat16, cpu) == "torch"
+    with pytest.raises(ValueError, match="float32"):
+        attention_backend("cpu", torch.bfloat16, cpu)
