@@ -297,7 +297,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=("auto", "torch", "cpu", "flashinfer"),
         help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
-        "(built on first use with the machine's C compiler), else torch (SDPA)",
+        "(built on first use with the machine's C compiler; cpu: also in bfloat16), "
+        "else torch (SDPA)",
     )
     p.add_argument(
         "--no-cuda-graphs",
@@ -640,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=("auto", "torch", "cpu", "flashinfer"),
         help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
-        "(built on first use with the machine's C compiler), else torch (SDPA)",
+        "(built on first use with the machine's C compiler; cpu: also in bfloat16), "
+        "else torch (SDPA)",
     )
     _add_dtype_option(p, "dtype of the vision tower, the embeddings and the language model")
     p.add_argument(

@@ -1,7 +1,7 @@
 """The compiled paged decode attention (csrc/paged_attention.c) against torch's
 path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
 on and off page boundaries, grouped-query ratios 1 to 7, head_dim 64 and 128,
-page sizes 16 and 5. Then how it is built and cached, and when the engine
+page sizes 16 and 5, float32 and bfloat16. Then how it is built and cached, and when the engine
 uses it."""
 
 from __future__ import annotations
@@ -32,21 +32,37 @@ def kernel() -> cpu_kernels.Kernel:
 
 @pytest.mark.parametrize("step", list(CASES))
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "page"),
-    [(4, 4, 64, 16), (8, 4, 64, 16), (8, 2, 128, 16), (28, 4, 128, 16), (6, 2, 64, 5)],
+    ("heads", "kv_heads", "dim", "page", "dtype"),
+    [
+        (4, 4, 64, 16, torch.float32),
+        (8, 4, 64, 16, torch.float32),
+        (8, 2, 128, 16, torch.float32),
+        (28, 4, 128, 16, torch.float32),
+        (6, 2, 64, 5, torch.float32),
+        (8, 2, 64, 16, torch.bfloat16),
+        (28, 4, 128, 16, torch.bfloat16),
+    ],
 )
 def test_paged_kernel_equals_gathered_sdpa(
-    kernel: cpu_kernels.Kernel, step: str, heads: int, kv_heads: int, dim: int, page: int
+    kernel: cpu_kernels.Kernel,
+    step: str,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    page: int,
+    dtype: torch.dtype,
 ) -> None:
     q_lens, seq_lens = CASES[step]
     pages = max(NUM_PAGES, sum(-(-n // page) for n in seq_lens))
     meta = paged_metadata(q_lens, seq_lens, page, torch.device("cpu"), heads + page, pages)
     generator = torch.Generator().manual_seed(heads * dim)
     tokens = sum(q_lens)
-    q = torch.randn(tokens, heads, dim, generator=generator)
-    k = torch.randn(tokens, kv_heads, dim, generator=generator)
-    v = torch.randn(tokens, kv_heads, dim, generator=generator)
-    prefix = torch.randn(pages, 2, page, kv_heads, dim, generator=generator)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
+    prefix = randn(pages, 2, page, kv_heads, dim)
     outputs, caches = [], []
     for backend in (TorchAttention(dim**-0.5), TorchAttention(dim**-0.5, kernel)):
         cache = prefix.clone()
@@ -54,7 +70,9 @@ def test_paged_kernel_equals_gathered_sdpa(
         outputs.append(backend.forward(q, k, v, cache))
         caches.append(cache)
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
-    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    # bfloat16: both compute in float32 and round once; one bfloat16 step apart at most
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
 def test_a_decode_reads_only_its_own_pages(kernel: cpu_kernels.Kernel) -> None:
@@ -111,10 +129,13 @@ def test_without_a_compiler_the_engine_keeps_torch(
         attention_backend("cpu", torch.float32, cpu)
 
 
-def test_the_cpu_default_is_the_kernel_in_float32_only(kernel: cpu_kernels.Kernel) -> None:
+def test_the_cpu_default_is_the_kernel_in_float32(kernel: cpu_kernels.Kernel) -> None:
+    """bfloat16 runs it when asked (`--attention cpu`), not by default."""
     cpu = torch.device("cpu")
     assert attention_backend("auto", torch.float32, cpu) == "cpu"
-    assert attention_backend("torch", torch.float32, cpu) == "torch"
     assert attention_backend("auto", torch.bfloat16, cpu) == "torch"
-    with pytest.raises(ValueError, match="float32"):
-        attention_backend("cpu", torch.bfloat16, cpu)
+    assert attention_backend("cpu", torch.bfloat16, cpu) == "cpu"
+    assert attention_backend("torch", torch.float32, cpu) == "torch"
+    assert attention_backend("auto", torch.float16, cpu) == "torch"
+    with pytest.raises(ValueError, match="bfloat16"):
+        attention_backend("cpu", torch.float16, cpu)

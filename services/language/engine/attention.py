@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.language.engine.cpu_kernels import Kernel
+from services.language.engine.cpu_kernels import KERNEL_DTYPES, Kernel
 
 
 @dataclass(slots=True)
@@ -71,8 +71,8 @@ def gather_pages(cache: torch.Tensor, kv: int, pages: torch.Tensor) -> torch.Ten
 
 class TorchAttention:
     """CPU backend: SDPA per prefill; all decodes at once, either in the compiled
-    paged kernel (cpu_kernels.py: reads each sequence's pages in place; float32)
-    or, without it, in one padded SDPA over their gathered pages."""
+    paged kernel (cpu_kernels.py: reads each sequence's pages in place; float32
+    and bfloat16) or, without it, in one padded SDPA over their gathered pages."""
 
     def __init__(self, scale: float, decode_kernel: Kernel | None = None) -> None:
         self.scale = scale
@@ -152,7 +152,7 @@ class TorchAttention:
         """The compiled kernel, reading the pages where they lie: out [decodes, heads, dim]."""
         assert self.decode_kernel is not None and self._decode_pages is not None
         assert self._decode_lens is not None and self.meta is not None
-        assert q.dtype == cache.dtype == torch.float32 and cache.is_contiguous()
+        assert q.dtype == cache.dtype in KERNEL_DTYPES and cache.is_contiguous()
         num, max_pages = self._decode_pages.shape
         failed = self.decode_kernel(
             out.data_ptr(),
@@ -167,6 +167,7 @@ class TorchAttention:
             self.meta.page_size,
             max_pages,
             self.scale,
+            int(q.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
         if failed:

@@ -37,6 +37,8 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 
 Kernel = Callable[..., int]
+# what the paged attention kernel reads and writes (float16: torch's path)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cpu_identity() -> bytes:
@@ -101,5 +103,7 @@ def paged_decode_attention() -> Kernel | None:
         return None
     kernel = library.paged_decode_attention
     kernel.restype = ctypes.c_int
-    kernel.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+    kernel.argtypes = (
+        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
+    )
     return kernel

@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, on the CPU, in float32.
+/* Decode attention over the paged KV cache, on the CPU, in float32 or bfloat16.
  *
  * One query token per sequence attends to all its keys where they lie, page by
  * page: no copy of the context (gathering the pages for SDPA reads, writes and
@@ -13,13 +13,40 @@
  * a page's keys (then values) front to back, every head at once: a whole token
  * row is one contiguous run, which the hardware prefetches well (one task per
  * KV head read a quarter of each row and was ~1.5x slower on a cold cache).
- * Softmax in two passes, as SDPA does: the scores, then their maximum,
- * exponentials and sum, then the weighted values. Tasks run on OpenMP threads;
- * built against torch's own libgomp, they share its thread pool.
+ * Softmax in two passes: the scores, then their maximum, exponentials and sum;
+ * then the values weighed by the exponentials, divided by the sum at the end.
+ * bfloat16 tensors are read into float32 a token row at a time and computed in
+ * float32, rounding where SDPA's CPU kernel rounds: the exponentials before they
+ * weigh the values, and the output.
+ * Tasks run on OpenMP threads; built against torch's own libgomp, they share
+ * its thread pool.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+static float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* n elements of `tensor` from `offset` as float32: in place, or converted into buf. */
+static const float *as_float(const void *tensor, int64_t offset, int64_t n, int bf16, float *buf) {
+    if (!bf16) return (const float *)tensor + offset;
+    const uint16_t *src = (const uint16_t *)tensor + offset;
+    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_float(src[i]);
+    return buf;
+}
 
 static float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;
@@ -33,57 +60,81 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* One sequence: scores [num_heads][len] is the task's scratch. */
-static void attend(float *out, const float *q, const float *cache, const int64_t *pages,
-                   int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   int64_t page_size, float scale, float *scores) {
-    const int64_t group = num_heads / num_kv_heads; /* query heads per KV head */
-    const int64_t row = num_kv_heads * head_dim;    /* one token's keys (or values) */
-    const int64_t page_stride = 2 * page_size * row;
+struct shape {
+    int64_t num_heads, num_kv_heads, head_dim, page_size;
+    float scale;
+    int bf16;
+};
+
+/* One sequence: q and out [num_heads][head_dim] in float32; scores
+ * [num_heads][len] and row [num_kv_heads * head_dim] are the task's scratch. */
+static void attend(float *out, const float *q, const void *cache, const int64_t *pages,
+                   int64_t len, const struct shape *sh, float *scores, float *row) {
+    const int64_t group = sh->num_heads / sh->num_kv_heads; /* query heads per KV head */
+    const int64_t dim = sh->head_dim, width = sh->num_kv_heads * dim; /* a token's row */
+    const int64_t page_stride = 2 * sh->page_size * width;            /* keys, then values */
 
     for (int64_t t = 0, p = 0; t < len; p++) {
-        const float *k = cache + pages[p] * page_stride;
-        for (int64_t end = t + page_size < len ? t + page_size : len; t < end; t++, k += row)
-            for (int64_t h = 0; h < num_heads; h++) /* head h reads KV head h / group */
-                scores[h * len + t] = dot(q + h * head_dim, k + h / group * head_dim, head_dim);
+        int64_t at = pages[p] * page_stride;
+        for (int64_t end = t + sh->page_size < len ? t + sh->page_size : len; t < end; t++) {
+            const float *k = as_float(cache, at, width, sh->bf16, row);
+            at += width;
+            for (int64_t h = 0; h < sh->num_heads; h++) /* head h reads KV head h / group */
+                scores[h * len + t] = dot(q + h * dim, k + h / group * dim, dim);
+        }
     }
-    for (int64_t h = 0; h < num_heads; h++) {
+    float sums[sh->num_heads];
+    for (int64_t h = 0; h < sh->num_heads; h++) {
         float *s = scores + h * len;
         float max = s[0], sum = 0.0f;
         for (int64_t t = 1; t < len; t++) max = s[t] > max ? s[t] : max;
         for (int64_t t = 0; t < len; t++) {
-            s[t] = expf((s[t] - max) * scale);
+            s[t] = expf((s[t] - max) * sh->scale);
             sum += s[t];
+            if (sh->bf16) s[t] = bf16_to_float(float_to_bf16(s[t])); /* as SDPA weighs values */
         }
-        for (int64_t t = 0; t < len; t++) s[t] /= sum;
+        sums[h] = sum;
     }
-    for (int64_t i = 0; i < num_heads * head_dim; i++) out[i] = 0.0f;
+    for (int64_t i = 0; i < sh->num_heads * dim; i++) out[i] = 0.0f;
     for (int64_t t = 0, p = 0; t < len; p++) {
-        const float *v = cache + pages[p] * page_stride + page_size * row;
-        for (int64_t end = t + page_size < len ? t + page_size : len; t < end; t++, v += row)
-            for (int64_t h = 0; h < num_heads; h++)
-                axpy(out + h * head_dim, scores[h * len + t], v + h / group * head_dim, head_dim);
+        int64_t at = pages[p] * page_stride + sh->page_size * width;
+        for (int64_t end = t + sh->page_size < len ? t + sh->page_size : len; t < end; t++) {
+            const float *v = as_float(cache, at, width, sh->bf16, row);
+            at += width;
+            for (int64_t h = 0; h < sh->num_heads; h++)
+                axpy(out + h * dim, scores[h * len + t], v + h / group * dim, dim);
+        }
     }
+    for (int64_t h = 0; h < sh->num_heads; h++)
+        for (int64_t i = 0; i < dim; i++) out[h * dim + i] /= sums[h];
 }
 
-/* Returns 0, or -1 when a task could not get its scratch memory. */
-int paged_decode_attention(float *out, const float *q, const float *cache,
+/* q, out and cache are all float32 (bf16 = 0) or all bfloat16 (bf16 = 1).
+ * Returns 0, or -1 when a task could not get its scratch memory. */
+int paged_decode_attention(void *out, const void *q, const void *cache,
                            const int64_t *block_tables, const int64_t *seq_lens,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t page_size, int64_t max_pages, float scale,
-                           int num_threads) {
+                           int bf16, int num_threads) {
+    const struct shape sh = {num_heads, num_kv_heads, head_dim, page_size, scale, bf16};
     const int64_t size = num_heads * head_dim;
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
     for (int64_t s = 0; s < num_seqs; s++) {
-        float *scores = malloc(sizeof(float) * num_heads * seq_lens[s]);
-        if (scores == NULL) {
+        /* scores, a token's row, and (bfloat16) the query and output in float32 */
+        float *scratch = malloc(sizeof(float) * (num_heads * seq_lens[s] + num_kv_heads * head_dim + 2 * size));
+        if (scratch == NULL) {
             failed = 1;
             continue;
         }
-        attend(out + s * size, q + s * size, cache, block_tables + s * max_pages, seq_lens[s],
-               num_heads, num_kv_heads, head_dim, page_size, scale, scores);
-        free(scores);
+        float *scores = scratch, *row = scores + num_heads * seq_lens[s];
+        float *qf = row + num_kv_heads * head_dim, *of = qf + size;
+        const float *query = as_float(q, s * size, size, bf16, qf);
+        float *output = bf16 ? of : (float *)out + s * size;
+        attend(output, query, cache, block_tables + s * max_pages, seq_lens[s], &sh, scores, row);
+        if (bf16)
+            for (int64_t i = 0; i < size; i++) ((uint16_t *)out)[s * size + i] = float_to_bf16(of[i]);
+        free(scratch);
     }
     return failed ? -1 : 0;
 }
