@@ -284,14 +284,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu")
-    _add_dtype_option(p, "model dtype (and the embeddings')")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+def _add_attention_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention",
         default="auto",
@@ -300,6 +293,17 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         "(built on first use with the machine's C compiler; cpu: also in bfloat16), "
         "else torch (SDPA)",
     )
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu")
+    _add_dtype_option(p, "model dtype (and the embeddings')")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    _add_attention_option(p)
     p.add_argument(
         "--no-cuda-graphs",
         action="store_true",
@@ -319,6 +323,17 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def serve_language_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags `epd serve` passes on to its language (or monolithic) instances."""
+    return [
+        *("--max-model-len", str(args.max_model_len)),
+        *("--kv-cache-mb", str(args.kv_cache_mb)),
+        *("--max-num-seqs", str(args.max_num_seqs)),
+        *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
+        *("--attention", args.attention),
+    ]
+
+
 def _serve(args: argparse.Namespace) -> int:
     from services.model.demo import cached_demo_checkpoint
     from services.serve import StackConfig, run
@@ -336,16 +351,6 @@ def _serve(args: argparse.Namespace) -> int:
         name = args.model_name or f"demo-{args.demo_size}"
     dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
     print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
-    language = [
-        "--max-model-len",
-        str(args.max_model_len),
-        "--kv-cache-mb",
-        str(args.kv_cache_mb),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-    ]
     gateway = ["--allow-private-urls"] if args.allow_private_urls else []
     if not env.CLUSTER_TOKEN.get():  # one per stack: the children inherit it
         os.environ[env.CLUSTER_TOKEN.name] = secrets.token_urlsafe(24)
@@ -363,7 +368,7 @@ def _serve(args: argparse.Namespace) -> int:
             num_encoders=args.encoders,
             num_languages=args.languages,
             api_key=args.api_key,
-            language_args=tuple(language),
+            language_args=tuple(serve_language_args(args)),
             dtype=dtype,
             gateway_args=tuple(gateway),
             monolithic=args.monolithic,
@@ -636,14 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=("auto", "torch", "cpu", "flashinfer"),
-        help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
-        "(built on first use with the machine's C compiler; cpu: also in bfloat16), "
-        "else torch (SDPA)",
-    )
+    _add_attention_option(p)
     _add_dtype_option(p, "dtype of the vision tower, the embeddings and the language model")
     p.add_argument(
         "--encoder-cpus",

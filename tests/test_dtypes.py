@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli import build_parser
+from services.cli import build_parser, serve_language_args
 from services.language.engine.engine import attention_backend
 from services.serve import StackConfig, components
 from services.wire import dtypes
@@ -73,3 +73,11 @@ def test_float32_on_cuda_falls_back_to_torch_attention(caplog: pytest.LogCapture
     assert "FlashInfer has no float32 kernels" in caplog.text
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         attention_backend("flashinfer", torch.float32, cuda)
+
+
+@pytest.mark.parametrize("instance", ["language", "monolithic"])
+def test_serve_passes_its_engine_flags_to_the_engine(instance: str) -> None:
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--attention", "torch", "--max-num-seqs", "8"])
+    args = parser.parse_args([instance, "--checkpoint", "x", *serve_language_args(serve)])
+    assert (args.attention, args.max_num_seqs) == ("torch", 8)
