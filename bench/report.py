@@ -37,7 +37,7 @@ from services.bench.runner import RunConfig, RunResult, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
-from services.ports import free_serve_ports
+from services.ports import free_serve_ports, serve_port_args
 from services.serve import launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def serve(
     args = [
         "--demo-size",
         "small",
-        *(arg for flag, number in ports.items() for arg in (f"--{flag}", str(number))),
+        *serve_port_args(ports),
         "--max-model-len",
         "2048",
         *(budget if max_num_batched_tokens else ()),

@@ -66,8 +66,7 @@ def free_port_block(offsets: Sequence[int]) -> int:
     raise OSError("no block of free ports on loopback")
 
 
-# `epd serve`'s port flags and their offsets in one block: the gRPC components'
-# Prometheus ports are theirs + 100 (StackConfig.metrics_offset)
+# `epd serve`'s port flags and their offsets in one block
 SERVE_PORTS = {
     "port": 0,
     "broker-port": 1,
@@ -77,11 +76,20 @@ SERVE_PORTS = {
     "triton-grpc-port": 5,
     "triton-metrics-port": 6,
 }
+# a gRPC component's Prometheus port is its own + this (StackConfig.metrics_offset)
+METRICS_OFFSET = 100
+GRPC_COMPONENTS = ("broker-port", "encoder-port", "language-port")
 
 
 def free_serve_ports() -> dict[str, int]:
     """Free ports for one `epd serve` (one encoder, one language instance) by its
     flags' names, metrics ports included: ports picked one by one could put a
     component near 65535, where its metrics port (+100) does not exist."""
-    base = free_port_block([*SERVE_PORTS.values(), 101, 102, 103])
+    metrics = [SERVE_PORTS[flag] + METRICS_OFFSET for flag in GRPC_COMPONENTS]
+    base = free_port_block([*SERVE_PORTS.values(), *metrics])
     return {flag: base + offset for flag, offset in SERVE_PORTS.items()}
+
+
+def serve_port_args(ports: dict[str, int]) -> list[str]:
+    """`free_serve_ports()` as `epd serve` flags."""
+    return [arg for flag, port in ports.items() for arg in (f"--{flag}", str(port))]

@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import env
 from services.children import die_with_parent
+from services.ports import METRICS_OFFSET
 from services.security import sync_channel
 from services.transfer.shared_memory import remove_segments
 
@@ -162,7 +163,7 @@ class StackConfig:
     language_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     monolithic: bool = False
-    metrics_offset: int = 100  # a gRPC component's Prometheus port is its own + this
+    metrics_offset: int = METRICS_OFFSET  # a gRPC component's metrics port: its own + this
     # CPU sets ("0-3") for the vision side (Triton, encoders) and the language
     # instances; empty: every CPU. On CPUs, this is what giving each stage its
     # own device means.

@@ -30,7 +30,7 @@ from services.bench.images import encode_image, random_image
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
-from services.ports import free_serve_ports
+from services.ports import free_serve_ports, serve_port_args
 from services.serve import launch
 from services.transfer.shared_memory import SHM_DIR
 from tests.bad_images import png_header_only
@@ -83,7 +83,7 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             str(tiny_checkpoint),
             "--model-name",
             MODEL,
-            *(arg for flag, port in ports.items() for arg in (f"--{flag}", str(port))),
+            *serve_port_args(ports),
             "--max-model-len",
             "512",
             "--kv-cache-mb",
