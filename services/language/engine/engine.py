@@ -40,9 +40,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    # "torch", "cpu" (torch with the compiled paged decode kernel: float32 or
-    # bfloat16), "flashinfer", or
-    # "auto": FlashInfer on CUDA, the compiled kernel on CPU in float32, else torch
+    # "torch", "cpu" (torch's, decodes in the compiled paged kernel; float32 or
+    # bfloat16), "flashinfer", or "auto": FlashInfer on CUDA, "cpu" on a CPU in
+    # float32, else torch
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     linear: str = "auto"  # projections: "torch", "onednn", or "auto" (packed oneDNN on CPU)
@@ -111,7 +111,7 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
     # bfloat16 only when asked: its rounding strays from HF's bfloat16 (SDPA's)
     # more than test_bfloat16's top-5 contract allows on the small demo
     if choice == "auto" and compiled and dtype == torch.float32:
-        return "cpu" if paged_decode_attention() is not None else "torch"
+        choice = "cpu" if paged_decode_attention() is not None else "torch"
     return _auto(choice, dtype, device, "attention")
 
 
