@@ -1,7 +1,7 @@
 """Engine throughput against Hugging Face generate(), same checkpoint, same run.
 
     .venv/bin/python -m bench.engine [--arch qwen2_5_vl] [--size small] [--concurrency 1 4 16]
-        [--linear auto|torch|onednn] [--attention auto|torch|cpu]
+        [--linear auto|torch|onednn] [--attention auto|torch|cpu] [--ops auto|torch|cpu]
 
 For each concurrency c, c requests (same prompts, fixed output length) go to
 the engine at once; the baseline is generate() on the same requests one at a
@@ -121,6 +121,12 @@ def main() -> None:
         choices=("auto", "torch", "cpu"),
         help="EngineConfig.attention (cpu: the compiled paged decode kernel)",
     )
+    parser.add_argument(
+        "--ops",
+        default="auto",
+        choices=("auto", "torch", "cpu"),
+        help="EngineConfig.ops (cpu: the compiled fused RMSNorm and rotary embedding)",
+    )
     args = parser.parse_args()
 
     folder = cached_demo_checkpoint(args.size, args.arch)
@@ -132,13 +138,14 @@ def main() -> None:
             scheduler=SchedulerConfig(max_num_seqs=64),
             linear=args.linear,
             attention=args.attention,
+            ops=args.ops,
         ),
     )
     spec, tokenizer = engine.spec, engine.tokenizer
     print(
         f"checkpoint: demo {args.arch} {args.size} ({folder}), "
         f"output {args.output_len} tokens per request, torch threads {torch.get_num_threads()}, "
-        f"projections: {args.linear}, attention: {args.attention}"
+        f"projections: {args.linear}, attention: {args.attention}, norms and rotary: {args.ops}"
     )
     print(f"{'concurrency':>11} {'engine tok/s':>13} {'generate() tok/s':>17} {'ratio':>7}")
     for c in args.concurrency:

@@ -28,6 +28,7 @@ def make_engine(
     device: str = "cpu",
     linear: str = "auto",
     attention: str = "auto",
+    ops: str = "auto",
     cuda_graphs: bool = True,
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
@@ -43,6 +44,7 @@ def make_engine(
             device=device,
             linear=linear,
             attention=attention,
+            ops=ops,
             cuda_graphs=cuda_graphs,
         ),
     )

@@ -74,7 +74,9 @@ def test_single_requests_equal_hf(
     ids=["batch", "chunked-prefill", "preemption"],
 )
 @pytest.mark.parametrize(
-    ("linear", "attention"), [("onednn", "cpu"), ("torch", "torch")], ids=["cpu", "torch"]
+    ("linear", "attention", "ops"),
+    [("onednn", "cpu", "cpu"), ("torch", "torch", "torch")],
+    ids=["cpu", "torch"],
 )
 def test_batch_of_eight_mixed_requests_equals_hf(
     tiny_checkpoint: Path,
@@ -85,9 +87,11 @@ def test_batch_of_eight_mixed_requests_equals_hf(
     preempts: bool,
     linear: str,
     attention: str,
+    ops: str,
 ) -> None:
     """With the CPU defaults (oneDNN's packed projections, the compiled paged
-    decode attention) and with torch alone (F.linear, gathered pages and SDPA)."""
+    decode attention, the fused norms and rotary embedding) and with torch alone
+    (F.linear, gathered pages and SDPA, torch's norms and rotary embedding)."""
     engine = make_engine(
         tiny_checkpoint,
         kv_bytes,
@@ -95,6 +99,7 @@ def test_batch_of_eight_mixed_requests_equals_hf(
         max_num_batched_tokens=budget,
         linear=linear,
         attention=attention,
+        ops=ops,
     )
     check_batch(engine, _requests(tiny_checkpoint, list(range(8))), expected, preempts)  # type: ignore[arg-type]
 

@@ -1,16 +1,19 @@
 """EPD's compiled CPU kernels (csrc/), for what no library here does.
 
-Decode attention over the paged KV cache: torch has no paged attention on CPU,
-and gathering each sequence's pages for SDPA copied the whole context every
-layer of every step (~45% of a decode step on the small demo). vLLM's CPU
-kernel lives in its own build; IPEX's needs its own torch and AVX-512.
+- Decode attention over the paged KV cache (paged_attention.c): torch has no
+  paged attention on CPU, and gathering each sequence's pages for SDPA copied
+  the whole context every layer of every step (~45% of a decode step on the
+  small demo). vLLM's CPU kernel lives in its own build; IPEX's needs its own
+  torch and AVX-512.
+- The model's small float32 operations, fused (fused_ops.c): RMSNorm (with the
+  residual add before it) and rotary embedding in place.
 
-The C source is compiled on first use with the machine's C compiler (`$CC`,
+Each C source is compiled on first use with the machine's C compiler (`$CC`,
 else `cc`; about a second) into EPD's cache folder, keyed by the source, the
 flags and the CPU, and loaded with ctypes (a call releases the GIL). Where no
-compiler is found, `paged_decode_attention()` is None and the engine keeps
-torch's path. Built against torch's own libgomp where torch ships one, so the
-kernel's OpenMP threads are torch's.
+compiler is found, `paged_decode_attention()` and `fused_ops()` are None and
+the engine keeps torch's path. Built against torch's own libgomp where torch
+ships one, so the kernels' OpenMP threads are torch's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -33,8 +36,11 @@ from services import env
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+# products rounded before they are added, as torch's separate operators round them
+FUSED_OPS_FLAGS = ("-ffp-contract=off",)
 
 Kernel = Callable[..., int]
 # what the paged attention kernel reads and writes (float16: torch's path)
@@ -59,14 +65,15 @@ def _link_args() -> list[str]:
     return ["-lm"]
 
 
-def build(source: Path = SOURCE) -> Path:
+def build(source: Path = SOURCE, extra_flags: Sequence[str] = ()) -> Path:
     """The shared library of `source`, compiled now unless the cache has it.
     CalledProcessError or FileNotFoundError when it cannot be built."""
     compiler = os.environ.get("CC") or "cc"
+    flags = [*FLAGS, *extra_flags]
     link = _link_args()
     key = hashlib.sha256(
         b"\0".join(
-            [source.read_bytes(), " ".join([compiler, *FLAGS, *link]).encode(), _cpu_identity()]
+            [source.read_bytes(), " ".join([compiler, *flags, *link]).encode(), _cpu_identity()]
         )
     ).hexdigest()[:16]
     folder = Path(env.CACHE_DIR.get()) / "kernels"
@@ -81,7 +88,7 @@ def build(source: Path = SOURCE) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         built = Path(scratch) / library.name
         subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(built), *link],
+            [compiler, *flags, str(source), "-o", str(built), *link],
             check=True,
             capture_output=True,
             text=True,
@@ -91,15 +98,21 @@ def build(source: Path = SOURCE) -> Path:
     return library
 
 
+def _load(source: Path, extra_flags: Sequence[str], what: str) -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(str(build(source, extra_flags)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        logger.warning("no compiled CPU %s (%s): torch's path instead", what, detail)
+        return None
+
+
 @functools.cache
 def paged_decode_attention() -> Kernel | None:
     """csrc/paged_attention.c's kernel, or None (with a log line) where it
     cannot be built."""
-    try:
-        library = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
-        logger.warning("no compiled CPU attention kernel (%s): torch's path instead", detail)
+    library = _load(SOURCE, (), "attention kernel")
+    if library is None:
         return None
     kernel = library.paged_decode_attention
     kernel.restype = ctypes.c_int
@@ -107,3 +120,95 @@ def paged_decode_attention() -> Kernel | None:
         [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
     )
     return kernel
+
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+
+class FusedOps:
+    """csrc/fused_ops.c's operations on float32 tensors, each one call. They
+    take rows whose elements are contiguous; `rms_norm` and `rotary` also take
+    rows (tokens) strided apart, as a split of the fused QKV projection leaves
+    them."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._rms_norm = library.rms_norm
+        self._rms_norm.argtypes = [_ptr] * 3 + [_i64] * 3 + [_f32, _int]
+        self._add_rms_norm = library.add_rms_norm
+        self._add_rms_norm.argtypes = [_ptr] * 5 + [_i64] * 2 + [_f32, _int]
+        self._rotary = library.rotary
+        self._rotary.argtypes = [_ptr] * 3 + [_i64] * 4 + [_int]
+        for function in (self._rms_norm, self._add_rms_norm, self._rotary):
+            function.restype = None
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        """Whether these kernels take x: float32 on the CPU, its last dimension contiguous."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x [rows, n] (rows may be strided apart) -> a new [rows, n]."""
+        assert x.dim() == 2 and self.supports(x) and weight.dtype == x.dtype
+        assert weight.is_contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype)
+        rows, n = x.shape
+        self._rms_norm(
+            out.data_ptr(),
+            x.data_ptr(),
+            weight.data_ptr(),
+            rows,
+            n,
+            x.stride(0),
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm(x + delta)) for contiguous x, delta [rows, n]."""
+        assert self.supports(x) and x.is_contiguous() and delta.is_contiguous()
+        assert x.dtype == delta.dtype == weight.dtype and x.shape == delta.shape
+        total, out = torch.empty_like(x), torch.empty_like(x)
+        rows, n = x.shape
+        self._add_rms_norm(
+            total.data_ptr(),
+            out.data_ptr(),
+            x.data_ptr(),
+            delta.data_ptr(),
+            weight.data_ptr(),
+            rows,
+            n,
+            eps,
+            torch.get_num_threads(),
+        )
+        return total, out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates x [tokens, heads, dim] in place (a token's heads contiguous) by
+        cos/sin [tokens, dim]; returns x."""
+        tokens, heads, dim = x.shape
+        assert self.supports(x) and x.stride(1) == dim and cos.dtype == sin.dtype == x.dtype
+        assert (
+            cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape == (tokens, dim)
+        )
+        self._rotary(
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            tokens,
+            heads,
+            dim,
+            x.stride(0),
+            torch.get_num_threads(),
+        )
+        return x
+
+
+@functools.cache
+def fused_ops() -> FusedOps | None:
+    """csrc/fused_ops.c's operations, or None (with a log line) where they
+    cannot be built."""
+    library = _load(CSRC / "fused_ops.c", FUSED_OPS_FLAGS, "fused operations")
+    return None if library is None else FusedOps(library)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from services.language.engine.attention import AttentionBackend, FlashInferAttention, TorchAttention
-from services.language.engine.cpu_kernels import KERNEL_DTYPES, paged_decode_attention
+from services.language.engine.cpu_kernels import KERNEL_DTYPES, fused_ops, paged_decode_attention
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
@@ -46,6 +46,9 @@ class EngineConfig:
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     linear: str = "auto"  # projections: "torch", "onednn", or "auto" (packed oneDNN on CPU)
+    # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32),
+    # or "auto" ("cpu" on a CPU in float32 where the kernels build, else torch)
+    ops: str = "auto"
     cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
 
 
@@ -126,6 +129,16 @@ def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str
     return "onednn" if supported else "torch"
 
 
+def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch" or "cpu" for EngineConfig.ops."""
+    compiled = device.type == "cpu" and dtype == torch.float32
+    if choice == "cpu" and not (compiled and fused_ops() is not None):
+        raise ValueError("the fused CPU operations need a CPU, float32 and a C compiler")
+    if choice == "auto":
+        return "cpu" if compiled and fused_ops() is not None else "torch"
+    return choice
+
+
 def moe_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
     """ "torch" or "flashinfer" for EngineConfig.moe (the experts of MoE layers)."""
     if choice == "flashinfer" and (device.type != "cuda" or dtype == torch.float32):
@@ -180,6 +193,10 @@ class LLMEngine:
             fuse_experts(model)
         if linear_backend(config.linear, config.dtype, device) == "onednn":
             pack_linears(model)
+        if ops_backend(config.ops, config.dtype, device) == "cpu":
+            ops = fused_ops()
+            assert ops is not None  # ops_backend checked
+            model.use_fused_ops(ops)
         attention = self._attention(device)
         # capturable: FlashInfer attention, and MoE experts without host syncs
         graphs = (

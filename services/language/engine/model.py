@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.language.engine.attention import AttentionBackend
+from services.language.engine.cpu_kernels import FusedOps
 from services.model.spec import MoeSpec, TextSpec
 
 
@@ -25,12 +26,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops: FusedOps | None = None  # LanguageModel.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """HF's Qwen2RMSNorm: normalised in float32, scaled in the input's dtype."""
+        if self.ops is not None and x.dim() == 2 and self.ops.supports(x):
+            return self.ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and this norm: (x + delta, its norm)."""
+        if self.ops is not None and self.ops.supports(x) and x.is_contiguous():
+            return self.ops.add_rms_norm(x, delta.contiguous(), self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 class MRotaryEmbedding:
@@ -86,6 +97,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
+        self.ops: FusedOps | None = None  # LanguageModel.use_fused_ops
 
     def forward(
         self,
@@ -96,11 +108,19 @@ class Attention(nn.Module):
         attention: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out = attention.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cache)
+        if self.ops is None or not self.ops.supports(qkv):
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        elif isinstance(self.q_norm, nn.Identity):  # q and k still side by side in qkv
+            heads = self.num_heads + self.num_kv_heads
+            self.ops.rotary(qkv[:, : heads * self.head_dim].view(t, heads, -1), cos, sin)
+        else:  # the norms made new tensors
+            q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
+        out = attention.forward(q, k, v, cache)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -195,8 +215,10 @@ class DecoderLayer(nn.Module):
         cache: torch.Tensor,
         attention: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, cache, attention)
+        )
+        return x + self.mlp(h)
 
 
 # each fused projection and the checkpoint's projections it stacks, in order
@@ -253,6 +275,13 @@ class LanguageModel(nn.Module):
         if spec.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model.to(device).eval()
+
+    def use_fused_ops(self, ops: FusedOps) -> None:
+        """RMSNorm, the residual add before the post-attention norm, and rotary
+        embedding from `ops` (cpu_kernels.py) wherever it takes the tensors."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention):
+                module.ops = ops
 
     def forward(
         self,

@@ -1,0 +1,142 @@
+"""The compiled fused operations (csrc/fused_ops.c) against the model's torch
+code: rotary embedding bit-equal, in place, on the fused QKV projection's
+strided rows and on contiguous heads; RMSNorm within a float32 rounding of
+torch's (only the order of the sum of squares differs), its residual add
+bit-equal. Then where the model uses them, and when the engine does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.language.engine import cpu_kernels, engine
+from services.language.engine.engine import ops_backend
+from services.language.engine.model import RMSNorm, apply_rotary
+
+HEADS, KV_HEADS, DIM = 8, 4, 64
+
+
+@pytest.fixture(scope="module")
+def ops() -> cpu_kernels.FusedOps:
+    built = cpu_kernels.fused_ops()
+    assert built is not None, "no C compiler: the CPU default would be torch's path"
+    return built
+
+
+def cos_sin(tokens: int, dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    """As MRotaryEmbedding makes them: each frequency's angle twice, [tokens, dim]."""
+    angles = torch.randn(tokens, dim // 2) * 10
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def norm(size: int) -> RMSNorm:
+    module = RMSNorm(size, 1e-6)
+    module.weight.data = torch.randn(size)
+    return module
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300, 2048])
+def test_rotary_on_the_qkv_rows_equals_torch_bit_for_bit(
+    ops: cpu_kernels.FusedOps, tokens: int
+) -> None:
+    """q and k rotated in place in the projection's output, v left alone."""
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM)
+    cos, sin = cos_sin(tokens)
+    q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    want_q = apply_rotary(q.reshape(tokens, HEADS, DIM), cos, sin)
+    want_k = apply_rotary(k.reshape(tokens, KV_HEADS, DIM), cos, sin)
+    want_v = v.clone()
+    heads = qkv[:, : (HEADS + KV_HEADS) * DIM].view(tokens, HEADS + KV_HEADS, DIM)
+    assert ops.rotary(heads, cos, sin) is heads
+    assert torch.equal(q.reshape(tokens, HEADS, DIM), want_q)
+    assert torch.equal(k.reshape(tokens, KV_HEADS, DIM), want_k)
+    assert torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_rotary_on_contiguous_heads_equals_torch_bit_for_bit(
+    ops: cpu_kernels.FusedOps, dim: int
+) -> None:
+    """As Qwen3's q/k norms leave them: their own tensors."""
+    torch.manual_seed(dim)
+    x = torch.randn(37, 5, dim)
+    cos, sin = cos_sin(37, dim)
+    want = apply_rotary(x, cos, sin)
+    assert torch.equal(ops.rotary(x, cos, sin), want)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 2048])
+@pytest.mark.parametrize("size", [64, 512, 1000])
+def test_rms_norm_matches_torch(ops: cpu_kernels.FusedOps, rows: int, size: int) -> None:
+    torch.manual_seed(rows + size)
+    module = norm(size)
+    x = torch.randn(rows, size) * 3
+    torch.testing.assert_close(ops.rms_norm(x, module.weight, module.eps), module(x))
+
+
+def test_rms_norm_reads_rows_strided_apart(ops: cpu_kernels.FusedOps) -> None:
+    module = norm(64)
+    wide = torch.randn(10, 200)
+    rows = wide[:, 100:164]  # 64 floats, rows 200 apart
+    torch.testing.assert_close(ops.rms_norm(rows, module.weight, module.eps), module(rows))
+
+
+def test_add_rms_norm_adds_exactly_then_normalises(ops: cpu_kernels.FusedOps) -> None:
+    torch.manual_seed(0)
+    module = norm(512)
+    x, delta = torch.randn(33, 512), torch.randn(33, 512)
+    total, normed = ops.add_rms_norm(x, delta, module.weight, module.eps)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, module(x + delta))
+
+
+def test_the_model_modules_use_them_where_they_take_the_tensors(
+    ops: cpu_kernels.FusedOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2-D float32 rows go to the kernel; bfloat16 and 3-D heads (Qwen3's q/k
+    norms) stay on torch, with torch's result."""
+    calls: list[str] = []
+    monkeypatch.setattr(ops, "_rms_norm", lambda *args: calls.append("kernel"), raising=True)
+    module = norm(64)
+    module.ops = ops
+    module(torch.randn(4, 64))
+    assert calls == ["kernel"]
+    heads = torch.randn(4, 3, 64)
+    torch.testing.assert_close(module(heads), norm_like(module)(heads))
+    half = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(module.to(torch.bfloat16)(half), norm_like(module)(half))
+    assert calls == ["kernel"]
+
+
+def norm_like(module: RMSNorm) -> RMSNorm:
+    """The same norm without the kernels."""
+    twin = RMSNorm(module.weight.numel(), module.eps).to(module.weight.dtype)
+    twin.weight.data = module.weight.data.clone()
+    return twin
+
+
+def test_the_cpu_default_is_the_fused_ops_in_float32(ops: cpu_kernels.FusedOps) -> None:
+    cpu = torch.device("cpu")
+    assert ops_backend("auto", torch.float32, cpu) == "cpu"
+    assert ops_backend("auto", torch.bfloat16, cpu) == "torch"
+    assert ops_backend("torch", torch.float32, cpu) == "torch"
+    with pytest.raises(ValueError, match="float32"):
+        ops_backend("cpu", torch.bfloat16, cpu)
+
+
+def test_without_a_compiler_the_engine_keeps_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    uncached = cpu_kernels.fused_ops.__wrapped__
+    assert uncached() is None
+    monkeypatch.setattr(engine, "fused_ops", uncached)
+    cpu = torch.device("cpu")
+    assert ops_backend("auto", torch.float32, cpu) == "torch"
+    with pytest.raises(ValueError, match="C compiler"):
+        ops_backend("cpu", torch.float32, cpu)
