@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.language.engine.engine import StepStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STEP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class LanguageMetrics:
@@ -64,6 +65,14 @@ class LanguageMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.step_seconds = Histogram(
+            "epd_language_step_seconds",
+            "Engine steps by kind: decode (one token for each sequence) or prefill "
+            "(prompt tokens too)",
+            ["kind"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
 
     def observe(
         self,
@@ -85,8 +94,10 @@ class LanguageMetrics:
         self.embedding_blocks_used.set_function(embedding_blocks_used)
         self.embedding_blocks_quarantined.set_function(embedding_blocks_quarantined)
 
-    def on_step(self, stats: StepStats) -> None:
-        """Called from the engine thread after every step."""
+    def on_step(self, stats: StepStats, seconds: float) -> None:
+        """Called from the engine thread after every step, with how long it took."""
+        kind = "decode" if stats.num_tokens == stats.num_generated else "prefill"
+        self.step_seconds.labels(kind).observe(seconds)
         self.generated_tokens.inc(stats.num_generated)
         self.prompt_tokens.inc(stats.num_tokens - stats.num_generated)
         for value in stats.ttfts:

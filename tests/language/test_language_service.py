@@ -324,6 +324,11 @@ async def test_grpcurl_generate_and_metrics(
         "epd_language_tpot_seconds_bucket",
     ):
         assert name in text
+    steps = {
+        kind: float(text.split(f'epd_language_step_seconds_count{{kind="{kind}"}} ')[1].split()[0])
+        for kind in ("prefill", "decode")
+    }
+    assert steps["prefill"] >= 1 and steps["decode"] >= 3  # this request's, at least
 
 
 async def _until(condition: Any, timeout_s: float = 10.0) -> None:

@@ -483,7 +483,9 @@ class AsyncEngine:
     """
 
     def __init__(
-        self, engine: LLMEngine, on_step: Callable[[StepStats], None] = lambda stats: None
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[StepStats, float], None] = lambda stats, seconds: None,
     ) -> None:
         self.engine = engine
         self._on_step = on_step
@@ -553,6 +555,7 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            started = time.perf_counter()
             try:
                 outputs, stats = self.engine.step()
             except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
@@ -565,7 +568,7 @@ class AsyncEngine:
             finally:
                 self.load = self.engine.load()
             self._send([(output.request_id, output) for output in outputs])
-            self._on_step(stats)
+            self._on_step(stats, time.perf_counter() - started)
 
     def _drain_inbox(self) -> None:
         replies: list[tuple[str, RequestOutput | BaseException]] = []
