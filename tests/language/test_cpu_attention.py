@@ -2,10 +2,11 @@
 path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
 on and off page boundaries, grouped-query ratios 1 to 7, head_dim 64 and 128,
 page sizes 16 and 5, float32 and bfloat16. Then how it is built and cached, and when the engine
-uses it."""
+uses it (and, without a compiler, the fused operations of test_fused_ops.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from services.language.engine import cpu_kernels, engine
 from services.language.engine.attention import TorchAttention
-from services.language.engine.engine import attention_backend
+from services.language.engine.engine import attention_backend, ops_backend
 from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
 
 CASES = {
@@ -115,18 +116,26 @@ def test_a_changed_source_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert cpu_kernels.build(source) != first
 
 
+@pytest.mark.parametrize(
+    ("kernels", "backend"),
+    [("paged_decode_attention", attention_backend), ("fused_ops", ops_backend)],
+    ids=["attention", "fused-ops"],
+)
 def test_without_a_compiler_the_engine_keeps_torch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kernels: str,
+    backend: Callable[[str, torch.dtype, torch.device], str],
 ) -> None:
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    uncached = cpu_kernels.paged_decode_attention.__wrapped__
+    uncached = getattr(cpu_kernels, kernels).__wrapped__
     assert uncached() is None
-    monkeypatch.setattr(engine, "paged_decode_attention", uncached)
+    monkeypatch.setattr(engine, kernels, uncached)
     cpu = torch.device("cpu")
-    assert attention_backend("auto", torch.float32, cpu) == "torch"
+    assert backend("auto", torch.float32, cpu) == "torch"
     with pytest.raises(ValueError, match="C compiler"):
-        attention_backend("cpu", torch.float32, cpu)
+        backend("cpu", torch.float32, cpu)
 
 
 def test_the_cpu_default_is_the_kernel_in_float32(kernel: cpu_kernels.Kernel) -> None:

@@ -2,16 +2,15 @@
 code: rotary embedding bit-equal, in place, on the fused QKV projection's
 strided rows and on contiguous heads; RMSNorm within a float32 rounding of
 torch's (only the order of the sum of squares differs), its residual add
-bit-equal. Then where the model uses them, and when the engine does."""
+bit-equal. Then where the model uses them, and when the engine does (without
+a compiler: test_cpu_attention.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
-from services.language.engine import cpu_kernels, engine
+from services.language.engine import cpu_kernels
 from services.language.engine.engine import ops_backend
 from services.language.engine.model import RMSNorm, apply_rotary
 
@@ -126,17 +125,3 @@ def test_the_cpu_default_is_the_fused_ops_in_float32(ops: cpu_kernels.FusedOps) 
     assert ops_backend("torch", torch.float32, cpu) == "torch"
     with pytest.raises(ValueError, match="float32"):
         ops_backend("cpu", torch.bfloat16, cpu)
-
-
-def test_without_a_compiler_the_engine_keeps_torch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "no-such-compiler")
-    uncached = cpu_kernels.fused_ops.__wrapped__
-    assert uncached() is None
-    monkeypatch.setattr(engine, "fused_ops", uncached)
-    cpu = torch.device("cpu")
-    assert ops_backend("auto", torch.float32, cpu) == "torch"
-    with pytest.raises(ValueError, match="C compiler"):
-        ops_backend("cpu", torch.float32, cpu)
