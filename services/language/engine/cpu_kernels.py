@@ -43,6 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-share
 FUSED_OPS_FLAGS = ("-ffp-contract=off",)
 
 Kernel = Callable[..., int]
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 # what the paged attention kernel reads and writes (float16: torch's path)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -115,14 +116,9 @@ def paged_decode_attention() -> Kernel | None:
     if library is None:
         return None
     kernel = library.paged_decode_attention
-    kernel.restype = ctypes.c_int
-    kernel.argtypes = (
-        [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
-    )
+    kernel.restype = _int
+    kernel.argtypes = [_ptr] * 5 + [_i64] * 6 + [_f32] + [_int] * 2
     return kernel
-
-
-_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
 
 class FusedOps:

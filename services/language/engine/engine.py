@@ -131,11 +131,11 @@ def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str
 
 def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
     """ "torch" or "cpu" for EngineConfig.ops."""
-    compiled = device.type == "cpu" and dtype == torch.float32
-    if choice == "cpu" and not (compiled and fused_ops() is not None):
+    built = device.type == "cpu" and dtype == torch.float32 and fused_ops() is not None
+    if choice == "cpu" and not built:
         raise ValueError("the fused CPU operations need a CPU, float32 and a C compiler")
     if choice == "auto":
-        return "cpu" if compiled and fused_ops() is not None else "torch"
+        return "cpu" if built else "torch"
     return choice
 
 
