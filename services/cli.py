@@ -51,21 +51,16 @@ def _transports(value: str) -> tuple[Any, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _dtype(value: str) -> str:
-    """A dtype name or `auto`, checked here, resolved where the device is known."""
-    from services.wire.dtypes import resolve_dtype
-
-    try:
-        resolve_dtype(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+# services.wire.dtypes' names and `auto`, spelled out so that parsing needs no
+# torch (checked equal by the tests); each process resolves the name where it
+# knows its device.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _add_dtype_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--dtype",
-        type=_dtype,
+        choices=DTYPE_CHOICES,
         default=env.DTYPE.get(),
         help=f"{what}: auto (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX, else "
         "float32), float32, bfloat16 or float16 ($EPD_DTYPE)",
@@ -79,7 +74,7 @@ def _local_device() -> str:
 
 
 def _add_limit_options(p: argparse.ArgumentParser) -> None:
-    from services.encoder.images import ImageLimits
+    from services.encoder.limits import ImageLimits
 
     d = ImageLimits()
     p.add_argument("--max-images", type=int, default=d.max_images, help="images and videos")
@@ -92,7 +87,7 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
 
 
 def _limits(args: argparse.Namespace) -> Any:
-    from services.encoder.images import ImageLimits
+    from services.encoder.limits import ImageLimits
 
     return ImageLimits(
         args.max_images,
@@ -483,10 +478,7 @@ def export_security(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.broker.server import DEFAULT_PORT as BROKER_PORT
-    from services.encoder.server import DEFAULT_PORT as ENCODER_PORT
-    from services.gateway.server import DEFAULT_PORT as GATEWAY_PORT
-    from services.language.server import DEFAULT_PORT as LANGUAGE_PORT
+    from services.ports import BROKER_PORT, ENCODER_PORT, GATEWAY_PORT, LANGUAGE_PORT
 
     parser = argparse.ArgumentParser(prog="epd", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")

@@ -1,4 +1,4 @@
-"""Free TCP ports on loopback."""
+"""Each service's default port, and free TCP ports on loopback."""
 
 from __future__ import annotations
 
@@ -8,6 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 LOWEST = 20000
+
+# each service's port when none is given (kept here, not in the servers, so that
+# `epd`'s argument parser imports no server: each process imports only its own)
+GATEWAY_PORT = 8000
+BROKER_PORT = 50051
+ENCODER_PORT = 50061
+LANGUAGE_PORT = 50071
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli import build_parser, serve_language_args
+from services.cli import DTYPE_CHOICES, build_parser, serve_language_args
 from services.language.engine.engine import attention_backend
 from services.serve import StackConfig, components
 from services.wire import dtypes
@@ -40,7 +40,11 @@ def test_auto_on_this_cpu_follows_its_capabilities() -> None:
 def test_the_cli_refuses_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["language", "--checkpoint", "x", "--dtype", "fp8"])
-    assert "dtype must be auto or one of" in capsys.readouterr().err
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_the_cli_offers_every_dtype_name() -> None:
+    assert set(DTYPE_CHOICES) == {dtypes.AUTO, *dtypes.DTYPES_BY_NAME}
 
 
 def test_the_dtype_defaults_to_epd_dtype(monkeypatch: pytest.MonkeyPatch) -> None:

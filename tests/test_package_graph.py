@@ -4,6 +4,8 @@ layer sits at the bottom: it imports nothing of services/ but the protos."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,3 +56,20 @@ def test_the_wire_layer_imports_only_the_protos() -> None:
     edges = _imports()
     assert edges["wire"] <= {"proto"}
     assert "transfer" not in edges["broker"]  # the old cycle: broker <-> transfer
+
+
+def test_the_launchers_import_no_server_and_no_torch() -> None:
+    """Every component of `epd serve` parses the same command line and the
+    Triton launcher only watches a child: at start-up they run side by side on
+    the same cores, so an import each does not need is start-up time lost."""
+    code = (
+        "import sys\n"
+        "from services import cli, serve\n"
+        "from services.triton import launcher\n"
+        "cli.build_parser().parse_args(['triton', '--checkpoint', 'x'])\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.endswith('.server')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -13,16 +13,15 @@ from services.broker.metrics import BrokerMetrics
 from services.broker.rendezvous import Rendezvous
 from services.broker.servicer import BrokerServicer
 from services.grpc_server import GrpcServer
+from services.ports import BROKER_PORT
 from services.proto import broker_pb2, broker_pb2_grpc
 from services.security import Security, current
-
-DEFAULT_PORT = 50051
 
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
+    port: int = BROKER_PORT
     metrics_port: int | None = 0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0

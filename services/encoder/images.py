@@ -9,39 +9,13 @@ from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from services.encoder.limits import ImageLimits
 from services.model.video import VideoError, VideoInfo, probe
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
-
-
-@dataclass(frozen=True, slots=True)
-class ImageLimits:
-    """What one request's images and videos may be (videos: per video)."""
-
-    max_images: int = 16  # images and videos together
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
-    max_video_bytes: int = 64 * 1024 * 1024
-    max_video_seconds: float = 600.0
-    max_video_frames: int = 36_000  # frames in the container (decoding cost)
-    max_video_pixels: int = 1920 * 1080  # per frame
-
-    def __post_init__(self) -> None:
-        values = (
-            self.max_images,
-            self.max_image_bytes,
-            self.max_image_pixels,
-            self.max_video_bytes,
-            self.max_video_seconds,
-            self.max_video_frames,
-            self.max_video_pixels,
-        )
-        if min(values) <= 0:
-            raise ValueError(f"image limits must be positive: {self}")
 
 
 class BadImageError(ValueError):

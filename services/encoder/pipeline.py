@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from services.encoder.cache import EmbeddingCache, ImageEmbedding
-from services.encoder.images import ImageLimits, check_count
+from services.encoder.images import check_count
+from services.encoder.limits import ImageLimits
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess import Preprocessor
 from services.encoder.triton_client import VitClient

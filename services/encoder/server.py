@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from services.broker.client import BrokerLink, BrokerUnavailableError
 from services.encoder.cache import EmbeddingCache
-from services.encoder.images import ImageLimits
+from services.encoder.limits import ImageLimits
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import EncodePipeline
 from services.encoder.preprocess import Preprocessor
@@ -23,6 +23,7 @@ from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
 from services.instance import InstanceConfig
 from services.model.spec import load_spec
+from services.ports import ENCODER_PORT
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
@@ -33,15 +34,13 @@ from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50061
-
 
 @dataclass(frozen=True, slots=True)
 class EncoderConfig:
     checkpoint: Path
     model_name: str
     instance: InstanceConfig = field(
-        default_factory=lambda: InstanceConfig(Role.ENCODER, DEFAULT_PORT)
+        default_factory=lambda: InstanceConfig(Role.ENCODER, ENCODER_PORT)
     )
     triton_url: str = "127.0.0.1:8011"
     triton_shared_memory: bool = True

@@ -20,7 +20,8 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from services.encoder.images import BadImageError, ImageLimits, inspect_image, inspect_video
+from services.encoder.images import BadImageError, inspect_image, inspect_video
+from services.encoder.limits import ImageLimits
 from services.gateway.errors import ApiError
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from services.encoder.images import BadImageError, ImageLimits
+from services.encoder.images import BadImageError
+from services.encoder.limits import ImageLimits
 from services.encoder.preprocess import Preprocessor
 from services.gateway.backend import GenerateCall, Responses
 from services.gateway.errors import ApiError

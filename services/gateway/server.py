@@ -10,15 +10,14 @@ from pathlib import Path
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from services.encoder.images import ImageLimits
+from services.encoder.limits import ImageLimits
 from services.gateway.app import Gateway, create_app
 from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.images import FetchPolicy, ImageLoader
 from services.gateway.metrics import GatewayMetrics
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
-
-DEFAULT_PORT = 8000
+from services.ports import GATEWAY_PORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +25,7 @@ class GatewayConfig:
     broker: str
     checkpoint: Path | None = None  # for token hints: its preprocessor_config.json
     host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
+    port: int = GATEWAY_PORT
     api_key: str = ""
     limits: ImageLimits = field(default_factory=ImageLimits)
     fetch: FetchPolicy = field(default_factory=FetchPolicy)

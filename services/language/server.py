@@ -21,6 +21,7 @@ from services.model.checkpoint import load_language_weights
 from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
+from services.ports import LANGUAGE_PORT
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.ends import receive_side
@@ -34,15 +35,13 @@ from services.wire.messages import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50071
-
 
 @dataclass(frozen=True, slots=True)
 class LanguageConfig:
     checkpoint: Path
     model_name: str
     instance: InstanceConfig = field(
-        default_factory=lambda: InstanceConfig(Role.LANGUAGE, DEFAULT_PORT)
+        default_factory=lambda: InstanceConfig(Role.LANGUAGE, LANGUAGE_PORT)
     )
     embedding_pool_tokens: int = 32768
     embedding_block_size: int = 256

@@ -12,10 +12,12 @@ import contextlib
 import secrets
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from services import env
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = Path("/dev/shm")
 _created_here: set[str] = set()  # segment names this process owns
@@ -53,6 +55,8 @@ class SharedSegment:
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor viewing the segment; drop every such view before close()."""
+        import torch  # here: the launchers import this module and need no torch
+
         count = 1
         for dim in shape:
             count *= dim

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.bench.images import encode_image, random_image
-from services.encoder.images import ImageLimits
+from services.encoder.limits import ImageLimits
 from services.encoder.server import EncoderServer
 from services.grpc_server import channel
 from services.model.checkpoint import load_vision_tower

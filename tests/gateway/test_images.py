@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.bench.images import encode_image, random_image, random_video
-from services.encoder.images import ImageLimits
+from services.encoder.limits import ImageLimits
 from services.gateway.errors import ApiError
 from services.gateway.images import FetchPolicy, ImageLoader
 from services.model.processor import ImageTokenRule
