@@ -177,6 +177,10 @@ class TritonServer:
             f"--metrics-port={cfg.metrics_port}",
             "--exit-on-error=true",
             "--strict-readiness=true",
+            # The configs are complete; auto-completing them would start a Python
+            # stub (importing torch and model.py) only to ask it for the config:
+            # ~3 s of start-up before the model's own stub starts.
+            "--disable-auto-complete-config",
             f"--log-verbose={cfg.log_verbose}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             # The backend's stub exchange region grows by this much at a time
