@@ -2,7 +2,8 @@
 path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
 on and off page boundaries, grouped-query ratios 1 to 7, head_dim 64 and 128,
 page sizes 16 and 5, float32 and bfloat16. Then how it is built and cached, and when the engine
-uses it (and, without a compiler, the fused operations of test_fused_ops.py)."""
+uses it (and, without a compiler, the fused operations of test_fused_ops.py and
+the linear kernel of test_linear.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from services.language.engine import cpu_kernels, engine
 from services.language.engine.attention import TorchAttention
-from services.language.engine.engine import attention_backend, ops_backend
+from services.language.engine.engine import attention_backend, linear_backend, ops_backend
 from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
 
 CASES = {
@@ -117,15 +118,20 @@ def test_a_changed_source_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize(
-    ("kernels", "backend"),
-    [("paged_decode_attention", attention_backend), ("fused_ops", ops_backend)],
-    ids=["attention", "fused-ops"],
+    ("kernels", "backend", "fallback"),
+    [
+        ("paged_decode_attention", attention_backend, "torch"),
+        ("fused_ops", ops_backend, "torch"),
+        ("linear_kernel", linear_backend, "onednn"),  # oneDNN's packed GEMM
+    ],
+    ids=["attention", "fused-ops", "linear"],
 )
 def test_without_a_compiler_the_engine_keeps_torch(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     kernels: str,
     backend: Callable[[str, torch.dtype, torch.device], str],
+    fallback: str,
 ) -> None:
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
@@ -133,7 +139,7 @@ def test_without_a_compiler_the_engine_keeps_torch(
     assert uncached() is None
     monkeypatch.setattr(engine, kernels, uncached)
     cpu = torch.device("cpu")
-    assert backend("auto", torch.float32, cpu) == "torch"
+    assert backend("auto", torch.float32, cpu) == fallback
     with pytest.raises(ValueError, match="C compiler"):
         backend("cpu", torch.float32, cpu)
 

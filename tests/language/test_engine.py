@@ -75,8 +75,8 @@ def test_single_requests_equal_hf(
 )
 @pytest.mark.parametrize(
     ("linear", "attention", "ops"),
-    [("onednn", "cpu", "cpu"), ("torch", "torch", "torch")],
-    ids=["cpu", "torch"],
+    [("cpu", "cpu", "cpu"), ("onednn", "cpu", "cpu"), ("torch", "torch", "torch")],
+    ids=["cpu", "onednn", "torch"],
 )
 def test_batch_of_eight_mixed_requests_equals_hf(
     tiny_checkpoint: Path,
@@ -89,9 +89,10 @@ def test_batch_of_eight_mixed_requests_equals_hf(
     attention: str,
     ops: str,
 ) -> None:
-    """With the CPU defaults (oneDNN's packed projections, the compiled paged
-    decode attention, the fused norms and rotary embedding) and with torch alone
-    (F.linear, gathered pages and SDPA, torch's norms and rotary embedding)."""
+    """With the CPU defaults (EPD's linear kernel for few rows, the compiled
+    paged decode attention, the fused norms and rotary embedding), with oneDNN's
+    packed projections instead, and with torch alone (F.linear, gathered pages
+    and SDPA, torch's norms and rotary embedding)."""
     engine = make_engine(
         tiny_checkpoint,
         kv_bytes,

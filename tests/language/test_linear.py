@@ -1,5 +1,6 @@
-"""The projections: stacked at load, packed for oneDNN on CPU (the greedy tests
-against HF in test_engine.py run both linear backends)."""
+"""The projections: stacked at load, then on CPU EPD's kernel for few rows or
+oneDNN's packed GEMM (the greedy tests against HF in test_engine.py run every
+linear backend)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from services.language.engine import cpu_kernels
 from services.language.engine.engine import linear_backend
-from services.language.engine.linear import PackedLinear, onednn_supports, pack_linears
+from services.language.engine.linear import (
+    KERNEL_MAX_ROWS,
+    KernelLinear,
+    PackedLinear,
+    onednn_supports,
+    pack_linears,
+    use_linear_kernel,
+)
 from services.language.engine.model import LanguageModel, stack_projections
 from services.model.checkpoint import load_language_weights
 from services.model.spec import load_spec
@@ -26,6 +36,68 @@ def test_packed_linear_equals_f_linear(rows: int, bias: bool) -> None:
     x = torch.randn(rows, 96)
     expected = linear(x)
     torch.testing.assert_close(PackedLinear(linear)(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.LinearKernel:
+    built = cpu_kernels.linear_kernel()
+    assert built is not None, "no C compiler or no AVX2: the CPU default would be oneDNN's"
+    return built
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize(
+    ("k", "n"), [(64, 96), (100, 200), (7, 5), (512, 1024)]
+)  # k: whole 8-lane steps or a tail; n: whole 3-row tiles or a tail
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_kernel_equals_f_linear(
+    kernel: cpu_kernels.LinearKernel, rows: int, k: int, n: int, bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator)
+    b = torch.randn(n, generator=generator) if bias else None
+    # another summation order than MKL's: float32 rounding of a k-term sum
+    torch.testing.assert_close(kernel(x, weight, b), F.linear(x, weight, b), atol=5e-5, rtol=1e-5)
+
+
+def test_linear_kernel_takes_rows_strided_apart(kernel: cpu_kernels.LinearKernel) -> None:
+    """As a slice of a wider tensor leaves them (the columns of a fused projection)."""
+    wide = torch.randn(9, 300)
+    x = wide[:, 40:140]
+    weight = torch.randn(33, 100)
+    torch.testing.assert_close(kernel(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("rows", [1, 16, KERNEL_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_linear_equals_f_linear_on_either_side_of_its_row_limit(
+    kernel: cpu_kernels.LinearKernel, rows: int, bias: bool
+) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    expected = linear(x)
+    module = KernelLinear(linear, kernel)
+    calls = []
+    counting = lambda *args: calls.append(1) or kernel(*args)  # noqa: E731
+    module.kernel = counting  # type: ignore[assignment]
+    torch.testing.assert_close(module(x), expected)
+    assert bool(calls) == (rows <= KERNEL_MAX_ROWS)
+    torch.testing.assert_close(module(x.unsqueeze(0)), expected.unsqueeze(0))  # [1, rows, 96]
+
+
+def test_every_projection_uses_the_kernel(
+    tiny_checkpoint: Path, kernel: cpu_kernels.LinearKernel
+) -> None:
+    spec = load_spec(tiny_checkpoint)
+    model = LanguageModel.from_weights(spec.text, load_language_weights(tiny_checkpoint, spec), CPU)
+    x = torch.randn(5, spec.text.hidden_size)
+    mlp = model.layers[1].mlp
+    expected = mlp(x)
+    assert use_linear_kernel(model, kernel) == 4 * spec.text.num_layers + 1
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    torch.testing.assert_close(mlp(x), expected)
 
 
 def test_every_projection_is_stacked_and_packed(tiny_checkpoint: Path) -> None:
@@ -57,11 +129,14 @@ def test_stacking_leaves_other_tensors_alone() -> None:
     assert set(stack_projections(dict(weights))) == set(weights)
 
 
-def test_linear_backend_choice() -> None:
-    assert linear_backend("auto", torch.float32, CPU) == "onednn"
+def test_linear_backend_choice(kernel: cpu_kernels.LinearKernel) -> None:
+    assert linear_backend("auto", torch.float32, CPU) == "cpu"
+    assert linear_backend("onednn", torch.float32, CPU) == "onednn"
     assert linear_backend("auto", torch.bfloat16, CUDA) == "torch"
     assert linear_backend("torch", torch.float32, CPU) == "torch"
     bf16 = "onednn" if onednn_supports(torch.bfloat16) else "torch"
     assert linear_backend("auto", torch.bfloat16, CPU) == bf16
     with pytest.raises(ValueError, match="oneDNN"):
         linear_backend("onednn", torch.bfloat16, CUDA)
+    with pytest.raises(ValueError, match="float32"):
+        linear_backend("cpu", torch.bfloat16, CPU)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.language.engine.cpu_kernels import linear_kernel
 from services.language.engine.engine import moe_backend
-from services.language.engine.linear import PackedExperts
+from services.language.engine.linear import KernelExperts, PackedExperts
 from services.language.engine.model import Experts, LanguageModel
 from services.language.engine.moe import FlashInferExperts, fuse_experts
 from services.model.checkpoint import load_language_weights
@@ -68,7 +69,7 @@ def test_fused_layout_is_the_checkpoints_with_gate_and_up_swapped(moe_checkpoint
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_packed_experts_match_the_grouped_torch_experts(moe_checkpoint: Path, tokens: int) -> None:
-    """oneDNN's packed matrices (the CPU default) under the same routing."""
+    """oneDNN's packed matrices under the same routing."""
     experts = _experts(load_spec(moe_checkpoint).text, 256, 96, 8, 2, CPU)
     x = torch.randn(tokens, 256)
     chosen, weights = _routing(tokens, 8, 2, CPU)
@@ -76,6 +77,21 @@ def test_packed_experts_match_the_grouped_torch_experts(moe_checkpoint: Path, to
     packed = PackedExperts(experts)
     assert not list(packed.parameters())  # the packed copies replace the weights
     torch.testing.assert_close(packed(x, chosen, weights), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_kernel_experts_match_the_grouped_torch_experts(moe_checkpoint: Path, tokens: int) -> None:
+    """EPD's linear kernel (the CPU default in float32) for the experts few tokens
+    chose, F.linear for the rest, on the same weights."""
+    kernel = linear_kernel()
+    assert kernel is not None, "no C compiler or no AVX2: the CPU default would be oneDNN's"
+    experts = _experts(load_spec(moe_checkpoint).text, 256, 96, 8, 2, CPU)
+    x = torch.randn(tokens, 256)
+    chosen, weights = _routing(tokens, 8, 2, CPU)
+    expected = experts(x, chosen, weights)
+    fast = KernelExperts(experts, kernel)
+    assert fast.gate_up_proj is experts.gate_up_proj  # no copy
+    torch.testing.assert_close(fast(x, chosen, weights), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

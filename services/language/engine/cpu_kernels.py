@@ -7,6 +7,8 @@
   torch and AVX-512.
 - The model's small float32 operations, fused (fused_ops.c): RMSNorm (with the
   residual add before it) and rotary embedding in place.
+- The projections of few rows (linear.c), a decode step's: oneDNN's and MKL's
+  GEMMs read the weights at well under the machine's memory bandwidth there.
 
 Each C source is compiled on first use with the machine's C compiler (`$CC`,
 else `cc`; about a second) into EPD's cache folder, keyed by the source, the
@@ -208,3 +210,48 @@ def fused_ops() -> FusedOps | None:
     cannot be built."""
     library = _load(CSRC / "fused_ops.c", FUSED_OPS_FLAGS, "fused operations")
     return None if library is None else FusedOps(library)
+
+
+class LinearKernel:
+    """csrc/linear.c: y = x w^T (+ bias) for float32 x [rows, K] whose rows are
+    contiguous (and may be strided apart), w [N, K] contiguous."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._linear = library.linear_rows
+        self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
+        self._linear.restype = None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows, k = x.shape
+        n = weight.shape[0]
+        assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1
+        assert weight.is_contiguous() and weight.shape[1] == k
+        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
+        y = torch.empty(rows, n, dtype=x.dtype)
+        self._linear(
+            y.data_ptr(),
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            rows,
+            k,
+            n,
+            x.stride(0),
+            torch.get_num_threads(),
+        )
+        return y
+
+
+@functools.cache
+def linear_kernel() -> LinearKernel | None:
+    """csrc/linear.c's kernel, or None (with a log line) where it cannot be built
+    or this CPU lacks AVX2 and FMA (its plain loop is only there to link)."""
+    library = _load(CSRC / "linear.c", (), "linear kernel")
+    if library is None:
+        return None
+    if not library.linear_vectorized():
+        logger.warning("no AVX2/FMA for the compiled CPU linear kernel: torch's path instead")
+        return None
+    return LinearKernel(library)

@@ -15,11 +15,16 @@ from typing import Any
 import torch
 
 from services.language.engine.attention import AttentionBackend, FlashInferAttention, TorchAttention
-from services.language.engine.cpu_kernels import KERNEL_DTYPES, fused_ops, paged_decode_attention
+from services.language.engine.cpu_kernels import (
+    KERNEL_DTYPES,
+    fused_ops,
+    linear_kernel,
+    paged_decode_attention,
+)
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
-from services.language.engine.linear import onednn_supports, pack_linears
+from services.language.engine.linear import onednn_supports, pack_linears, use_linear_kernel
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import fuse_experts
 from services.language.engine.request import Request, RequestStatus, SamplingParams, new_request
@@ -45,7 +50,10 @@ class EngineConfig:
     # float32, else torch
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
-    linear: str = "auto"  # projections: "torch", "onednn", or "auto" (packed oneDNN on CPU)
+    # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
+    # (packed), or "auto": "cpu" on a CPU in float32 where the kernel builds,
+    # else oneDNN where it packs the dtype, else torch (linear.py)
+    linear: str = "auto"
     # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32),
     # or "auto" ("cpu" on a CPU in float32 where the kernels build, else torch)
     ops: str = "auto"
@@ -119,14 +127,16 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
 
 
 def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch" or "onednn" for EngineConfig.linear: `auto` is oneDNN on CPU where it
-    packs this dtype (linear.py), torch (cuBLAS) on GPUs."""
-    supported = device.type == "cpu" and onednn_supports(dtype)
-    if choice == "onednn" and not supported:
+    """ "torch", "cpu" or "onednn" for EngineConfig.linear (torch: cuBLAS on GPUs)."""
+    kernel = device.type == "cpu" and dtype == torch.float32 and linear_kernel() is not None
+    packs = device.type == "cpu" and onednn_supports(dtype)
+    if choice == "cpu" and not kernel:
+        raise ValueError("the CPU linear kernel needs a CPU with AVX2, float32 and a C compiler")
+    if choice == "onednn" and not packs:
         raise ValueError(f"oneDNN packed projections need a CPU that packs {dtype}")
     if choice != "auto":
         return choice
-    return "onednn" if supported else "torch"
+    return "cpu" if kernel else "onednn" if packs else "torch"
 
 
 def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
@@ -191,8 +201,13 @@ class LLMEngine:
         )
         if fused_moe:
             fuse_experts(model)
-        if linear_backend(config.linear, config.dtype, device) == "onednn":
+        linear = linear_backend(config.linear, config.dtype, device)
+        if linear == "onednn":
             pack_linears(model)
+        elif linear == "cpu":
+            kernel = linear_kernel()
+            assert kernel is not None  # linear_backend checked
+            use_linear_kernel(model, kernel)
         if ops_backend(config.ops, config.dtype, device) == "cpu":
             ops = fused_ops()
             assert ops is not None  # ops_backend checked

@@ -1,23 +1,37 @@
-"""The language model's projections on CPU: oneDNN's GEMM on weights packed once.
+"""The language model's projections on CPU, two ways to run them faster than
+`F.linear` at the few rows of a decode step (one per running request).
 
-A GEMM with few rows (a decode step has one per running request) spends much of
-its time reordering the weight into the blocked layout the kernel reads. oneDNN
-takes that layout ahead of time: the engine reorders every projection once at
-load and calls oneDNN's linear on it, as vLLM's CPU backend does
-(`create_onednn_mm` in `vllm/model_executor/layers/utils.py`). Measured on a
-2-core AVX2 EPYC, the small demo's projections at 16 rows: 1.3-2.1x faster than
-`F.linear`; at 2048 rows (prefill): the same. `bench/engine.py --linear` compares.
+- "cpu" (float32): EPD's kernel (csrc/linear.c) for calls of up to
+  KERNEL_MAX_ROWS rows, on the weights as loaded; `F.linear` above (prefill
+  chunks, where MKL's GEMM is as fast as any here). Measured on a 2-core AVX2
+  EPYC, the small demo's projections, 8 layers: at 16 rows 7.2 ms against
+  oneDNN's 10.3-11.5 and F.linear's 18.8; at 64 rows 0.8x F.linear's time;
+  above ~90 rows F.linear is as fast or faster.
+- "onednn": oneDNN's GEMM on weights packed once into its blocked layout (a
+  GEMM of few rows otherwise spends much of its time reordering the weight), as
+  vLLM's CPU backend does (`create_onednn_mm` in
+  `vllm/model_executor/layers/utils.py`): 1.3-2.1x faster than F.linear at 16
+  rows, the same at 2048; it also runs bfloat16 where the CPU has AVX512-BF16.
+
+`bench/engine.py --linear` and `bench/engine_ab.py linear A B` compare them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from services.language.engine.cpu_kernels import LinearKernel
 from services.language.engine.model import Experts
 
 # the row count oneDNN tunes the packed layout for (vLLM's choice); any count runs
 BATCH_HINT = 32
+# the most rows a call runs in EPD's kernel; F.linear's GEMM above (measured:
+# the kernel 0.7-0.8x F.linear's time at 32-64 rows, no faster from ~90)
+KERNEL_MAX_ROWS = 64
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:
@@ -62,6 +76,56 @@ class PackedExperts(Experts):
         return _linear(x, self.packed_down[expert])
 
 
+class KernelLinear(nn.Module):
+    """An nn.Linear (float32, on the CPU) whose calls of up to KERNEL_MAX_ROWS
+    rows run EPD's kernel, the others F.linear, on the same weight."""
+
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _kernel_or_torch(self.kernel, x, self.weight, self.bias)
+
+
+class KernelExperts(Experts):
+    """MoE experts routed and summed as `Experts` does (the same weights), each
+    expert's matmuls in EPD's kernel when few tokens chose it."""
+
+    def __init__(self, experts: Experts, kernel: LinearKernel) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = experts.num_experts
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.kernel = kernel
+
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return _kernel_or_torch(self.kernel, x, self.gate_up_proj[expert])
+
+    def down(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return _kernel_or_torch(self.kernel, x, self.down_proj[expert])
+
+
+def _kernel_or_torch(
+    kernel: LinearKernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows > KERNEL_MAX_ROWS or x.dim() != 2 or x.stride(-1) != 1:
+        return F.linear(x, weight, bias)
+    return kernel(x, weight, bias)
+
+
+def use_linear_kernel(model: nn.Module, kernel: LinearKernel) -> int:
+    """Swaps every nn.Linear in `model` for a KernelLinear and every MoE layer's
+    Experts for KernelExperts; returns how many modules it swapped."""
+    return _swap(
+        model, lambda linear: KernelLinear(linear, kernel), lambda e: KernelExperts(e, kernel)
+    )
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
@@ -75,6 +139,15 @@ def _linear(
 def pack_linears(model: nn.Module) -> int:
     """Swaps every nn.Linear in `model` for a PackedLinear and every MoE layer's
     Experts for PackedExperts; returns how many modules it swapped."""
+    return _swap(model, PackedLinear, PackedExperts)
+
+
+def _swap(
+    model: nn.Module,
+    linear: Callable[[nn.Linear], nn.Module],
+    experts: Callable[[Experts], nn.Module],
+) -> int:
+    """Replaces every nn.Linear and Experts in `model` with linear(it) or experts(it)."""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -82,9 +155,5 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(child, nn.Linear | Experts)
     ]
     for parent, name, child in swaps:
-        setattr(
-            parent,
-            name,
-            PackedLinear(child) if isinstance(child, nn.Linear) else PackedExperts(child),
-        )
+        setattr(parent, name, linear(child) if isinstance(child, nn.Linear) else experts(child))
     return len(swaps)
