@@ -113,9 +113,10 @@ def _kernel_or_torch(
     kernel: LinearKernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows > KERNEL_MAX_ROWS or x.dim() != 2 or x.stride(-1) != 1:
+    if rows > KERNEL_MAX_ROWS or x.stride(-1) != 1:
         return F.linear(x, weight, bias)
-    return kernel(x, weight, bias)
+    y = kernel(x.reshape(rows, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def use_linear_kernel(model: nn.Module, kernel: LinearKernel) -> int:
