@@ -5,6 +5,7 @@ linear backend)."""
 from __future__ import annotations
 
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -79,12 +80,10 @@ def test_kernel_linear_equals_f_linear_on_either_side_of_its_row_limit(
     x = torch.randn(rows, 96)
     expected = linear(x)
     module = KernelLinear(linear, kernel)
-    calls = []
-    counting = lambda *args: calls.append(1) or kernel(*args)  # noqa: E731
-    module.kernel = counting  # type: ignore[assignment]
+    module.kernel = counting = Mock(wraps=kernel)
     torch.testing.assert_close(module(x), expected)
     torch.testing.assert_close(module(x.unsqueeze(0)), expected.unsqueeze(0))  # [1, rows, 96]
-    assert len(calls) == (2 if rows <= KERNEL_MAX_ROWS else 0)
+    assert counting.call_count == (2 if rows <= KERNEL_MAX_ROWS else 0)
 
 
 def test_every_projection_uses_the_kernel(

@@ -19,8 +19,6 @@
 #include <stdint.h>
 
 #define PARALLEL_MIN (1 << 18) /* multiply-adds below which one thread does it all */
-#define TILE_ROWS 4            /* rows of x per pass */
-#define TILE_COLS 3            /* weight rows (outputs) per tile */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -76,13 +74,13 @@ static inline float hsum(__m256 v) {
 TILE(4, 3) TILE(3, 3) TILE(2, 3) TILE(1, 3)
 TILE(4, 1) TILE(3, 1) TILE(2, 1) TILE(1, 1)
 
-/* All M rows of x against NR weight rows: passes of TILE_ROWS rows, then the rest. */
+/* All M rows of x against NR weight rows: passes of 4 rows, then the rest. */
 #define PASSES(NR)                                                                             \
     static void passes_##NR(float *y, int64_t ys, const float *x, int64_t xs, int64_t M,       \
                             const float *w, const float *bias, int64_t K, const float *next) { \
-        const int64_t P = (M + TILE_ROWS - 1) / TILE_ROWS;                                     \
+        const int64_t P = (M + 3) / 4;                                                         \
         int64_t m = 0, p = 0;                                                                  \
-        for (; m + TILE_ROWS <= M; m += TILE_ROWS, p++)                                        \
+        for (; m + 4 <= M; m += 4, p++)                                                        \
             tile_4_##NR(y + m * ys, ys, x + m * xs, xs, w, bias, K, next, p, P);               \
         switch (M - m) {                                                                       \
         case 3: tile_3_##NR(y + m * ys, ys, x + m * xs, xs, w, bias, K, next, p, P); break;    \
@@ -96,17 +94,17 @@ PASSES(3) PASSES(1)
  * [N] if not NULL. */
 void linear_rows(float *y, const float *x, const float *w, const float *bias, int64_t M,
                  int64_t K, int64_t N, int64_t x_stride, int num_threads) {
-    const int64_t tiles = N / TILE_COLS;
+    const int64_t tiles = N / 3; /* tiles of 3 weight rows; the rest one by one */
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= PARALLEL_MIN)
     {
 #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
-            const int64_t n = t * TILE_COLS;
-            const float *next = t + 1 < tiles ? w + (n + TILE_COLS) * K : 0;
+            const int64_t n = t * 3;
+            const float *next = t + 1 < tiles ? w + (n + 3) * K : 0;
             passes_3(y + n, N, x, x_stride, M, w + n * K, bias ? bias + n : 0, K, next);
         }
 #pragma omp for schedule(static)
-        for (int64_t n = tiles * TILE_COLS; n < N; n++)
+        for (int64_t n = tiles * 3; n < N; n++)
             passes_1(y + n, N, x, x_stride, M, w + n * K, bias ? bias + n : 0, K, 0);
     }
 }
