@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from services.language.engine.engine import EngineConfig, LLMEngine
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.checkpoint import load_language_weights

@@ -19,7 +19,8 @@ import statistics
 import time
 
 from bench.engine import load_engine
-from services.language.engine.engine import EngineConfig, LLMEngine
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import ARCHS, cached_demo_checkpoint

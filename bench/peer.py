@@ -46,7 +46,7 @@ from services.bench.command import first_model, strict_json
 from services.bench.runner import RunConfig, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
-from services.language.engine.engine import EngineConfig
+from services.language.engine.config import EngineConfig
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import ARCHS, cached_demo_checkpoint
 from services.model.tokenizer import build_prompt

@@ -247,8 +247,8 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _monolithic(args: argparse.Namespace) -> int:
-    from services.gateway.local_backend import LocalBackend
     from services.gateway.server import GatewayServer
+    from services.monolithic import LocalBackend
 
     config = _gateway_config(args)
     if config.checkpoint is None:
@@ -263,7 +263,7 @@ def _monolithic(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
-    from services.language.engine.engine import EngineConfig
+    from services.language.engine.config import EngineConfig
     from services.language.engine.scheduler import SchedulerConfig
     from services.wire.dtypes import resolve_dtype
 

@@ -14,7 +14,7 @@ from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
 from services.instance import InstanceConfig
-from services.language.engine.engine import EngineConfig
+from services.language.engine.config import EngineConfig
 from services.language.server import LanguageConfig, LanguageServer
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
 from services.security import Security, current

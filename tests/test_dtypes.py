@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.cli import DTYPE_CHOICES, build_parser, serve_language_args
-from services.language.engine.engine import attention_backend
+from services.language.engine.config import attention_backend
 from services.serve import StackConfig, components
 from services.wire import dtypes
 from services.wire.dtypes import resolve_dtype

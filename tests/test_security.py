@@ -31,7 +31,7 @@ from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderServer
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.grpc_server import channel
-from services.language.engine.engine import EngineConfig
+from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.proto import (
     broker_pb2,

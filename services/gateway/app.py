@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.backend import GenerateCall, GenerationBackend, Responses
+from services.gateway.backend import GenerateCall, GenerationBackend, MediaData, Responses
 from services.gateway.errors import ApiError
 from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
@@ -47,18 +47,13 @@ from services.gateway.protocol import (
     usage,
     validation_error,
 )
-from services.proto import common_pb2, language_pb2
+from services.wire import request as wire
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
-FINISH_REASONS = {
-    language_pb2.FINISH_REASON_STOP: "stop",
-    language_pb2.FINISH_REASON_LENGTH: "length",
-    language_pb2.FINISH_REASON_ABORT: "abort",
-}
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 CLIENT_LEFT = 499
 
@@ -128,41 +123,33 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
     hints = iter(image.token_hint for image in loaded)
     messages = []
     for message in body.messages:
-        parts = []
+        parts: list[wire.ContentPart] = []
         for part in message.parts:
             if isinstance(part, ImagePart):
-                parts.append(
-                    language_pb2.ContentPart(image=language_pb2.ImagePart(token_hint=next(hints)))
-                )
+                parts.append(wire.ImagePart(token_hint=next(hints)))
             elif isinstance(part, VideoPart):
-                parts.append(
-                    language_pb2.ContentPart(video=language_pb2.VideoPart(token_hint=next(hints)))
-                )
+                parts.append(wire.VideoPart(token_hint=next(hints)))
             else:
-                parts.append(language_pb2.ContentPart(text=part.text))
+                parts.append(part.text)
         role = "system" if message.role == "developer" else message.role
-        messages.append(language_pb2.ChatMessage(role=role, content=parts))
-    return GenerateCall(
-        request_id=f"chatcmpl-{secrets.token_hex(12)}",
-        model=body.model,
-        messages=messages,
-        images=[image.data for image in loaded],
-        video_indices=[i for i, p in enumerate(vision) if isinstance(p, VideoPart)],
-        sampling=_structured(body, _sampling(body, body.logprobs, body.top_logprobs or 0)),
-    )
-
-
-def _structured(
-    body: ChatCompletionRequest, sampling: common_pb2.SamplingParams
-) -> common_pb2.SamplingParams:
-    """response_format: the language service compiles the grammar (a bad schema is
-    its 400)."""
+        messages.append(wire.ChatMessage(role, tuple(parts)))
     form = body.response_format
-    if isinstance(form, JsonObjectFormat):
-        sampling.json_object = True
-    elif isinstance(form, JsonSchemaFormat):
-        sampling.json_schema = json.dumps(form.json_schema.schema_)
-    return sampling
+    sampling = _sampling(
+        body,
+        body.logprobs,
+        body.top_logprobs or 0,
+        # the language service compiles the grammar (a bad schema is its 400)
+        json_object=isinstance(form, JsonObjectFormat),
+        json_schema=json.dumps(form.json_schema.schema_)
+        if isinstance(form, JsonSchemaFormat)
+        else "",
+    )
+    request = wire.GenerateRequest(f"chatcmpl-{secrets.token_hex(12)}", tuple(messages), sampling)
+    media = tuple(
+        MediaData(image.data, isinstance(part, VideoPart))
+        for image, part in zip(loaded, vision, strict=True)
+    )
+    return GenerateCall(request, body.model, media)
 
 
 async def _prepare_completion(gateway: Gateway, body: CompletionRequest) -> list[GenerateCall]:
@@ -175,41 +162,49 @@ async def _prepare_completion(gateway: Gateway, body: CompletionRequest) -> list
     request_id = f"cmpl-{secrets.token_hex(12)}"
     return [
         GenerateCall(
-            request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}",
-            model=body.model,
-            messages=[],
-            images=[],
-            sampling=sampling,
-            prompt=prompt if isinstance(prompt, str) else "",
-            prompt_token_ids=[] if isinstance(prompt, str) else prompt,
+            wire.GenerateRequest(
+                request_id if len(prompts) == 1 else f"{request_id}-{index}",
+                sampling=sampling,
+                prompt=prompt if isinstance(prompt, str) else "",
+                prompt_token_ids=() if isinstance(prompt, str) else tuple(prompt),
+            ),
+            body.model,
         )
         for index, prompt in enumerate(prompts)
     ]
 
 
 def _sampling(
-    body: ChatCompletionRequest | CompletionRequest, logprobs: bool, top_logprobs: int
-) -> common_pb2.SamplingParams:
-    sampling = common_pb2.SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p or 1.0,
-        top_k=max(0, body.top_k or 0),
-        max_tokens=body.max_output_tokens or 0,
-        stop=body.stops,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        ignore_eos=body.ignore_eos,
-        stop_token_ids=body.stop_token_ids,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        min_tokens=body.min_tokens,
-        logit_bias=body.logit_bias or {},
-        n=body.n,
-    )
-    if body.seed is not None:
-        sampling.seed = body.seed
-    return sampling
+    body: ChatCompletionRequest | CompletionRequest,
+    logprobs: bool,
+    top_logprobs: int,
+    json_object: bool = False,
+    json_schema: str = "",
+) -> wire.SamplingParams:
+    """The request's sampling parameters: the one place they are read from OpenAI's."""
+    try:
+        return wire.SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0,
+            top_k=max(0, body.top_k or 0),
+            max_tokens=body.max_output_tokens or 0,
+            seed=body.seed,
+            stop=tuple(body.stops),
+            stop_token_ids=tuple(body.stop_token_ids),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens,
+            logit_bias=tuple(sorted((body.logit_bias or {}).items())),
+            json_schema=json_schema,
+            json_object=json_object,
+            n=body.n,
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -289,21 +284,20 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _count(gateway: Gateway, response: language_pb2.GenerateResponse) -> None:
+def _count(gateway: Gateway, response: wire.GenerateResponse, done: wire.GenerateComplete) -> None:
     """Token counters, from each choice's completion (the prompt counts once)."""
-    done = response.complete
     if response.index == 0:
         gateway.metrics.prompt_tokens.inc(done.prompt_tokens)
     gateway.metrics.completion_tokens.inc(done.completion_tokens)
 
 
-def _choice_index(response: language_pb2.GenerateResponse, n: int) -> int:
+def _choice_index(response: wire.GenerateResponse, n: int) -> int:
     if response.index >= n:
         raise ApiError(500, f"the language instance sent choice {response.index} of {n}")
     return response.index
 
 
-async def _responses(first: language_pb2.GenerateResponse, stream: Responses) -> Responses:
+async def _responses(first: wire.GenerateResponse, stream: Responses) -> Responses:
     yield first
     async for response in stream:
         yield response
@@ -336,7 +330,7 @@ async def _sse(
     gateway: Gateway,
     call: GenerateCall,
     stream: Responses,
-    first: language_pb2.GenerateResponse,
+    first: wire.GenerateResponse,
     include_usage: bool,
     started: float,
 ) -> AsyncIterator[str]:
@@ -351,26 +345,25 @@ async def _sse(
                 yield _event(chunk(call.request_id, call.model, created, opening, index=index))
         async for response in _responses(first, stream):
             index = _choice_index(response, n)
-            if response.HasField("chunk"):
-                c = response.chunk
-                if not seen_text and c.text:
-                    gateway.metrics.ttft.observe(time.monotonic() - started)
-                    seen_text = True
-                if c.text or (call.sampling.logprobs and c.logprobs):
-                    yield _event(_piece(call, created, index, c.text, list(c.logprobs), None))
-            elif response.HasField("complete"):
-                done = response.complete
-                _count(gateway, response)
-                finish = FINISH_REASONS.get(done.finish_reason, "stop")
-                yield _event(_piece(call, created, index, "", [], finish))
-                going -= 1
-                completion_tokens += done.completion_tokens
-                if include_usage and not going:
-                    body = chunk(call.request_id, call.model, created, {})
-                    body["object"] = "text_completion" if call.is_completion else body["object"]
-                    body["choices"] = []
-                    body["usage"] = usage(done.prompt_tokens, completion_tokens)
-                    yield _event(body)
+            match response.kind:
+                case wire.GenerateChunk() as c:
+                    if not seen_text and c.text:
+                        gateway.metrics.ttft.observe(time.monotonic() - started)
+                        seen_text = True
+                    if c.text or (call.sampling.logprobs and c.logprobs):
+                        yield _event(_piece(call, created, index, c.text, list(c.logprobs), None))
+                case wire.GenerateComplete() as done:
+                    _count(gateway, response, done)
+                    yield _event(_piece(call, created, index, "", [], done.finish_reason))
+                    going -= 1
+                    completion_tokens += done.completion_tokens
+                    if include_usage and not going:
+                        body = chunk(call.request_id, call.model, created, {})
+                        kind = "text_completion" if call.is_completion else body["object"]
+                        body["object"] = kind
+                        body["choices"] = []
+                        body["usage"] = usage(done.prompt_tokens, completion_tokens)
+                        yield _event(body)
         yield "data: [DONE]\n\n"
     except ApiError as exc:  # a failure after the response started: it travels in the stream
         yield _event(exc.body())
@@ -385,7 +378,7 @@ class _Generated:
 
     text: str
     logprobs: list[Any]  # TokenLogprob messages
-    finish_reason: str
+    finish_reason: wire.FinishReason
     prompt_tokens: int
     completion_tokens: int
 
@@ -399,7 +392,7 @@ async def _collect(
     gateway: Gateway,
     call: GenerateCall,
     stream: Responses,
-    first: language_pb2.GenerateResponse,
+    first: wire.GenerateResponse,
     started: float,
 ) -> list[_Generated]:
     """Every choice's output, in choice order."""
@@ -410,31 +403,30 @@ async def _collect(
     seen = False
     async for response in _responses(first, stream):
         index = _choice_index(response, n)
-        if response.HasField("chunk"):
-            if not seen:
-                gateway.metrics.ttft.observe(time.monotonic() - started)
-                seen = True
-            texts[index].append(response.chunk.text)
-            logprobs[index] += list(response.chunk.logprobs)
-        elif response.HasField("complete"):
-            end = response.complete
-            _count(gateway, response)
-            finish = FINISH_REASONS.get(end.finish_reason, "stop")
-            done[index] = _Generated(
-                "".join(texts[index]),
-                logprobs[index],
-                finish,
-                end.prompt_tokens,
-                end.completion_tokens,
-            )
-            if len(done) == n:
-                return [done[i] for i in range(n)]
+        match response.kind:
+            case wire.GenerateChunk() as c:
+                if not seen:
+                    gateway.metrics.ttft.observe(time.monotonic() - started)
+                    seen = True
+                texts[index].append(c.text)
+                logprobs[index] += list(c.logprobs)
+            case wire.GenerateComplete() as end:
+                _count(gateway, response, end)
+                done[index] = _Generated(
+                    "".join(texts[index]),
+                    logprobs[index],
+                    end.finish_reason,
+                    end.prompt_tokens,
+                    end.completion_tokens,
+                )
+                if len(done) == n:
+                    return [done[i] for i in range(n)]
     raise ApiError(500, "the language instance ended the stream without completing")
 
 
 async def _generate(
     gateway: Gateway, request: Request, call: GenerateCall, started: float
-) -> tuple[Responses, language_pb2.GenerateResponse]:
+) -> tuple[Responses, wire.GenerateResponse]:
     """The call's stream and its first response: a failure before it is an HTTP
     status, streaming or not."""
     stream = gateway.backend.generate(call)

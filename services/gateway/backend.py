@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -31,6 +31,8 @@ from services.proto import (
     language_pb2,
     language_pb2_grpc,
 )
+from services.wire.convert import from_proto, to_proto
+from services.wire.request import GenerateError, GenerateRequest, GenerateResponse, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ BROKER_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0  # for a channel that is not connected (its peer just restarted)
 
 # A request's stream from the language instance, as the gateway consumes it.
-Responses = AsyncGenerator[language_pb2.GenerateResponse, None]
+Responses = AsyncGenerator[GenerateResponse, None]
 
 
 class GenerationBackend(Protocol):
@@ -60,20 +62,33 @@ class GenerationBackend(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class MediaData:
+    """An image's or a video's bytes, as the client sent them."""
+
+    data: bytes
+    is_video: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateCall:
-    request_id: str
+    """What the gateway asks of its backend: the language request, the model it
+    is for, and the bytes of its images and videos in prompt order."""
+
+    request: GenerateRequest
     model: str
-    messages: list[language_pb2.ChatMessage]
-    images: list[bytes]  # the images and videos, in order
-    sampling: common_pb2.SamplingParams
-    # A completion (/v1/completions) instead of a chat: messages and images empty.
-    prompt: str = ""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    video_indices: list[int] = field(default_factory=list)  # which of images are videos
+    media: tuple[MediaData, ...] = ()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
 
     @property
     def is_completion(self) -> bool:
-        return bool(self.prompt or self.prompt_token_ids)
+        return self.request.is_completion
 
 
 def _stop_on_failure(encode: asyncio.Task[None], stream: grpc.aio.Call) -> None:
@@ -194,29 +209,21 @@ class Backend:
         """The language instance's stream; ApiError for anything that fails."""
         route = await self._route(
             broker_pb2.RouteRequest(
-                request_id=call.request_id, model=call.model, needs_encoder=bool(call.images)
+                request_id=call.request_id, model=call.model, needs_encoder=bool(call.media)
             )
         )
         language = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
-        stream = language.Generate(
-            language_pb2.GenerateRequest(
-                request_id=call.request_id,
-                messages=call.messages,
-                sampling=call.sampling,
-                prompt=call.prompt,
-                prompt_token_ids=call.prompt_token_ids,
-            ),
-            timeout=self.generate_timeout_s,
-        )
+        stream = language.Generate(to_proto(call.request), timeout=self.generate_timeout_s)
         encode: asyncio.Task[None] | None = None
-        if call.images:
+        if call.media:
             encode = asyncio.ensure_future(self._encode(call, route))
             encode.add_done_callback(lambda task: _stop_on_failure(task, stream))
         finished = False
         try:
-            async for response in stream:
-                if response.HasField("error"):
-                    raise ApiError(500, f"language instance: {response.error.message}")
+            async for pb in stream:
+                response = from_proto(GenerateResponse, pb)
+                if isinstance(response.kind, GenerateError):
+                    raise ApiError(500, f"language instance: {response.kind.message}")
                 yield response
             finished = True
         except grpc.aio.AioRpcError as exc:
@@ -246,8 +253,8 @@ class Backend:
                 await encoder.Encode(
                     encoder_pb2.EncodeRequest(
                         request_id=call.request_id,
-                        images=call.images,
-                        video_indices=call.video_indices,
+                        images=[m.data for m in call.media],
+                        video_indices=[i for i, m in enumerate(call.media) if m.is_video],
                         language_instance_id=route.language_id,
                     ),
                     timeout=self.encode_timeout_s,

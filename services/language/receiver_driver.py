@@ -116,16 +116,19 @@ class ReceiverDriver:
             raise TransferFailedError(f"request {request_id!r} is not receiving")
         return await asyncio.shield(done)
 
-    async def take(self, request_id: str) -> Planes:
-        """A finished request's embeddings (per plane: the embeddings, then any
-        deepstack features), copied out of the pool; its blocks are free again
-        when this returns."""
+    async def take(self, request_id: str) -> dict[str, torch.Tensor]:
+        """A finished request's tokens per plane, by the plane's name (the
+        embeddings; with deepstack, its features), copied out of the pool; its
+        blocks are free again when this returns."""
         self._run(self.machine.take(request_id))
         self._done.pop(request_id, None)
         parts = self._staged.pop(request_id)
-        if len(parts) == 1:  # already a copy: no second one
-            return parts[0]
-        return [torch.cat(plane) for plane in zip(*parts, strict=True)]
+        # one part is already a copy: no second one
+        planes = parts[0] if len(parts) == 1 else [torch.cat(p) for p in zip(*parts, strict=True)]
+        return {
+            plane.name: tensor
+            for plane, tensor in zip(self.pool.layout.planes, planes, strict=True)
+        }
 
     def release(self, request_id: str, reason: str) -> None:
         """Ends a request's transfer, whatever its state; its blocks go back (or

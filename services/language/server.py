@@ -13,7 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from services.broker.client import BrokerLink, BrokerUnavailableError
 from services.instance import InstanceConfig
-from services.language.engine.engine import AsyncEngine, EngineConfig, LLMEngine
+from services.language.engine.async_engine import AsyncEngine
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import LLMEngine
+from services.language.frontend import Frontend
 from services.language.metrics import LanguageMetrics
 from services.language.receiver_driver import ReceiverDriver
 from services.language.servicer import LanguageServicer
@@ -112,14 +115,15 @@ class LanguageServer:
             pool_wait_s=config.pool_wait_s,
             quarantine_s=config.quarantine_s,
         )
-        servicer = LanguageServicer(
+        self.frontend = Frontend(
             self.engine,
-            self.receiver,
             self.tokenizer,
             self.spec,
-            self.metrics,
-            config.max_active_requests,
+            self.receiver,
             ImageTokenRule.from_checkpoint(config.checkpoint).max_tokens,
+        )
+        servicer = LanguageServicer(
+            self.frontend, self.receiver, self.metrics, config.max_active_requests
         )
         self.grpc = config.instance.server(
             language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,
@@ -189,6 +193,7 @@ class LanguageServer:
         if self.link is not None:
             await self.link.close()
         await self.engine.stop()
+        self.frontend.close()
         for end in self.ends.values():
             end.close()
         self.pool.close()

@@ -1,12 +1,18 @@
-"""One conversion between the dataclasses of messages.py and protobuf, driven
-by the proto descriptors: a dataclass is converted to the message of its name,
-field by field (by name); enums by number (torch dtypes by DTYPE_<name>),
-repeated fields from and to tuples, messages recursively, and an Attach
-envelope (PeerMessage, BrokerMessage) by the oneof member of the message's type.
+"""One conversion between the dataclasses of messages.py and request.py and
+protobuf, driven by the proto descriptors: a dataclass is converted to the
+message of its name, field by field (by name); enums by name (`Role.ENCODER`
+is ROLE_ENCODER, torch dtypes DTYPE_<name>), repeated fields from and to
+tuples, maps from and to sorted tuples of pairs, messages recursively.
+
+Oneofs: a dataclass field named as a oneof holds the member's value, and the
+member is picked by the value's type; a message that is nothing but a oneof
+named `kind` (ContentPart, the Attach envelopes PeerMessage and BrokerMessage)
+has no dataclass: a field of its type holds the member's value directly.
 
 From protobuf, a scalar left at its zero value (proto3 cannot tell it from
 unset) takes the dataclass field's default where it has one; an unset message
-field is None. A value that is not valid raises ValueError naming the field.
+or optional field is None (or its default). A value that is not valid raises
+ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -19,23 +25,30 @@ from functools import cache
 from typing import Any, TypeVar
 
 import torch
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor, OneofDescriptor
 from google.protobuf.message import Message
 
-from services.proto import broker_pb2, common_pb2
-from services.wire import messages
+from services.proto import broker_pb2, common_pb2, language_pb2
+from services.wire import messages, request
 from services.wire.dtypes import DTYPE_NAMES, DTYPES_BY_NAME
 from services.wire.transport import Transport
 
 T = TypeVar("T")
 
-_PROTO_MODULES = (common_pb2, broker_pb2)
+_PROTO_MODULES = (common_pb2, broker_pb2, language_pb2)
 _DATACLASSES: dict[str, type] = {
     name: value
-    for name, value in vars(messages).items()
+    for module in (messages, request)
+    for name, value in vars(module).items()
     if isinstance(value, type) and dataclasses.is_dataclass(value)
 }
-_ENUMS: dict[str, type[enum.IntEnum]] = {"Role": messages.Role, "Transport": Transport}
+_ENUMS: dict[str, type[enum.Enum]] = {
+    "Role": messages.Role,
+    "Transport": Transport,
+    "FinishReason": request.FinishReason,
+}
+# A oneof's scalar member takes values of this Python type.
+_SCALARS = {FieldDescriptor.CPPTYPE_STRING: str}
 
 
 @cache
@@ -51,12 +64,13 @@ class _Field:
     """How one dataclass field crosses, worked out once per class."""
 
     name: str
-    repeated: bool
-    message: bool
+    kind: str  # "scalar", "message", "repeated", "map" or "oneof"
     required: bool  # no dataclass default: proto3's zero value is a value
+    presence: bool  # the proto tracks whether it is set (messages, optional scalars)
     zero: Any  # the proto field's default (unset) value
     encode: Callable[[Any], Any]
     decode: Callable[[Any], Any]
+    oneof: OneofDescriptor | None = None
 
 
 Plan = tuple[type[Message], tuple[_Field, ...]]
@@ -74,17 +88,28 @@ def _make_plan(cls: type) -> Plan:
     proto = _proto_class(cls.__name__)
     fields = []
     for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        oneof = proto.DESCRIPTOR.oneofs_by_name.get(f.name)
+        if oneof is not None:
+            fields.append(_Field(f.name, "oneof", required, True, None, _nothing, _nothing, oneof))
+            continue
         fd = proto.DESCRIPTOR.fields_by_name[f.name]
-        has_default = f.default is not dataclasses.MISSING or (
-            f.default_factory is not dataclasses.MISSING
+        kind = (
+            "map"
+            if _is_map(fd)
+            else "repeated"
+            if fd.is_repeated
+            else "message"
+            if fd.message_type is not None
+            else "scalar"
         )
         fields.append(
             _Field(
                 f.name,
-                bool(fd.is_repeated),
-                fd.message_type is not None,
-                not has_default,
-                fd.default_value if not fd.is_repeated else None,
+                kind,
+                required,
+                fd.has_presence,
+                None if fd.is_repeated else fd.default_value,
                 _encoder(fd),
                 _decoder(fd),
             )
@@ -92,38 +117,85 @@ def _make_plan(cls: type) -> Plan:
     return proto, tuple(fields)
 
 
+def _nothing(value: Any) -> Any:
+    return value
+
+
+def _is_map(fd: FieldDescriptor) -> bool:
+    return fd.message_type is not None and fd.message_type.GetOptions().map_entry
+
+
+def _is_envelope(descriptor: Descriptor) -> bool:
+    """A message that is only a oneof `kind`: its dataclass is the member's."""
+    kind = descriptor.oneofs_by_name.get("kind")
+    return kind is not None and len(kind.fields) == len(descriptor.fields)
+
+
 def _encoder(fd: FieldDescriptor) -> Callable[[Any], Any]:
+    if _is_map(fd):
+        return dict
     if fd.message_type is not None:
+        if _is_envelope(fd.message_type):
+            envelope = _proto_class(fd.message_type.name)
+            return lambda value: wrap(envelope, value)
         return to_proto
     if fd.enum_type is None:
-        return lambda value: value
+        return _nothing
     if fd.enum_type.name == "DType":
         return dtype_to_proto
-    # By name: the generated stubs type enum fields as their own int subclass.
-    names = {number: value.name for number, value in fd.enum_type.values_by_number.items()}
-    return lambda value: names[int(value)]
+    prefix = _enum_prefix(fd.enum_type)
+    return lambda value: prefix + value.name
 
 
 def _decoder(fd: FieldDescriptor) -> Callable[[Any], Any]:
+    if _is_map(fd):
+        return lambda raw: tuple(sorted(raw.items()))
     if fd.message_type is not None:
+        if _is_envelope(fd.message_type):
+            return unwrap
         cls = _DATACLASSES[fd.message_type.name]
         return lambda raw: from_proto(cls, raw)
     if fd.enum_type is None:
-        return lambda raw: raw
+        return _nothing
     if fd.enum_type.name == "DType":
         return dtype_from_proto
-    return _ENUMS[fd.enum_type.name]
+    return _enum_decoder(fd.enum_type)
+
+
+def _enum_prefix(descriptor: EnumDescriptor) -> str:
+    """ROLE_ of ROLE_UNSPECIFIED: every proto enum here names its zero so."""
+    return descriptor.values_by_number[0].name.removesuffix("UNSPECIFIED")
+
+
+def _enum_decoder(descriptor: EnumDescriptor) -> Callable[[int], Any]:
+    cls, prefix = _ENUMS[descriptor.name], _enum_prefix(descriptor)
+
+    def decode(number: int) -> Any:
+        value = descriptor.values_by_number.get(number)
+        member = value.name.removeprefix(prefix) if value is not None else ""
+        if member not in cls.__members__:
+            raise ValueError(f"{number} is not a valid {cls.__name__}")
+        return cls[member]
+
+    return decode
 
 
 def to_proto(value: Any) -> Any:
-    """The protobuf message of a messages.py dataclass."""
+    """The protobuf message of a messages.py or request.py dataclass."""
     proto, fields = _plan(type(value))
     kwargs = {}
     for f in fields:
         item = getattr(value, f.name)
         if item is None:
             continue
-        kwargs[f.name] = [f.encode(x) for x in item] if f.repeated else f.encode(item)
+        if f.kind == "oneof":
+            assert f.oneof is not None
+            member = _member(f.oneof, item)
+            kwargs[member.name] = _encoder(member)(item)
+        elif f.kind == "repeated":
+            kwargs[f.name] = [f.encode(x) for x in item]
+        else:
+            kwargs[f.name] = f.encode(item)
     return proto(**kwargs)
 
 
@@ -132,11 +204,19 @@ def from_proto(cls: type[T], pb: Any) -> T:
     _, fields = _plan(cls)
     kwargs = {}
     for f in fields:
-        raw = getattr(pb, f.name)
         try:
-            if f.repeated:
+            if f.kind == "oneof":
+                if pb.WhichOneof(f.name) is not None:
+                    kwargs[f.name] = _unwrap_oneof(pb, f.name)
+                elif f.required:
+                    raise ValueError("is required")
+                continue
+            raw = getattr(pb, f.name)
+            if f.kind == "repeated":
                 kwargs[f.name] = tuple(f.decode(x) for x in raw)
-            elif f.message:
+            elif f.kind == "map":
+                kwargs[f.name] = f.decode(raw)
+            elif f.presence:
                 if pb.HasField(f.name):
                     kwargs[f.name] = f.decode(raw)
                 elif f.required:
@@ -148,25 +228,35 @@ def from_proto(cls: type[T], pb: Any) -> T:
     return cls(**kwargs)
 
 
-def wrap(envelope: type[Message], message: Any) -> Any:
-    """An envelope (PeerMessage, BrokerMessage) holding `message` in its oneof."""
-    kind = _kinds(envelope.DESCRIPTOR)[type(message).__name__]
-    return envelope(**{kind: to_proto(message)})
+def wrap(envelope: type[Message], value: Any) -> Any:
+    """An envelope (ContentPart, PeerMessage, BrokerMessage) holding `value` in its oneof."""
+    member = _member(envelope.DESCRIPTOR.oneofs_by_name["kind"], value)
+    return envelope(**{member.name: _encoder(member)(value)})
 
 
 def unwrap(envelope: Any) -> Any:
-    """The dataclass an envelope holds; ValueError if it holds nothing."""
-    kind = envelope.WhichOneof("kind")
-    if kind is None:
+    """The value an envelope holds; ValueError if it holds nothing."""
+    if envelope.WhichOneof("kind") is None:
         raise ValueError(f"an empty {envelope.DESCRIPTOR.name}")
-    fd = envelope.DESCRIPTOR.fields_by_name[kind]
-    return from_proto(_DATACLASSES[fd.message_type.name], getattr(envelope, kind))
+    return _unwrap_oneof(envelope, "kind")
+
+
+def _unwrap_oneof(pb: Any, oneof: str) -> Any:
+    member = pb.DESCRIPTOR.fields_by_name[pb.WhichOneof(oneof)]
+    return _decoder(member)(getattr(pb, member.name))
+
+
+def _member(oneof: OneofDescriptor, value: Any) -> FieldDescriptor:
+    """The member of a oneof that carries a value of this type."""
+    return _members(oneof)[type(value)]
 
 
 @cache
-def _kinds(descriptor: Descriptor) -> dict[str, str]:
-    """Message type name -> the oneof member that carries it."""
-    return {fd.message_type.name: fd.name for fd in descriptor.oneofs_by_name["kind"].fields}
+def _members(oneof: OneofDescriptor) -> dict[type, FieldDescriptor]:
+    return {
+        _DATACLASSES[fd.message_type.name] if fd.message_type else _SCALARS[fd.cpp_type]: fd
+        for fd in oneof.fields
+    }
 
 
 def dtype_to_proto(dtype: torch.dtype) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest_asyncio
 
 from services.gateway.server import GatewayConfig, GatewayServer
-from services.language.engine.engine import EngineConfig
+from services.language.engine.config import EngineConfig
 from services.triton.launcher import TritonServer
 from services.wire.transport import Transport
 from tests.stack import start_broker, start_encoder, start_language

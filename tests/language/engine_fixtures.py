@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from services.language.engine.engine import EngineConfig, LLMEngine, RequestOutput
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import LLMEngine, RequestOutput
 from services.language.engine.request import Request, SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.checkpoint import load_language_weights, load_vision_tower

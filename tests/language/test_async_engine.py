@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.language.engine.engine import AsyncEngine
+from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.request import SamplingParams
 from tests.language.engine_fixtures import make_engine, make_request
 from tests.reference import chat

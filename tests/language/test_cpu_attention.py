@@ -15,7 +15,7 @@ import torch
 
 from services.language.engine import cpu_kernels, engine
 from services.language.engine.attention import TorchAttention
-from services.language.engine.engine import attention_backend, linear_backend, ops_backend
+from services.language.engine.config import attention_backend, linear_backend, ops_backend
 from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
 
 CASES = {

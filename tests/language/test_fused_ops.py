@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.language.engine import cpu_kernels
-from services.language.engine.engine import ops_backend
+from services.language.engine.config import ops_backend
 from services.language.engine.model import RMSNorm, apply_rotary
 
 HEADS, KV_HEADS, DIM = 8, 4, 64

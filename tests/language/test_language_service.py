@@ -16,7 +16,7 @@ import pytest_asyncio
 from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
-from services.language.engine.engine import EngineConfig
+from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.model.processor import ImageTokenRule
 from services.proto import common_pb2, encoder_pb2, language_pb2

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.language.engine import cpu_kernels
-from services.language.engine.engine import linear_backend
+from services.language.engine.config import linear_backend
 from services.language.engine.linear import (
     KERNEL_MAX_ROWS,
     KernelLinear,

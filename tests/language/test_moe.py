@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.language.engine.config import moe_backend
 from services.language.engine.cpu_kernels import linear_kernel
-from services.language.engine.engine import moe_backend
 from services.language.engine.linear import KernelExperts, PackedExperts
 from services.language.engine.model import Experts, LanguageModel
 from services.language.engine.moe import FlashInferExperts, fuse_experts

@@ -26,7 +26,7 @@ from services.broker.server import BrokerServer
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender_driver import SenderDriver
-from services.language.engine.engine import EngineConfig
+from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.model.spec import load_spec
 from services.transfer.embedding_pool import EmbeddingPool

@@ -106,7 +106,7 @@ async def receive(
     await language.receiver.expect(request_id, hint)
     await encode  # Encode answers once the embeddings have landed
     await language.receiver.wait(request_id)
-    embeddings, *_deepstack = await language.receiver.take(request_id)
+    embeddings = (await language.receiver.take(request_id))["embeddings"]
     return embeddings
 
 
@@ -350,7 +350,7 @@ async def test_a_killed_encoder_fails_over_to_another(
         await encode_into(broker, encoder, language, "orphan", data)
         await language.receiver.wait("orphan")
         assert language.receiver.transfers["orphan"].blocks == blocks  # the same preallocation
-        (got,) = await language.receiver.take("orphan")
+        got = (await language.receiver.take("orphan"))["embeddings"]
         assert torch.equal(got, tower_output(tiny_checkpoint, data))
         assert broker.broker.rendezvous.describe("orphan").num_failovers == 1
         language.pool.allocator.check_integrity()
@@ -472,7 +472,7 @@ async def test_random_load_returns_every_block(
                 await asyncio.sleep(0.001 * num_images)
                 return
             await language.receiver.wait(request_id)
-            (got,) = await language.receiver.take(request_id)
+            got = (await language.receiver.take(request_id))["embeddings"]
             assert got.shape[0] == exact
         finally:
             language.receiver.release(request_id, "the test abandoned it")

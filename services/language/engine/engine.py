@@ -1,63 +1,39 @@
-"""LLMEngine: the loop `schedule() -> run() -> postprocess()`, and AsyncEngine,
-which runs that loop on its own thread for the asyncio servicer."""
+"""LLMEngine: the loop `schedule() -> run() -> postprocess()` over the model,
+its paged KV cache, the scheduler and the sampler, stepped by one thread."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from services.language.engine.attention import AttentionBackend, FlashInferAttention, TorchAttention
-from services.language.engine.cpu_kernels import (
-    KERNEL_DTYPES,
-    fused_ops,
-    linear_kernel,
-    paged_decode_attention,
+from services.language.engine.config import (
+    EngineConfig,
+    attention_backend,
+    linear_backend,
+    moe_backend,
+    ops_backend,
 )
+from services.language.engine.cpu_kernels import fused_ops, linear_kernel, paged_decode_attention
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
-from services.language.engine.linear import onednn_supports, pack_linears, use_linear_kernel
+from services.language.engine.linear import pack_linears, use_linear_kernel
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import fuse_experts
-from services.language.engine.request import Request, RequestStatus, SamplingParams, new_request
+from services.language.engine.request import Request, RequestStatus, new_request
 from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
-from services.language.engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from services.language.engine.scheduler import Scheduled, Scheduler
 from services.language.engine.vision import VisionTower
 from services.model.spec import ModelSpec
+from services.wire.request import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    max_model_len: int = 4096
-    kv_cache_bytes: int = 512 * 1024 * 1024
-    page_size: int = 16
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    # "torch", "cpu" (torch's, decodes in the compiled paged kernel; float32 or
-    # bfloat16), "flashinfer", or "auto": FlashInfer on CUDA, "cpu" on a CPU in
-    # float32, else torch
-    attention: str = "auto"
-    moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
-    # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
-    # (packed), or "auto": "cpu" on a CPU in float32 where the kernel builds,
-    # else oneDNN where it packs the dtype, else torch (linear.py)
-    linear: str = "auto"
-    # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32),
-    # or "auto" ("cpu" on a CPU in float32 where the kernels build, else torch)
-    ops: str = "auto"
-    cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +54,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # set on the last output of a request that failed
@@ -95,65 +71,6 @@ class StepStats:
     num_generated: int
     ttfts: list[float]  # seconds, for requests that got their first token this step
     tpots: list[float]  # seconds per output token, for requests that finished this step
-
-
-def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> str:
-    """`auto` is FlashInfer on CUDA unless the model is in float32 (FlashInfer's
-    kernels are half precision only), then torch, with a log line."""
-    if choice != "auto":
-        return choice
-    if device.type != "cuda":
-        return "torch"
-    if dtype == torch.float32:
-        logger.info("float32 on %s: torch %s (FlashInfer has no float32 kernels)", device, what)
-        return "torch"
-    return "flashinfer"
-
-
-def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch", "cpu" or "flashinfer" for EngineConfig.attention."""
-    if choice == "flashinfer" and dtype == torch.float32:
-        raise ValueError("FlashInfer attention needs float16 or bfloat16, not float32")
-    compiled = device.type == "cpu" and dtype in KERNEL_DTYPES
-    if choice == "cpu" and not (compiled and paged_decode_attention() is not None):
-        raise ValueError(
-            "the compiled paged attention needs a CPU, float32 or bfloat16, and a C compiler"
-        )
-    # bfloat16 only when asked: its rounding strays from HF's bfloat16 (SDPA's)
-    # more than test_bfloat16's top-5 contract allows on the small demo
-    if choice == "auto" and compiled and dtype == torch.float32:
-        choice = "cpu" if paged_decode_attention() is not None else "torch"
-    return _auto(choice, dtype, device, "attention")
-
-
-def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch", "cpu" or "onednn" for EngineConfig.linear (torch: cuBLAS on GPUs)."""
-    kernel = device.type == "cpu" and dtype == torch.float32 and linear_kernel() is not None
-    packs = device.type == "cpu" and onednn_supports(dtype)
-    if choice == "cpu" and not kernel:
-        raise ValueError("the CPU linear kernel needs a CPU with AVX2, float32 and a C compiler")
-    if choice == "onednn" and not packs:
-        raise ValueError(f"oneDNN packed projections need a CPU that packs {dtype}")
-    if choice != "auto":
-        return choice
-    return "cpu" if kernel else "onednn" if packs else "torch"
-
-
-def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch" or "cpu" for EngineConfig.ops."""
-    built = device.type == "cpu" and dtype == torch.float32 and fused_ops() is not None
-    if choice == "cpu" and not built:
-        raise ValueError("the fused CPU operations need a CPU, float32 and a C compiler")
-    if choice == "auto":
-        return "cpu" if built else "torch"
-    return choice
-
-
-def moe_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch" or "flashinfer" for EngineConfig.moe (the experts of MoE layers)."""
-    if choice == "flashinfer" and (device.type != "cuda" or dtype == torch.float32):
-        raise ValueError("FlashInfer's fused MoE needs CUDA and float16 or bfloat16")
-    return _auto(choice, dtype, device, "MoE experts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,11 +259,8 @@ class LLMEngine:
         for row, s in enumerate(s for s in batch if s.samples):
             parent = s.request
             for choice in parent.forks:
-                self.blocks.share(parent, choice)
-                choice.num_computed_tokens = parent.num_computed_tokens + s.num_tokens
                 choice.image_embeds = parent.image_embeds  # encoded by now if it came as pixels
-                choice.status = RequestStatus.RUNNING
-                self.scheduler.running.append(choice)
+                self.scheduler.join(parent, choice, s.num_tokens)
                 forked.append(Scheduled(choice, 0, samples=True))
                 rows.append(row)
             parent.forks = []
@@ -411,7 +325,7 @@ class LLMEngine:
             [],
             "",
             [],
-            "abort",
+            FinishReason.ABORT,
             request.num_prompt_tokens,
             request.num_output_tokens,
             error=error,
@@ -474,164 +388,3 @@ class LLMEngine:
             ttfts=ttfts,
             tpots=tpots,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    request: Request
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
-
-
-class AsyncEngine:
-    """Runs LLMEngine.step() on a dedicated thread for asyncio callers.
-
-    The engine belongs to that thread: callers add and abort requests through
-    a thread-safe inbox, get outputs on per-request asyncio queues, and read
-    its load from the snapshot the thread publishes. What they may call from
-    the event loop: the checks (they read the immutable config), grammar
-    compilation (on its own thread), `generate`, `abort`, `has_request`,
-    `num_requests` and `load`. `engine` is there for tests, once it is idle.
-    """
-
-    def __init__(
-        self,
-        engine: LLMEngine,
-        on_step: Callable[[StepStats, float], None] = lambda stats, seconds: None,
-    ) -> None:
-        self.engine = engine
-        self._on_step = on_step
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.load = engine.load()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
-
-    @property
-    def num_kv_pages(self) -> int:
-        return self.engine.blocks.allocator.num_blocks
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        self.engine.check_sampling(params)
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        self.engine.check_fits(num_prompt_tokens, max_tokens)
-
-    async def compile_grammar(self, params: SamplingParams) -> Any:
-        """The request's compiled grammar (None without one), compiled off the loop."""
-        return await self.engine.grammars.compile(params)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._queues
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._queues)
-
-    def start(self) -> None:
-        """Warms the engine up, then starts its loop: whoever serves it says
-        serving only after this."""
-        self.engine.warm_up()
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10)
-
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        for request_id, item in items:
-            q = self._queues.get(request_id)
-            if q is not None:
-                q.put_nowait(item)
-
-    def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """Hands items to the event loop in one wake-up (one per step, not per request)."""
-        assert self._loop is not None
-        if items:
-            self._loop.call_soon_threadsafe(self._deliver, items)
-
-    def _run(self) -> None:
-        while not self._stopping:
-            self._drain_inbox()
-            if not self.engine.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            started = time.perf_counter()
-            try:
-                outputs, stats = self.engine.step()
-            except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
-                logger.exception("engine step failed")
-                failed = list(self.engine.requests)
-                for request_id in failed:
-                    self.engine.abort_request(request_id)
-                self._send([(request_id, exc) for request_id in failed])
-                continue
-            finally:
-                self.load = self.engine.load()
-            self._send([(output.request_id, output) for output in outputs])
-            self._on_step(stats, time.perf_counter() - started)
-
-    def _drain_inbox(self) -> None:
-        replies: list[tuple[str, RequestOutput | BaseException]] = []
-        drained = False
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            drained = True
-            match message:
-                case _Add(request):
-                    try:
-                        self.engine.add_request(request)
-                    except ValueError as exc:
-                        replies.append((request.request_id, exc))
-                case _Abort(request_id):
-                    outputs = self.engine.abort_request(request_id)
-                    replies += [(request_id, output) for output in outputs]
-        if drained:  # a step publishes its own
-            self.load = self.engine.load()
-        self._send(replies)
-
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, its choices interleaved, until every choice
-        finishes; leaving early aborts it."""
-        self.engine.check(request)
-        if request.request_id in self._queues:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request.request_id] = q
-        self._inbox.put(_Add(request))
-        self._wake.set()
-        going = request.sampling.n
-        try:
-            while going:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
-                going -= item.finished
-                yield item
-        finally:
-            del self._queues[request.request_id]
-            if going:
-                self.abort(request.request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
-        self._wake.set()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -15,10 +14,7 @@ import xgrammar as xgr
 from services.model.mrope import mrope_positions
 from services.model.spec import ModelSpec
 from services.wire.messages import ImageGrid
-
-# Below this temperature sampling is greedy (as in vLLM): dividing the logits by
-# it would overflow to inf and leave no distribution to draw from.
-SAMPLING_EPS = 1e-5
+from services.wire.request import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -36,83 +32,12 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+            RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
         }.get(self)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
-    # Logits processors (OpenAI / vLLM semantics; services/language/engine/sampler.py).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    # Structured output (services/language/engine/grammar.py).
-    json_schema: str = ""
-    json_object: bool = False
-    n: int = 1  # choices: the prompt is prefilled once, its KV pages shared by all
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
-            )
-        for token, bias in self.logit_bias:
-            if token < 0 or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias {token}: {bias} must be in [-100, 100]")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
-
-    @property
-    def has_processors(self) -> bool:
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.min_tokens
-            or self.logit_bias
-        )
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Every token id these parameters name (to check against the vocabulary)."""
-        return [*self.stop_token_ids, *(token for token, _ in self.logit_bias)]
 
 
 @dataclass(slots=True)

@@ -111,6 +111,15 @@ class Scheduler:
             seats += 1 + len(request.forks)
         return scheduled
 
+    def join(self, parent: Request, choice: Request, num_tokens: int) -> None:
+        """Another choice of an n > 1 request joins the running batch in the step
+        that finishes its prompt (`num_tokens` of it this step): it shares the
+        prompt's pages and samples its first token from the same logits."""
+        self.blocks.share(parent, choice)
+        choice.num_computed_tokens = parent.num_computed_tokens + num_tokens
+        choice.status = RequestStatus.RUNNING
+        self.running.append(choice)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Removes a request wherever it is and frees its pages."""
         assert status.is_finished

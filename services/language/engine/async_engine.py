@@ -1,0 +1,179 @@
+"""AsyncEngine: runs LLMEngine's loop on its own thread for asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.language.engine.engine import LLMEngine, RequestFailedError, RequestOutput, StepStats
+from services.language.engine.request import Request
+from services.wire.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Runs LLMEngine.step() on a dedicated thread for asyncio callers.
+
+    The engine belongs to that thread: callers add and abort requests through
+    a thread-safe inbox, get outputs on per-request asyncio queues, and read
+    its load from the snapshot the thread publishes. What they may call from
+    the event loop: the checks (they read the immutable config), grammar
+    compilation (on its own thread), `generate`, `abort`, `has_request`,
+    `num_requests` and `load`. `engine` is there for tests, once it is idle.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[StepStats, float], None] = lambda stats, seconds: None,
+    ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.load = engine.load()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self.engine.blocks.allocator.num_blocks
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        self.engine.check_sampling(params)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.engine.check_fits(num_prompt_tokens, max_tokens)
+
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (None without one), compiled off the loop."""
+        return await self.engine.grammars.compile(params)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
+
+    def start(self) -> None:
+        """Warms the engine up, then starts its loop: whoever serves it says
+        serving only after this."""
+        self.engine.warm_up()
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        for request_id, item in items:
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(item)
+
+    def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hands items to the event loop in one wake-up (one per step, not per request)."""
+        assert self._loop is not None
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            started = time.perf_counter()
+            try:
+                outputs, stats = self.engine.step()
+            except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
+                logger.exception("engine step failed")
+                failed = list(self.engine.requests)
+                for request_id in failed:
+                    self.engine.abort_request(request_id)
+                self._send([(request_id, exc) for request_id in failed])
+                continue
+            finally:
+                self.load = self.engine.load()
+            self._send([(output.request_id, output) for output in outputs])
+            self._on_step(stats, time.perf_counter() - started)
+
+    def _drain_inbox(self) -> None:
+        replies: list[tuple[str, RequestOutput | BaseException]] = []
+        drained = False
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            drained = True
+            match message:
+                case _Add(request):
+                    try:
+                        self.engine.add_request(request)
+                    except ValueError as exc:
+                        replies.append((request.request_id, exc))
+                case _Abort(request_id):
+                    outputs = self.engine.abort_request(request_id)
+                    replies += [(request_id, output) for output in outputs]
+        if drained:  # a step publishes its own
+            self.load = self.engine.load()
+        self._send(replies)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, its choices interleaved, until every choice
+        finishes; leaving early aborts it."""
+        self.engine.check(request)
+        if request.request_id in self._queues:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request.request_id] = q
+        self._inbox.put(_Add(request))
+        self._wake.set()
+        going = request.sampling.n
+        try:
+            while going:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
+                going -= item.finished
+                yield item
+        finally:
+            del self._queues[request.request_id]
+            if going:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()

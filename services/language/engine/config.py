@@ -1,0 +1,102 @@
+"""EngineConfig, and what its `auto` choices of backend (attention, projections,
+fused operations, MoE experts) resolve to on this device and dtype."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from services.language.engine.cpu_kernels import (
+    KERNEL_DTYPES,
+    fused_ops,
+    linear_kernel,
+    paged_decode_attention,
+)
+from services.language.engine.linear import onednn_supports
+from services.language.engine.scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    page_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    # "torch", "cpu" (torch's, decodes in the compiled paged kernel; float32 or
+    # bfloat16), "flashinfer", or "auto": FlashInfer on CUDA, "cpu" on a CPU in
+    # float32, else torch
+    attention: str = "auto"
+    moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
+    # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
+    # (packed), or "auto": "cpu" on a CPU in float32 where the kernel builds,
+    # else oneDNN where it packs the dtype, else torch (linear.py)
+    linear: str = "auto"
+    # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32),
+    # or "auto" ("cpu" on a CPU in float32 where the kernels build, else torch)
+    ops: str = "auto"
+    cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
+
+
+def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> str:
+    """`auto` is FlashInfer on CUDA unless the model is in float32 (FlashInfer's
+    kernels are half precision only), then torch, with a log line."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "torch"
+    if dtype == torch.float32:
+        logger.info("float32 on %s: torch %s (FlashInfer has no float32 kernels)", device, what)
+        return "torch"
+    return "flashinfer"
+
+
+def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch", "cpu" or "flashinfer" for EngineConfig.attention."""
+    if choice == "flashinfer" and dtype == torch.float32:
+        raise ValueError("FlashInfer attention needs float16 or bfloat16, not float32")
+    compiled = device.type == "cpu" and dtype in KERNEL_DTYPES
+    if choice == "cpu" and not (compiled and paged_decode_attention() is not None):
+        raise ValueError(
+            "the compiled paged attention needs a CPU, float32 or bfloat16, and a C compiler"
+        )
+    # bfloat16 only when asked: its rounding strays from HF's bfloat16 (SDPA's)
+    # more than test_bfloat16's top-5 contract allows on the small demo
+    if choice == "auto" and compiled and dtype == torch.float32:
+        choice = "cpu" if paged_decode_attention() is not None else "torch"
+    return _auto(choice, dtype, device, "attention")
+
+
+def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch", "cpu" or "onednn" for EngineConfig.linear (torch: cuBLAS on GPUs)."""
+    kernel = device.type == "cpu" and dtype == torch.float32 and linear_kernel() is not None
+    packs = device.type == "cpu" and onednn_supports(dtype)
+    if choice == "cpu" and not kernel:
+        raise ValueError("the CPU linear kernel needs a CPU with AVX2, float32 and a C compiler")
+    if choice == "onednn" and not packs:
+        raise ValueError(f"oneDNN packed projections need a CPU that packs {dtype}")
+    if choice != "auto":
+        return choice
+    return "cpu" if kernel else "onednn" if packs else "torch"
+
+
+def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch" or "cpu" for EngineConfig.ops."""
+    built = device.type == "cpu" and dtype == torch.float32 and fused_ops() is not None
+    if choice == "cpu" and not built:
+        raise ValueError("the fused CPU operations need a CPU, float32 and a C compiler")
+    if choice == "auto":
+        return "cpu" if built else "torch"
+    return choice
+
+
+def moe_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """ "torch" or "flashinfer" for EngineConfig.moe (the experts of MoE layers)."""
+    if choice == "flashinfer" and (device.type != "cuda" or dtype == torch.float32):
+        raise ValueError("FlashInfer's fused MoE needs CUDA and float16 or bfloat16")
+    return _auto(choice, dtype, device, "MoE experts")

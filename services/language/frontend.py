@@ -1,0 +1,238 @@
+"""The language side's request path, in the steps of the lifecycle
+(docs/architecture.md), on the wire dataclasses:
+
+    render          the prompt: the chat template with each image or video
+                    expanded to its token hint (or a completion's prompt as it is);
+                    sampling resolved and checked, the grammar compiled       (step 3)
+    receive         receive blocks preallocated for the hints, the embeddings
+                    awaited and taken out of the pool (ReceiverDriver)      (steps 3-7)
+    rebuild         the prompt again from the real grids where they differ
+                    from the hints, or a Qwen3-VL video spells out its
+                    timestamps                                                (step 7)
+    engine_request  M-RoPE positions, placeholders and the media             (step 8)
+    stream          the engine's outputs as GenerateResponse messages        (step 8)
+
+The servicer runs them in that order (`generate`); the monolithic baseline
+runs the same steps with pixels its own engine encodes in place of `receive`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from services.language.engine.async_engine import AsyncEngine
+from services.language.engine.engine import RequestOutput
+from services.language.engine.request import Request, new_request
+from services.language.receiver_driver import ReceiverDriver
+from services.model.spec import ModelSpec
+from services.model.tokenizer import ChatMessages, Prompt, build_prompt, completion_prompt
+from services.wire.messages import ImageGrid
+from services.wire.request import (
+    ChatMessage,
+    GenerateChunk,
+    GenerateComplete,
+    GenerateRequest,
+    GenerateResponse,
+    ImagePart,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
+
+ROLES = ("system", "user", "assistant")
+
+
+class MediaMismatchError(RuntimeError):
+    """The encoder sent another number of images and videos than the prompt has."""
+
+
+@dataclass(frozen=True, slots=True)
+class Media:
+    """A request's images and videos as the engine takes them, in prompt order:
+    their grids, and either their embeddings (with deepstack, its features) or,
+    for an engine with its own vision tower, their pixels."""
+
+    grids: tuple[ImageGrid, ...] = ()
+    embeddings: torch.Tensor | None = None  # [tokens, hidden]
+    deepstack: torch.Tensor | None = None  # [tokens, levels * hidden]
+    pixel_values: torch.Tensor | None = None  # [patches, patch_dim]
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A request after `render`: its prompt and resolved sampling."""
+
+    request_id: str
+    chat: ChatMessages  # the chat template's input (empty for a completion)
+    hints: tuple[int, ...]  # each image's and video's token hint (0: unknown)
+    prompt: Prompt
+    sampling: SamplingParams  # max_tokens resolved
+    grammar: Any  # the compiled grammar of a guided request, else None
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessages, tuple[int, ...]]:
+    """The chat template's messages and the token hint of each image and video, in order."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    out: list[dict[str, Any]] = []
+    hints: list[int] = []
+    for message in messages:
+        if message.role not in ROLES:
+            raise ValueError(f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}")
+        parts: list[dict[str, Any]] = []
+        for part in message.content:
+            if isinstance(part, str):
+                parts.append({"type": "text", "text": part})
+            else:
+                parts.append({"type": "image" if isinstance(part, ImagePart) else "video"})
+                hints.append(part.token_hint)
+        out.append({"role": message.role, "content": parts})
+    return out, tuple(hints)
+
+
+def check_hints(hints: Sequence[int], max_media_tokens: int | None, max_model_len: int) -> None:
+    """Token hints come from the caller: bounded by the largest image the model
+    takes and by the context, before anything is built from them."""
+    for index, hint in enumerate(hints):
+        if max_media_tokens is not None and hint > max_media_tokens:
+            raise ValueError(
+                f"image {index}: token_hint {hint} exceeds {max_media_tokens}, the tokens of "
+                "the largest image this model takes"
+            )
+    if sum(hints) > max_model_len:
+        raise ValueError(
+            f"the images' token hints ({sum(hints)}) exceed the context length of "
+            f"{max_model_len} tokens"
+        )
+
+
+def responses(output: RequestOutput, media_tokens: int) -> list[GenerateResponse]:
+    """One engine output as stream messages: its chunk, then the completion if it is the last."""
+    out = []
+    if output.token_ids or output.text:
+        logprobs = tuple(
+            TokenLogprob(
+                lp.token_id, lp.token, lp.logprob, tuple(TopLogprob(*top) for top in lp.top)
+            )
+            for lp in output.logprobs
+        )
+        chunk = GenerateChunk(tuple(output.token_ids), output.text, logprobs)
+        out.append(GenerateResponse(output.request_id, chunk, output.index))
+    if output.finish_reason is not None:
+        complete = GenerateComplete(
+            output.finish_reason, output.num_prompt_tokens, output.num_output_tokens, media_tokens
+        )
+        out.append(GenerateResponse(output.request_id, complete, output.index))
+    return out
+
+
+class Frontend:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        spec: ModelSpec,
+        receiver: ReceiverDriver | None = None,
+        max_media_tokens: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.receiver = receiver  # None: media come as pixels (the monolithic baseline)
+        self.max_media_tokens = max_media_tokens
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
+        """The whole path of a request whose embeddings an encoder sends."""
+        rendered = await self.render(request)
+        media = Media()
+        if rendered.hints:
+            media = await self.receive(rendered)
+            rendered = await self.rebuild(rendered, media.grids)
+        async for response in self.stream(rendered, self.engine_request(rendered, media)):
+            yield response
+
+    async def render(self, request: GenerateRequest) -> Rendered:
+        if request.is_completion:
+            if request.messages:
+                raise ValueError("a request has messages or a prompt, not both")
+            chat: ChatMessages = []
+            hints: tuple[int, ...] = ()
+            args = (request.prompt, list(request.prompt_token_ids))
+            prompt = await self._tokenize(completion_prompt, *args)
+        else:
+            chat, hints = chat_messages(request.messages)
+            check_hints(hints, self.max_media_tokens, self.engine.max_model_len)
+            known = all(h > 0 for h in hints)
+            prompt = await self._tokenize(build_prompt, chat, hints if known else [1] * len(hints))
+        remaining = self.engine.max_model_len - len(prompt.token_ids)
+        sampling = request.sampling
+        if not sampling.max_tokens:
+            sampling = replace(sampling, max_tokens=max(1, remaining))
+        self.engine.check_sampling(sampling)
+        grammar = await self.engine.compile_grammar(sampling)
+        if all(h > 0 for h in hints):
+            self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
+        return Rendered(request.request_id, chat, hints, prompt, sampling, grammar)
+
+    async def receive(self, rendered: Rendered) -> Media:
+        """Preallocates receive blocks for the hinted tokens, waits for the
+        embeddings and takes them out of the pool (its blocks are free again)."""
+        assert self.receiver is not None, "a frontend without a receiver takes pixels"
+        request_id = rendered.request_id
+        try:
+            await self.receiver.expect(request_id, sum(rendered.hints))
+            meta = await self.receiver.wait(request_id)
+            planes = await self.receiver.take(request_id)
+        finally:
+            self.receiver.release(request_id, "the request ended before its embeddings arrived")
+        return Media(meta.grids, planes["embeddings"], planes.get("deepstack"))
+
+    async def rebuild(self, rendered: Rendered, grids: Sequence[ImageGrid]) -> Rendered:
+        """The prompt for the real grids, tokenized again only where they differ
+        from the hints or a video spells out its timestamps (Qwen3-VL)."""
+        if len(grids) != len(rendered.hints):
+            raise MediaMismatchError(
+                f"the encoder sent {len(grids)} images, the prompt has {len(rendered.hints)}"
+            )
+        merge = self.spec.vision.spatial_merge_size
+        counts = tuple(g.num_tokens(merge) for g in grids)
+        if counts == rendered.hints and not any(g.frame_seconds for g in grids):
+            return rendered
+        prompt = await self._tokenize(build_prompt, rendered.chat, grids)
+        self.engine.check_fits(len(prompt.token_ids), rendered.sampling.max_tokens)
+        return replace(rendered, prompt=prompt)
+
+    def engine_request(self, rendered: Rendered, media: Media) -> Request:
+        return new_request(
+            rendered.request_id,
+            rendered.prompt.token_ids,
+            rendered.sampling,
+            self.spec,
+            media.grids,
+            media.embeddings,
+            media.pixel_values,
+            grammar=rendered.grammar,
+            deepstack=media.deepstack,
+        )
+
+    async def stream(self, rendered: Rendered, request: Request) -> AsyncIterator[GenerateResponse]:
+        media_tokens = rendered.prompt.num_image_tokens
+        async for output in self.engine.generate(request):
+            for response in responses(output, media_tokens):
+                yield response
+
+    async def _tokenize(self, build: Callable[..., Prompt], *args: Any) -> Prompt:
+        """Templating and tokenizing, on their own thread: a long prompt never holds
+        the event loop (one thread: a fast tokenizer must not run concurrently)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, build, self.tokenizer, self.spec, *args)
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)

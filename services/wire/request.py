@@ -1,0 +1,201 @@
+"""The request path's messages as plain dataclasses: what a language instance is
+asked (GenerateRequest) and what it streams back (GenerateResponse).
+
+Named as their protobuf messages in protos/epd/v1/language.proto and
+common.proto, with the same field names, and converted by convert.py at the two
+gRPC edges (the gateway's backend, the language servicer); everything between
+them, the gateway's app, the language frontend and engine, the monolithic
+baseline, sees only these.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (as in vLLM): dividing the logits by
+# it would overflow to inf and leave no distribution to draw from.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample, OpenAI's and vLLM's parameters. A field left at proto3's
+    zero value arrives as its default here (convert.py): top_p 0 is 1, n 0 is 1."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 0  # 0: up to the context length (the frontend resolves it)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Logits processors (OpenAI / vLLM semantics; services/language/engine/sampler.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    # Structured output (services/language/engine/grammar.py).
+    json_schema: str = ""
+    json_object: bool = False
+    n: int = 1  # choices: the prompt is prefilled once, its KV pages shared by all
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 0:
+            raise ValueError(
+                f"max_tokens must be >= 0 (0: up to the context), got {self.max_tokens}"
+            )
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0 or (self.max_tokens and self.min_tokens > self.max_tokens):
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias {token}: {bias} must be in [-100, 100]")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_processors(self) -> bool:
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+        )
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token id these parameters name (to check against the vocabulary)."""
+        return [*self.stop_token_ids, *(token for token, _ in self.logit_bias)]
+
+
+# -- the request ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    token_hint: int = 0  # expected embedding tokens (0: unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class VideoPart:
+    token_hint: int = 0  # expected embedding tokens (0: unknown)
+
+
+# A ContentPart is its oneof's member: text, an image or a video.
+ContentPart = str | ImagePart | VideoPart
+MediaPart = ImagePart | VideoPart
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: tuple[ContentPart, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A chat (messages, each image or video with its token hint), or a
+    completion: `prompt` or `prompt_token_ids` as it is, no template, no media."""
+
+    request_id: str
+    messages: tuple[ChatMessage, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_completion(self) -> bool:
+        return bool(self.prompt or self.prompt_token_ids)
+
+    @property
+    def media(self) -> list[MediaPart]:
+        """The images and videos, in prompt order."""
+        return [p for m in self.messages for p in m.content if not isinstance(p, str)]
+
+
+# -- the response stream -------------------------------------------------------
+
+
+class FinishReason(enum.StrEnum):
+    """Why a choice ended; its value is OpenAI's `finish_reason`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    token_ids: tuple[int, ...] = ()
+    text: str = ""  # complete UTF-8 characters only
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateComplete:
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    image_tokens: int = 0  # the images' and videos' embedding tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateError:
+    code: int  # a grpc.StatusCode value
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResponse:
+    """One message of a Generate stream; with n > 1 the choices' messages
+    interleave, `index` naming the choice, each ending with its complete."""
+
+    request_id: str
+    kind: GenerateChunk | GenerateComplete | GenerateError
+    index: int = 0
