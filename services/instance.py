@@ -1,20 +1,39 @@
-"""InstanceConfig: what every instance attached to the broker is configured
-with (where it listens, how peers reach it, who it is, which broker, which
-transports), and the gRPC server and broker registration built from it."""
+"""What every instance attached to the broker (an encoder, a language instance)
+shares: InstanceConfig (where it listens, how peers reach it, who it is, which
+broker, which transports), and InstanceServer, the one lifecycle both run:
+
+    start: serve gRPC -> on_serving -> attach to the broker -> run the periodic tasks
+    stop:  the tasks -> gRPC (2 s grace) -> the transfer driver -> the broker link
+           -> whatever the instance holds (release)
+"""
 
 from __future__ import annotations
 
+import abc
+import asyncio
+import contextlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from services import env
+from services.broker.client import BrokerLink, BrokerUnavailableError
 from services.grpc_server import GrpcServer
-from services.wire.messages import PoolDescriptor, Register, Role
+from services.wire.messages import (
+    BrokerMessage,
+    Heartbeat,
+    PeerMessage,
+    PoolDescriptor,
+    Register,
+    Role,
+)
 from services.wire.transport import Transport
+
+EXPIRE_INTERVAL_S = 0.5  # how often the transfer driver's deadlines are checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +86,92 @@ class InstanceConfig:
             model=model,
             pool=pool,
         )
+
+
+class TransferDriver(Protocol):
+    """The I/O side of an instance's transfer machine (SenderDriver, ReceiverDriver)."""
+
+    async def on_message(self, message: BrokerMessage) -> None: ...
+
+    async def expire(self) -> None: ...
+
+    async def detached(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class InstanceServer(abc.ABC):
+    """The lifecycle of an instance attached to the broker. A subclass builds
+    its gRPC server and transfer driver, says how it registers and what load it
+    reports, and releases what it holds; it may add periodic tasks."""
+
+    grpc: GrpcServer
+    driver: TransferDriver
+
+    def __init__(self, instance: InstanceConfig) -> None:
+        self.instance = instance
+        self.link: BrokerLink | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def address(self) -> str:
+        return self.grpc.address
+
+    @property
+    def instance_id(self) -> str:
+        return self.instance.instance_id
+
+    @abc.abstractmethod
+    def registration(self) -> Register: ...
+
+    @abc.abstractmethod
+    def load(self) -> Heartbeat: ...
+
+    def periodic(self) -> list[tuple[float, Callable[[], Awaitable[None]]]]:
+        """Tasks to run every so many seconds while serving, beside the driver's expiry."""
+        return []
+
+    async def on_serving(self) -> None:  # noqa: B027 (a hook: most instances need none)
+        """Runs once gRPC serves, before the instance registers with the broker."""
+
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """Frees what the instance holds, once nothing serves any more."""
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        await self.on_serving()
+        if self.instance.broker:
+            self.link = BrokerLink(
+                self.instance.broker,
+                self.registration(),
+                self.driver.on_message,
+                self.load,
+                on_detached=self.driver.detached,
+            )
+            await self.link.start()
+        tasks = [(EXPIRE_INTERVAL_S, self.driver.expire), *self.periodic()]
+        self._tasks = [asyncio.create_task(_every(s, work)) for s, work in tasks]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.grpc.stop(2.0)
+        await self.driver.close()
+        if self.link is not None:
+            await self.link.close()
+        await self.release()
+
+    def to_broker(self, message: PeerMessage) -> None:
+        """Sends on the broker stream; BrokerUnavailableError without a broker."""
+        if self.link is None:
+            raise BrokerUnavailableError(f"this {self.instance.role.name.lower()} has no broker")
+        self.link.send(message)
+
+
+async def _every(seconds: float, work: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        await work()

@@ -146,22 +146,22 @@ class SenderDriver:
     # -- the broker's messages, time, shutdown --------------------------------------
 
     async def on_message(self, message: BrokerMessage) -> None:
-        if isinstance(message, InstanceJoined):
-            registration = message.instance.registration
-            async with self._peer_joined:
-                self.peers[registration.instance_id] = registration
-                self._peer_joined.notify_all()
-        elif isinstance(message, Prealloc):
-            self._run(self.machine.on_prealloc(message))
-        elif isinstance(message, Resume):
-            self._run(self.machine.on_resume(message))
-        elif isinstance(message, Abort):
-            self._run(self.machine.on_abort(message))
-        elif isinstance(message, PeerLost):
-            if self.peers.pop(message.instance_id, None) is not None:
-                for writer in self.writers.values():
-                    await writer.forget(message.instance_id)
-            self._run(self.machine.on_peer_lost(message))
+        match message:
+            case InstanceJoined(instance):
+                async with self._peer_joined:
+                    self.peers[instance.registration.instance_id] = instance.registration
+                    self._peer_joined.notify_all()
+            case Prealloc():
+                self._run(self.machine.on_prealloc(message))
+            case Resume():
+                self._run(self.machine.on_resume(message))
+            case Abort():
+                self._run(self.machine.on_abort(message))
+            case PeerLost(instance_id):
+                if self.peers.pop(instance_id, None) is not None:
+                    for writer in self.writers.values():
+                        await writer.forget(instance_id)
+                self._run(self.machine.on_peer_lost(message))
 
     async def expire(self) -> None:
         self._run(self.machine.tick())
@@ -182,19 +182,19 @@ class SenderDriver:
 
     def _run(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, Send):
-                self._send(action)
-            elif isinstance(action, Write):
-                self._write(action)
-            elif isinstance(action, Free):
-                self.buffer.release(action.request_id)
-                self._targets.pop(action.request_id, None)
-            elif isinstance(action, Succeed):
-                self._resolve(action.request_id, TransferState.SUCCESS, None)
-            elif isinstance(action, Fail):
-                logger.info("%s: transfer failed: %s", action.request_id, action.reason)
-                error = TransferError(action.failure, action.reason)
-                self._resolve(action.request_id, TransferState.FAILED, error)
+            match action:
+                case Send():
+                    self._send(action)
+                case Write():
+                    self._write(action)
+                case Free(request_id):
+                    self.buffer.release(request_id)
+                    self._targets.pop(request_id, None)
+                case Succeed(request_id):
+                    self._resolve(request_id, TransferState.SUCCESS, None)
+                case Fail(request_id, failure, reason):
+                    logger.info("%s: transfer failed: %s", request_id, reason)
+                    self._resolve(request_id, TransferState.FAILED, TransferError(failure, reason))
 
     def _send(self, action: Send) -> None:
         message = action.message

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.broker.client import BrokerLink, BrokerUnavailableError
 from services.encoder.cache import EmbeddingCache
 from services.encoder.limits import ImageLimits
 from services.encoder.metrics import EncoderMetrics
@@ -21,7 +19,7 @@ from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender_driver import SenderDriver
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
-from services.instance import InstanceConfig
+from services.instance import EXPIRE_INTERVAL_S, InstanceConfig, InstanceServer
 from services.model.spec import load_spec
 from services.ports import ENCODER_PORT
 from services.proto import encoder_pb2, encoder_pb2_grpc
@@ -29,7 +27,7 @@ from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.cuda_ipc import cuda_ipc_available
 from services.transfer.transports.ends import writers
-from services.wire.messages import Heartbeat, PeerMessage, Register, Role
+from services.wire.messages import Heartbeat, Register, Role
 from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -68,8 +66,9 @@ class EncoderConfig:
             raise ValueError("send_buffer_tokens must hold at least one block")
 
 
-class EncoderServer:
+class EncoderServer(InstanceServer):
     def __init__(self, config: EncoderConfig) -> None:
+        super().__init__(config.instance)
         self.config = config
         spec = load_spec(config.checkpoint)
         registry = CollectorRegistry()
@@ -102,9 +101,9 @@ class EncoderServer:
         # pinned where CUDA IPC copies from it, so that the host-to-GPU copy is one DMA
         pin = Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available()
         self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout, pin=pin))
-        self.sender = SenderDriver(
+        self.sender = self.driver = SenderDriver(
             self.buffer,
-            self._to_broker,
+            self.to_broker,
             writers(
                 config.instance.transports,
                 config.instance.instance_id,
@@ -128,50 +127,24 @@ class EncoderServer:
             lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
             registry,
         )
-        self.link: BrokerLink | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self.triton_ready: bool | None = None  # unknown until the first probe
-
-    @property
-    def address(self) -> str:
-        return self.grpc.address
-
-    @property
-    def instance_id(self) -> str:
-        return self.config.instance.instance_id
 
     def registration(self) -> Register:
         return self.config.instance.registration(
             self.grpc.address, self.sender.transports, self.config.model_name
         )
 
-    def _to_broker(self, message: PeerMessage) -> None:
-        if self.link is None:
-            raise BrokerUnavailableError("this encoder has no broker")
-        self.link.send(message)
-
     def load(self) -> Heartbeat:
         return Heartbeat(num_requests=len(self.sender.transfers), unavailable=not self.triton_ready)
 
-    async def start(self) -> None:
-        await self.grpc.start()
-        await self._check_triton()
-        if self.config.instance.broker:
-            self.link = BrokerLink(
-                self.config.instance.broker,
-                self.registration(),
-                self.sender.on_message,
-                self.load,
-                on_detached=self.sender.detached,
-            )
-            await self.link.start()
-        self._tasks = [asyncio.create_task(self._expire()), asyncio.create_task(self._watch())]
+    async def on_serving(self) -> None:
+        await self._check_triton()  # registers unavailable while Triton is not ready
 
-    async def _expire(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            await self.sender.expire()
-            self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
+    def periodic(self) -> list[tuple[float, Callable[[], Awaitable[None]]]]:
+        return [(EXPIRE_INTERVAL_S, self._gauge), (self.config.triton_check_s, self._check_triton)]
+
+    async def _gauge(self) -> None:
+        self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
 
     async def _check_triton(self) -> None:
         """Health follows Triton: NOT_SERVING (and unavailable to the broker's
@@ -186,19 +159,6 @@ class EncoderServer:
         log = logger.info if ready else logger.warning
         log("Triton at %s is %s", self.vit.url, "ready" if ready else "unreachable")
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.triton_check_s)
-            await self._check_triton()
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.grpc.stop(2.0)
-        await self.sender.close()
-        if self.link is not None:
-            await self.link.close()
+    async def release(self) -> None:
         await self.vit.close()
         self.preprocessor.close()

@@ -164,19 +164,20 @@ class ReceiverDriver:
     # -- the broker's messages, time, shutdown --------------------------------------
 
     async def on_message(self, message: BrokerMessage) -> None:
-        if isinstance(message, EmbeddingMeta):
-            self._run(self.machine.on_meta(message))
-            end = self.ends.get(message.transport)
-            if end is not None and message.request_id in self.machine.transfers:
-                end.announced(message.request_id)
-        elif isinstance(message, TransferDone):
-            self._run(self.machine.on_done(message))
-        elif isinstance(message, Abort):
-            self._run(self.machine.on_abort(message))
-        elif isinstance(message, Released):
-            self._run(self.machine.on_released(message))
-        elif isinstance(message, PeerLost):
-            self._run(self.machine.on_peer_lost(message))
+        match message:
+            case EmbeddingMeta(request_id):
+                self._run(self.machine.on_meta(message))
+                end = self.ends.get(message.transport)
+                if end is not None and request_id in self.machine.transfers:
+                    end.announced(request_id)
+            case TransferDone():
+                self._run(self.machine.on_done(message))
+            case Abort():
+                self._run(self.machine.on_abort(message))
+            case Released():
+                self._run(self.machine.on_released(message))
+            case PeerLost():
+                self._run(self.machine.on_peer_lost(message))
 
     async def expire(self) -> None:
         self._run(self.machine.tick())
@@ -193,31 +194,32 @@ class ReceiverDriver:
 
     def _run(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, Send):
-                self._send(action)
-            elif isinstance(action, Allocate):
-                self._spawn(self._allocate(action))
-            elif isinstance(action, Free):
-                self.blocks.free(list(action.blocks))
-            elif isinstance(action, Stage):
-                part = self.pool.read(list(action.blocks), 0, action.num_tokens)
-                self._staged.setdefault(action.request_id, []).append(part)
-            elif isinstance(action, Confirm):
-                end = self.ends.get(action.transport)
-                if end is not None and not end.polled:  # in the pool before TransferDone
-                    self._run(self.machine.arrived(action.request_id, action.sent_tokens))
-                else:
-                    self._spawn(self._confirm(action))
-            elif isinstance(action, Succeed):
-                self._on_finished(TransferState.SUCCESS)
-                self._resolve(action.request_id, action.meta)
-            elif isinstance(action, Fail):
-                self._on_finished(TransferState.FAILED)
-                self._resolve(action.request_id, action.error)
-            elif isinstance(action, Forget):
-                self._staged.pop(action.request_id, None)
-                for end in self.ends.values():
-                    end.forget(action.request_id)
+            match action:
+                case Send():
+                    self._send(action)
+                case Allocate():
+                    self._spawn(self._allocate(action))
+                case Free(blocks):
+                    self.blocks.free(list(blocks))
+                case Stage(request_id, blocks, num_tokens):
+                    part = self.pool.read(list(blocks), 0, num_tokens)
+                    self._staged.setdefault(request_id, []).append(part)
+                case Confirm(request_id, transport, _, sent_tokens):
+                    end = self.ends.get(transport)
+                    if end is not None and not end.polled:  # in the pool before TransferDone
+                        self._run(self.machine.arrived(request_id, sent_tokens))
+                    else:
+                        self._spawn(self._confirm(action))
+                case Succeed(request_id, meta):
+                    self._on_finished(TransferState.SUCCESS)
+                    self._resolve(request_id, meta)
+                case Fail(request_id, error):
+                    self._on_finished(TransferState.FAILED)
+                    self._resolve(request_id, error)
+                case Forget(request_id):
+                    self._staged.pop(request_id, None)
+                    for end in self.ends.values():
+                        end.forget(request_id)
 
     def _send(self, action: Send) -> None:
         try:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,8 +9,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.broker.client import BrokerLink, BrokerUnavailableError
-from services.instance import InstanceConfig
+from services.instance import InstanceConfig, InstanceServer
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine
@@ -30,7 +27,6 @@ from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.ends import receive_side
 from services.wire.messages import (
     Heartbeat,
-    PeerMessage,
     PoolDescriptor,
     Register,
     Role,
@@ -68,8 +64,9 @@ class LanguageConfig:
         return self.engine.dtype
 
 
-class LanguageServer:
+class LanguageServer(InstanceServer):
     def __init__(self, config: LanguageConfig) -> None:
+        super().__init__(config.instance)
         self.config = config
         self.spec = load_spec(config.checkpoint)
         self.tokenizer = load_tokenizer(config.checkpoint)
@@ -105,9 +102,9 @@ class LanguageServer:
             embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
             embedding_blocks_quarantined=lambda: self.receiver.num_quarantined_blocks,
         )
-        self.receiver = ReceiverDriver(
+        self.receiver = self.driver = ReceiverDriver(
             self.pool,
-            self._to_broker,
+            self.to_broker,
             self.ends,
             config.default_allocate_tokens,
             config.transfer_timeout_s,
@@ -130,16 +127,6 @@ class LanguageServer:
             lambda server: language_pb2_grpc.add_LanguageServicer_to_server(servicer, server),
             registry,
         )
-        self.link: BrokerLink | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-
-    @property
-    def address(self) -> str:
-        return self.grpc.address
-
-    @property
-    def instance_id(self) -> str:
-        return self.config.instance.instance_id
 
     def registration(self) -> Register:
         layout = self.pool.layout
@@ -150,11 +137,6 @@ class LanguageServer:
             self.grpc.address, pool.transports, self.config.model_name, pool
         )
 
-    def _to_broker(self, message: PeerMessage) -> None:
-        if self.link is None:
-            raise BrokerUnavailableError("this language instance has no broker")
-        self.link.send(message)
-
     def load(self) -> Heartbeat:
         return Heartbeat(
             num_requests=self.engine.num_requests + len(self.receiver.transfers),
@@ -162,36 +144,13 @@ class LanguageServer:
         )
 
     async def start(self) -> None:
-        self.engine.start()
-        await self.grpc.start()
-        if self.config.instance.broker:
-            self.link = BrokerLink(
-                self.config.instance.broker,
-                self.registration(),
-                self.receiver.on_message,
-                self.load,
-                on_detached=self.receiver.detached,
-            )
-            await self.link.start()
-        self._tasks.append(asyncio.create_task(self._expire()))
+        self.engine.start()  # warmed up before it serves
+        await super().start()
         polling = self.receiver.polling
         for end in self.ends.values():
             end.start(busy=lambda: bool(polling))
 
-    async def _expire(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            await self.receiver.expire()
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.grpc.stop(2.0)
-        await self.receiver.close()
-        if self.link is not None:
-            await self.link.close()
+    async def release(self) -> None:
         await self.engine.stop()
         self.frontend.close()
         for end in self.ends.values():
