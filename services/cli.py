@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -14,7 +15,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from services import env
+from services import env, flags
+
+Handler = Callable[[argparse.Namespace], int]
 
 
 class Service(Protocol):
@@ -42,62 +45,16 @@ def run_until_signalled(make: Callable[[], Service]) -> int:
     return 0
 
 
-def _transports(value: str) -> tuple[Any, ...]:
-    from services.wire.transport import Transport
-
-    try:
-        return tuple(Transport.parse(name) for name in value.split(",") if name.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-# services.wire.dtypes' names and `auto`, spelled out so that parsing needs no
-# torch (checked equal by the tests); each process resolves the name where it
-# knows its device.
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-
-
-def _add_dtype_option(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default=env.DTYPE.get(),
-        help=f"{what}: auto (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX, else "
-        "float32), float32, bfloat16 or float16 ($EPD_DTYPE)",
-    )
-
-
 def _local_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _add_limit_options(p: argparse.ArgumentParser) -> None:
-    from services.encoder.limits import ImageLimits
-
-    d = ImageLimits()
-    p.add_argument("--max-images", type=int, default=d.max_images, help="images and videos")
-    p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes)
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels)
-    p.add_argument("--max-video-bytes", type=int, default=d.max_video_bytes)
-    p.add_argument("--max-video-seconds", type=float, default=d.max_video_seconds)
-    p.add_argument("--max-video-frames", type=int, default=d.max_video_frames)
-    p.add_argument("--max-video-pixels", type=int, default=d.max_video_pixels, help="per frame")
-
-
 def _limits(args: argparse.Namespace) -> Any:
     from services.encoder.limits import ImageLimits
 
-    return ImageLimits(
-        args.max_images,
-        args.max_image_bytes,
-        args.max_image_pixels,
-        args.max_video_bytes,
-        args.max_video_seconds,
-        args.max_video_frames,
-        args.max_video_pixels,
-    )
+    return ImageLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ImageLimits)})
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -129,7 +86,8 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from services.broker.server import BrokerConfig, BrokerServer
+    from services.broker.config import BrokerConfig
+    from services.broker.server import BrokerServer
 
     config = BrokerConfig(
         host=args.host,
@@ -147,7 +105,7 @@ def _triton(args: argparse.Namespace) -> int:
 
     config = TritonConfig(
         checkpoint=Path(args.checkpoint),
-        model_repository=Path(args.model_repository),
+        model_repository=args.model_repository,
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
@@ -185,7 +143,8 @@ def _instance(args: argparse.Namespace, role: str) -> Any:
 
 
 def _encoder(args: argparse.Namespace) -> int:
-    from services.encoder.server import EncoderConfig, EncoderServer
+    from services.encoder.config import EncoderConfig
+    from services.encoder.server import EncoderServer
     from services.wire.dtypes import resolve_dtype
 
     config = EncoderConfig(
@@ -195,7 +154,7 @@ def _encoder(args: argparse.Namespace) -> int:
         triton_url=args.triton,
         triton_shared_memory=not args.no_triton_shm,
         limits=_limits(args),
-        cache_bytes=args.cache_mb * 1024 * 1024,
+        cache_bytes=args.cache_mb * flags.MIB,
         send_buffer_tokens=args.send_buffer_tokens,
         max_pending=args.max_pending,
         buffer_wait_s=args.buffer_wait,
@@ -205,7 +164,8 @@ def _encoder(args: argparse.Namespace) -> int:
 
 
 def _language(args: argparse.Namespace) -> int:
-    from services.language.server import LanguageConfig, LanguageServer
+    from services.language.config import LanguageConfig
+    from services.language.server import LanguageServer
 
     config = LanguageConfig(
         checkpoint=Path(args.checkpoint),
@@ -222,21 +182,20 @@ def _language(args: argparse.Namespace) -> int:
 
 
 def _gateway_config(args: argparse.Namespace) -> Any:
-    from services.gateway.images import FetchPolicy
-    from services.gateway.server import GatewayConfig
+    from services.gateway.config import FetchPolicy, GatewayConfig
 
     return GatewayConfig(
         broker=getattr(args, "broker", ""),
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
         host=args.host,
         port=args.port,
-        api_key="" if args.api_key == NO_API_KEY else args.api_key,
+        api_key="" if args.api_key == flags.NO_API_KEY else args.api_key,
         limits=_limits(args),
         fetch=FetchPolicy(timeout_s=args.fetch_timeout, allow_private=args.allow_private_urls),
         encode_timeout_s=args.encode_timeout,
         served_models=tuple(args.served_model or ()),
         max_concurrent_requests=args.max_concurrent_requests,
-        max_body_bytes=args.max_body_mb * 1024 * 1024,
+        max_body_bytes=args.max_body_mb * flags.MIB,
     )
 
 
@@ -269,7 +228,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
     return EngineConfig(
         max_model_len=args.max_model_len,
-        kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+        kv_cache_bytes=args.kv_cache_mb * flags.MIB,
         page_size=args.page_size,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         dtype=resolve_dtype(args.dtype, args.device),
@@ -279,31 +238,16 @@ def _engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _add_attention_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=("auto", "torch", "cpu", "flashinfer"),
-        help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
-        "(built on first use with the machine's C compiler; cpu: also in bfloat16), "
-        "else torch (SDPA)",
-    )
+def _bench_flags(p: argparse.ArgumentParser) -> None:
+    from services.bench import command
+
+    command.add_arguments(p)
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu")
-    _add_dtype_option(p, "model dtype (and the embeddings')")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    _add_attention_option(p)
-    p.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="run decode steps eagerly on CUDA (by default they replay captured CUDA graphs)",
-    )
+def _bench(args: argparse.Namespace) -> int:
+    from services.bench import command
+
+    return command.main(args)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -316,17 +260,6 @@ def _health(args: argparse.Namespace) -> int:
     )
     print("SERVING" if healthy else "NOT_SERVING")
     return 0 if healthy else 1
-
-
-def serve_language_args(args: argparse.Namespace) -> list[str]:
-    """The engine flags `epd serve` passes on to its language (or monolithic) instances."""
-    return [
-        *("--max-model-len", str(args.max_model_len)),
-        *("--kv-cache-mb", str(args.kv_cache_mb)),
-        *("--max-num-seqs", str(args.max_num_seqs)),
-        *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
-        *("--attention", args.attention),
-    ]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -363,7 +296,7 @@ def _serve(args: argparse.Namespace) -> int:
             num_encoders=args.encoders,
             num_languages=args.languages,
             api_key=args.api_key,
-            language_args=tuple(serve_language_args(args)),
+            language_args=tuple(flags.engine_args(args)),
             dtype=dtype,
             gateway_args=tuple(gateway),
             monolithic=args.monolithic,
@@ -373,93 +306,6 @@ def _serve(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             restart_window_s=args.restart_window,
         )
-    )
-
-
-# What compose's required EPD_API_KEY is set to for a gateway open to anyone.
-NO_API_KEY = "disabled"
-
-
-def _add_gateway_options(p: argparse.ArgumentParser, port: int) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=port)
-    p.add_argument(
-        "--checkpoint",
-        default=env.CHECKPOINT.get() or None,
-        help="the model folder, for image token hints ($EPD_CHECKPOINT)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=env.API_KEY.get(),
-        help=f"require this bearer key ($EPD_API_KEY; '{NO_API_KEY}': none, as when unset)",
-    )
-    _add_limit_options(p)
-    p.add_argument(
-        "--fetch-timeout", type=float, default=10.0, help="seconds for a remote image URL"
-    )
-    p.add_argument(
-        "--allow-private-urls",
-        action="store_true",
-        help="let image URLs reach loopback/private/link-local addresses",
-    )
-    p.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=512,
-        help="requests in flight beyond which new ones get 429 with Retry-After",
-    )
-    p.add_argument(
-        "--max-body-mb", type=int, default=64, help="request bodies over this are refused (413)"
-    )
-    p.add_argument(
-        "--encode-timeout", type=float, default=60.0, help="seconds for one encoder's Encode"
-    )
-    p.add_argument(
-        "--served-model",
-        action="append",
-        help="a model this gateway serves: 503 (not 404) while no instance is up; repeatable",
-    )
-
-
-def _add_instance_options(p: argparse.ArgumentParser, port: int) -> None:
-    p.add_argument(
-        "--checkpoint",
-        default=env.CHECKPOINT.get(),
-        required=not env.CHECKPOINT.get(),
-        help="checkpoint folder ($EPD_CHECKPOINT)",
-    )
-    p.add_argument("--model-name", help="served model name (default: the folder's name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=port)
-    p.add_argument(
-        "--advertise-host",
-        help="the host peers dial (default: --host, or this machine's name when binding 0.0.0.0)",
-    )
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free)")
-    p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
-    p.add_argument(
-        "--host-id", default=env.HOST_ID.get(), help="same id = shared memory ($EPD_HOST_ID)"
-    )
-    p.add_argument("--instance-id", help="default: role plus a random suffix")
-    p.add_argument(
-        "--transports",
-        type=_transports,
-        default=_transports("shm,nixl,grpc"),
-        help="comma-separated: cuda_ipc, nixl, shm, grpc",
-    )
-
-
-def _add_security_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--cluster-token",
-        help="secret every internal gRPC call carries ($EPD_CLUSTER_TOKEN; epd serve makes one)",
-    )
-    p.add_argument("--tls-cert", help="PEM certificate chain: gRPC over TLS ($EPD_TLS_CERT)")
-    p.add_argument("--tls-key", help="PEM key of --tls-cert ($EPD_TLS_KEY)")
-    p.add_argument(
-        "--tls-ca",
-        help="PEM roots to verify peers with; servers then require client certificates "
-        "(mutual TLS) ($EPD_TLS_CA)",
     )
 
 
@@ -477,193 +323,49 @@ def export_security(args: argparse.Namespace) -> None:
             os.environ[var.name] = value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from services.ports import BROKER_PORT, ENCODER_PORT, GATEWAY_PORT, LANGUAGE_PORT
+# Each command: its help, its flags (services/flags.py) and its handler.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {
+    "protos": ("generate services/proto/ from protos/", flags.protos, _protos),
+    "demo-model": ("build a small demo checkpoint locally", flags.demo_model, _demo_model),
+    "broker": ("run the broker", flags.broker, _broker),
+    "triton": (
+        "run tritonserver (from the nvidia-pytriton wheel) with the vit model",
+        flags.triton,
+        _triton,
+    ),
+    "encoder": ("run an encoder instance", flags.encoder, _encoder),
+    "language": ("run a language instance", flags.language, _language),
+    "gateway": ("run the OpenAI-compatible gateway", flags.gateway, _gateway),
+    "monolithic": (
+        "gateway, vision tower and engine in one process (the baseline)",
+        flags.monolithic,
+        _monolithic,
+    ),
+    "bench": ("benchmark an OpenAI-compatible server", _bench_flags, _bench),
+    "health": ("check a gRPC service (host:port) or an HTTP URL", flags.health, _health),
+    "serve": ("run the whole stack on this machine", flags.serve, _serve),
+}
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `epd` parser, with the flags of `command` only (all commands' when
+    None): a process builds the flags of the one command it runs, importing
+    that command's config classes and nothing else."""
     parser = argparse.ArgumentParser(prog="epd", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("protos", help="generate services/proto/ from protos/")
-    p.add_argument("--check", action="store_true", help="fail if the generated code is stale")
-    p.set_defaults(handler=_protos)
-
-    p = sub.add_parser("demo-model", help="build a small demo checkpoint locally")
-    p.add_argument("dir", help="output folder")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument(
-        "--arch", choices=("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), default="qwen2_5_vl"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(handler=_demo_model)
-
-    p = sub.add_parser("broker", help="run the broker")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=BROKER_PORT)
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    p.add_argument("--rendezvous-ttl", type=float, default=30.0)
-    _add_security_options(p)
-    p.set_defaults(handler=_broker)
-
-    p = sub.add_parser(
-        "triton", help="run tritonserver (from the nvidia-pytriton wheel) with the vit model"
-    )
-    p.add_argument("--checkpoint", default=env.CHECKPOINT.get(), required=not env.CHECKPOINT.get())
-    p.add_argument(
-        "--model-repository",
-        default=str(Path(__file__).resolve().parent.parent / "model_repository"),
-    )
-    p.add_argument("--model-config-name", help="e.g. gpu: use configs/gpu.pbtxt")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8010)
-    p.add_argument("--grpc-port", type=int, default=8011)
-    p.add_argument("--metrics-port", type=int, default=8012)
-    _add_dtype_option(p, "the vision tower's dtype")
-    p.set_defaults(handler=_triton)
-
-    p = sub.add_parser("encoder", help="run an encoder instance")
-    _add_instance_options(p, ENCODER_PORT)
-    _add_dtype_option(p, "embedding dtype (the language instances' dtype)")
-    p.add_argument(
-        "--triton", default=env.TRITON_URL.get(), help="Triton gRPC address ($EPD_TRITON_URL)"
-    )
-    p.add_argument("--no-triton-shm", action="store_true", help="send tensors to Triton over gRPC")
-    _add_limit_options(p)
-    p.add_argument("--cache-mb", type=int, default=256)
-    p.add_argument("--send-buffer-tokens", type=int, default=65536)
-    p.add_argument(
-        "--max-pending",
-        type=int,
-        default=64,
-        help="encodes in progress beyond which new ones get RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--buffer-wait",
-        type=float,
-        default=5.0,
-        help="seconds an encode waits for send-buffer room",
-    )
-    _add_security_options(p)
-    p.set_defaults(handler=_encoder)
-
-    p = sub.add_parser("language", help="run a language instance")
-    _add_instance_options(p, LANGUAGE_PORT)
-    _add_engine_options(p)
-    p.add_argument("--embedding-pool-tokens", type=int, default=32768)
-    p.add_argument("--default-allocate-tokens", type=int, default=4096)
-    p.add_argument(
-        "--max-active-requests",
-        type=int,
-        default=256,
-        help="requests in flight (receiving or generating) beyond which new ones get "
-        "RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--pool-wait", type=float, default=5.0, help="seconds a request waits for receive blocks"
-    )
-    p.add_argument(
-        "--quarantine",
-        type=float,
-        default=15.0,
-        help="seconds receive blocks stay out of use after their request ended while an "
-        "encoder may still write them (unless it says it stopped)",
-    )
-    _add_security_options(p)
-    p.set_defaults(handler=_language)
-
-    p = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
-    _add_gateway_options(p, GATEWAY_PORT)
-    p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
-    _add_security_options(p)
-    p.set_defaults(handler=_gateway)
-
-    p = sub.add_parser(
-        "monolithic", help="gateway, vision tower and engine in one process (the baseline)"
-    )
-    _add_gateway_options(p, GATEWAY_PORT)
-    _add_engine_options(p)
-    p.add_argument("--model-name", help="served model name (default: the folder's name)")
-    p.set_defaults(handler=_monolithic)
-
-    from services.bench import command as bench
-
-    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
-    bench.add_arguments(p)
-    p.set_defaults(handler=bench.main)
-
-    p = sub.add_parser("health", help="check a gRPC service (host:port) or an HTTP URL")
-    p.add_argument("target", help="host:port of a gRPC server, or http(s)://... for an HTTP check")
-    p.add_argument("--service", default="", help="gRPC service name (default: the server)")
-    _add_security_options(p)
-    p.set_defaults(handler=_health)
-
-    p = sub.add_parser("serve", help="run the whole stack on this machine")
-    p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
-    p.add_argument("--model-name", help="served model name (default: the folder's name)")
-    p.add_argument("--demo-size", choices=("tiny", "small"), default="tiny")
-    p.add_argument(
-        "--monolithic",
-        action="store_true",
-        help="one process, no Triton and no broker: the baseline to compare with",
-    )
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address the gateway binds (0.0.0.0: all); the other components listen "
-        "on 127.0.0.1 only",
-    )
-    p.add_argument("--port", type=int, default=GATEWAY_PORT, help="the gateway's port")
-    p.add_argument("--api-key", default=env.API_KEY.get())
-    p.add_argument("--allow-private-urls", action="store_true")
-    p.add_argument("--encoders", type=int, default=1, help="encoder instances")
-    p.add_argument("--languages", type=int, default=1, help="language instances")
-    p.add_argument("--broker-port", type=int, default=BROKER_PORT)
-    p.add_argument(
-        "--encoder-port", type=int, default=ENCODER_PORT, help="the first encoder's port"
-    )
-    p.add_argument(
-        "--language-port", type=int, default=LANGUAGE_PORT, help="the first language port"
-    )
-    p.add_argument("--triton-http-port", type=int, default=8010)
-    p.add_argument("--triton-grpc-port", type=int, default=8011)
-    p.add_argument("--triton-metrics-port", type=int, default=8012)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    _add_attention_option(p)
-    _add_dtype_option(p, "dtype of the vision tower, the embeddings and the language model")
-    p.add_argument(
-        "--encoder-cpus",
-        default="",
-        help="CPUs for Triton and the encoders, e.g. 1 or 4-7 (default: all)",
-    )
-    p.add_argument(
-        "--language-cpus",
-        default="",
-        help="CPUs for the language instances, e.g. 0 or 0-3 (default: all)",
-    )
-    p.add_argument(
-        "--encoder-nice",
-        type=int,
-        default=0,
-        help="niceness for Triton and the encoders (e.g. 10): the language "
-        "engine gets the CPU first when they contend",
-    )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=5,
-        help="a component that dies is restarted; this many restarts within "
-        "--restart-window seconds stop the stack",
-    )
-    p.add_argument("--restart-window", type=float, default=60.0)
-    p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
-    _add_security_options(p)
-    p.set_defaults(handler=_serve)
+    for name, (text, add_flags, handler) in COMMANDS.items():
+        p = sub.add_parser(name, help=text)
+        if command in (None, name):
+            add_flags(p)
+        p.set_defaults(handler=handler)
     return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """argv parsed by a parser holding only its command's flags."""
+    command = next((arg for arg in argv if arg in COMMANDS), None)
+    return build_parser(command).parse_args(argv)
 
 
 def place_process() -> None:
@@ -685,7 +387,7 @@ def place_process() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     export_security(args)
     place_process()
     logging.basicConfig(
@@ -694,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for chatty in ("httpx", "matplotlib"):  # a line per request / per font otherwise
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
-    handler: Callable[[argparse.Namespace], int] = args.handler
+    handler: Handler = args.handler
     return handler(args)
 
 

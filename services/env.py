@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from services import ports
+
 T = TypeVar("T")
 
 
@@ -32,8 +34,8 @@ class EnvVar(Generic[T]):
             raise ValueError(f"{self.name}={raw!r}: {exc}") from None
 
 
-BROKER = EnvVar("EPD_BROKER", str, lambda: "127.0.0.1:50051", "broker gRPC address")
-TRITON_URL = EnvVar("EPD_TRITON_URL", str, lambda: "127.0.0.1:8011", "Triton gRPC address")
+BROKER = EnvVar("EPD_BROKER", str, lambda: f"127.0.0.1:{ports.BROKER_PORT}", "broker gRPC address")
+TRITON_URL = EnvVar("EPD_TRITON_URL", str, lambda: ports.TRITON_URL, "Triton gRPC address")
 CHECKPOINT = EnvVar("EPD_CHECKPOINT", str, lambda: "", "checkpoint folder")
 HOST_ID = EnvVar(
     "EPD_HOST_ID", str, socket.gethostname, "instances with the same host id share memory"

@@ -37,7 +37,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import env
 from services.children import die_with_parent
-from services.ports import METRICS_OFFSET
+from services.ports import (
+    BROKER_PORT,
+    ENCODER_PORT,
+    GATEWAY_PORT,
+    LANGUAGE_PORT,
+    METRICS_OFFSET,
+    TRITON_GRPC_PORT,
+    TRITON_HTTP_PORT,
+    TRITON_METRICS_PORT,
+)
 from services.security import sync_channel
 from services.transfer.shared_memory import remove_segments
 
@@ -150,11 +159,12 @@ class StackConfig:
     model_name: str
     log_dir: Path
     host: str = "127.0.0.1"  # the gateway's; the rest listen on LOCAL only
-    port: int = 8000
-    broker_port: int = 50051
-    encoder_port: int = 50061
-    language_port: int = 50071
-    triton_ports: tuple[int, int, int] = (8010, 8011, 8012)  # http, grpc, metrics
+    port: int = GATEWAY_PORT
+    broker_port: int = BROKER_PORT
+    encoder_port: int = ENCODER_PORT  # the first encoder's; the next ones count up
+    language_port: int = LANGUAGE_PORT
+    # http, grpc, metrics
+    triton_ports: tuple[int, int, int] = (TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT)
     num_encoders: int = 1
     num_languages: int = 1
     api_key: str = ""

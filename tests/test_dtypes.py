@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli import DTYPE_CHOICES, build_parser, serve_language_args
+from services.cli import build_parser
+from services.flags import DTYPE_CHOICES, engine_args
 from services.language.engine.config import attention_backend
 from services.serve import StackConfig, components
 from services.wire import dtypes
@@ -83,5 +84,5 @@ def test_float32_on_cuda_falls_back_to_torch_attention(caplog: pytest.LogCapture
 def test_serve_passes_its_engine_flags_to_the_engine(instance: str) -> None:
     parser = build_parser()
     serve = parser.parse_args(["serve", "--attention", "torch", "--max-num-seqs", "8"])
-    args = parser.parse_args([instance, "--checkpoint", "x", *serve_language_args(serve)])
+    args = parser.parse_args([instance, "--checkpoint", "x", *engine_args(serve)])
     assert (args.attention, args.max_num_seqs) == ("torch", 8)

@@ -9,6 +9,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 SERVICES = Path(__file__).resolve().parent.parent / "services"
 
 
@@ -58,18 +60,134 @@ def test_the_wire_layer_imports_only_the_protos() -> None:
     assert "transfer" not in edges["broker"]  # the old cycle: broker <-> transfer
 
 
-def test_the_launchers_import_no_server_and_no_torch() -> None:
-    """Every component of `epd serve` parses the same command line and the
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["triton", "--checkpoint", "x"],
+        ["broker"],
+        ["gateway", "--broker", "127.0.0.1:1"],
+    ],
+)
+def test_the_launchers_import_no_server_and_no_torch(argv: list[str]) -> None:
+    """Every component of `epd serve` parses its own command line and the
     Triton launcher only watches a child: at start-up they run side by side on
     the same cores, so an import each does not need is start-up time lost."""
     code = (
         "import sys\n"
         "from services import cli, serve\n"
         "from services.triton import launcher\n"
-        "cli.build_parser().parse_args(['triton', '--checkpoint', 'x'])\n"
+        f"cli.parse_args({argv!r})\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.endswith('.server')))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def _modules_imported_by(path: Path) -> set[str]:
+    """The services.* modules a file imports (absolute names)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m.startswith("services.")}
+
+
+def test_the_gateway_reaches_the_language_side_only_through_the_wire_types() -> None:
+    for path in (SERVICES / "gateway").rglob("*.py"):
+        language = {m for m in _modules_imported_by(path) if m.startswith("services.language")}
+        assert not language, f"{path.relative_to(SERVICES)} imports {sorted(language)}"
+
+
+def test_the_monolithic_backend_reaches_the_engine_without_the_servicer() -> None:
+    code = (
+        "import sys\n"
+        "import services.monolithic\n"
+        "names = [m for m in sys.modules if m.startswith('services.')]\n"
+        "print(sorted(m for m in names if m.endswith(('.servicer', '.server'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+# The request path's protobuf messages: only the generic converter builds them.
+REQUEST_MESSAGES = {
+    "GenerateRequest",
+    "GenerateResponse",
+    "GenerateChunk",
+    "GenerateComplete",
+    "GenerateError",
+    "ChatMessage",
+    "ContentPart",
+    "ImagePart",
+    "VideoPart",
+    "SamplingParams",
+    "TokenLogprob",
+    "TopLogprob",
+}
+
+
+def test_request_messages_are_converted_in_one_place() -> None:
+    """Sampling parameters and the rest of a request cross protobuf only through
+    services/wire/convert.py: no module builds or reads their pb2 classes."""
+    for path in SERVICES.rglob("*.py"):
+        if path.is_relative_to(SERVICES / "proto") or path.parent == SERVICES / "wire":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id.endswith("_pb2")
+                and node.attr in REQUEST_MESSAGES
+                and not _annotation_of_a_servicer(path, node)
+            ):
+                where = f"{path.relative_to(SERVICES)}:{node.lineno}"
+                raise AssertionError(f"{where} uses {node.value.id}.{node.attr}")
+
+
+def _annotation_of_a_servicer(path: Path, node: ast.Attribute) -> bool:
+    """A gRPC method's parameter or return annotation (protobuf at the edge)."""
+    return path.name == "servicer.py" and node.attr in ("GenerateRequest", "GenerateResponse")
+
+
+def test_finish_reasons_are_defined_once() -> None:
+    """FinishReason (services/wire/request.py) is the one table of them."""
+    defined = []
+    for path in SERVICES.rglob("*.py"):
+        if path.is_relative_to(SERVICES / "proto"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (
+                [node.name]
+                if isinstance(node, ast.ClassDef)
+                else [t.id for t in node.targets if isinstance(t, ast.Name)]
+                if isinstance(node, ast.Assign)
+                else []
+            )
+            named = [t for t in targets if "finishreason" in t.lower().replace("_", "")]
+            defined += [f"{path.relative_to(SERVICES)}:{t}" for t in named]
+    assert defined == ["wire/request.py:FinishReason"]
+
+
+MAX_LINES = 60
+
+
+def test_functions_on_the_request_path_fit_on_a_screen() -> None:
+    """Under services/language/ and services/gateway/, a function over 60 lines
+    says why in a `# Long:` comment on the line above it."""
+    for package in ("language", "gateway"):
+        for path in (SERVICES / package).rglob("*.py"):
+            lines = path.read_text().splitlines()
+            for node in ast.walk(ast.parse("\n".join(lines))):
+                if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                said_why = lines[first - 2].strip().startswith("# Long:")
+                where = f"{path.relative_to(SERVICES)}:{node.lineno} {node.name}"
+                assert length <= MAX_LINES or said_why, f"{where} has {length} lines"

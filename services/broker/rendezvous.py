@@ -34,6 +34,7 @@ from services.wire.messages import (
     Resume,
     TransferDone,
 )
+from services.wire.transport import TRANSFER_TIMEOUT_S
 
 Delivery = tuple[str, BrokerMessage]
 
@@ -87,7 +88,7 @@ class Pairing:
 class Rendezvous:
     def __init__(
         self,
-        ttl_s: float = 30.0,
+        ttl_s: float = TRANSFER_TIMEOUT_S,
         history_s: float = 60.0,
         max_history: int = 10_000,
         clock: Callable[[], float] = time.monotonic,

@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
 from services.broker.broker import Broker
+from services.broker.config import BrokerConfig
 from services.broker.metrics import BrokerMetrics
 from services.broker.rendezvous import Rendezvous
 from services.broker.servicer import BrokerServicer
 from services.grpc_server import GrpcServer
-from services.ports import BROKER_PORT
 from services.proto import broker_pb2, broker_pb2_grpc
 from services.security import Security, current
-
-
-@dataclass(frozen=True, slots=True)
-class BrokerConfig:
-    host: str = "127.0.0.1"
-    port: int = BROKER_PORT
-    metrics_port: int | None = 0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    rendezvous_ttl_s: float = 30.0
-    tick_s: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
 
 
 class BrokerServer:

@@ -33,7 +33,7 @@ from services.wire.messages import (
     Resume,
     TransferDone,
 )
-from services.wire.transport import Transport
+from services.wire.transport import TRANSFER_TIMEOUT_S, Transport
 
 
 class Failure(enum.Enum):
@@ -99,7 +99,7 @@ class Outbound:
 
 class Sender:
     def __init__(
-        self, timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+        self, timeout_s: float = TRANSFER_TIMEOUT_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.timeout_s = timeout_s
         self._clock = clock

@@ -44,7 +44,7 @@ from services.wire.messages import (
     Resume,
     TransferDone,
 )
-from services.wire.transport import Transport, choose_transport
+from services.wire.transport import TRANSFER_TIMEOUT_S, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class SenderDriver:
         send: Callable[[EmbeddingMeta | TransferDone | Abort | Released], None],
         writers: Mapping[Transport, Writer],
         host_id: str,
-        timeout_s: float = 30.0,
+        timeout_s: float = TRANSFER_TIMEOUT_S,
         on_finished: Callable[[str, TransferState], None] = lambda request_id, state: None,
     ) -> None:
         self.buffer = buffer

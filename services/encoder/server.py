@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from services.encoder.cache import EmbeddingCache
-from services.encoder.limits import ImageLimits
+from services.encoder.config import EncoderConfig
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import EncodePipeline
 from services.encoder.preprocess import Preprocessor
@@ -19,51 +16,17 @@ from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender_driver import SenderDriver
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
-from services.instance import EXPIRE_INTERVAL_S, InstanceConfig, InstanceServer
+from services.instance import EXPIRE_INTERVAL_S, InstanceServer
 from services.model.spec import load_spec
-from services.ports import ENCODER_PORT
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.cuda_ipc import cuda_ipc_available
 from services.transfer.transports.ends import writers
-from services.wire.messages import Heartbeat, Register, Role
+from services.wire.messages import Heartbeat, Register
 from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EncoderConfig:
-    checkpoint: Path
-    model_name: str
-    instance: InstanceConfig = field(
-        default_factory=lambda: InstanceConfig(Role.ENCODER, ENCODER_PORT)
-    )
-    triton_url: str = "127.0.0.1:8011"
-    triton_shared_memory: bool = True
-    triton_timeout_s: float = 60.0
-    triton_max_in_flight: int = 8
-    limits: ImageLimits = field(default_factory=ImageLimits)
-    preprocess_workers: int = 2
-    cache_bytes: int = 256 * 1024 * 1024
-    send_buffer_tokens: int = 65536
-    send_block_size: int = 256
-    # Admission: beyond max_pending encodes in progress, Encode answers
-    # RESOURCE_EXHAUSTED at once; a request waits at most buffer_wait_s for room
-    # in the send buffer.
-    max_pending: int = 64
-    buffer_wait_s: float = 5.0
-    transfer_timeout_s: float = 30.0  # waiting for the language side's blocks
-    # One write into a language pool. The language side quarantines blocks it
-    # gave up on for as long (plus a margin) unless this encoder says Released.
-    write_timeout_s: float = 10.0
-    triton_check_s: float = 1.0  # how often Triton's readiness is probed
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self) -> None:
-        if self.send_buffer_tokens < self.send_block_size:
-            raise ValueError("send_buffer_tokens must hold at least one block")
 
 
 class EncoderServer(InstanceServer):

@@ -458,6 +458,7 @@ async def _complete(
         await stream.aclose()
 
 
+# Long: the routes are closures over `gateway`, each a few lines; one table of them.
 def create_app(gateway: Gateway) -> ASGIApp:
     app = FastAPI(title="EPD gateway", docs_url=None, redoc_url=None)
 

@@ -22,16 +22,10 @@ import httpx
 
 from services.encoder.images import BadImageError, inspect_image, inspect_video
 from services.encoder.limits import ImageLimits
+from services.gateway.config import FetchPolicy
 from services.gateway.errors import ApiError
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
-
-
-@dataclass(frozen=True, slots=True)
-class FetchPolicy:
-    timeout_s: float = 10.0
-    allow_private: bool = False
-    max_redirects: int = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,37 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from services.encoder.limits import ImageLimits
 from services.gateway.app import Gateway, create_app
 from services.gateway.backend import Backend, GenerationBackend
-from services.gateway.images import FetchPolicy, ImageLoader
+from services.gateway.config import GatewayConfig
+from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
-from services.ports import GATEWAY_PORT
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    broker: str
-    checkpoint: Path | None = None  # for token hints: its preprocessor_config.json
-    host: str = "127.0.0.1"
-    port: int = GATEWAY_PORT
-    api_key: str = ""
-    limits: ImageLimits = field(default_factory=ImageLimits)
-    fetch: FetchPolicy = field(default_factory=FetchPolicy)
-    generate_timeout_s: float = 900.0
-    encode_timeout_s: float = 60.0
-    # Answered 503 with Retry-After, not 404, while no instance serves them.
-    served_models: tuple[str, ...] = ()
-    max_concurrent_requests: int = 512  # beyond: 429 with Retry-After
-    max_body_bytes: int = 64 * 1024 * 1024  # beyond: 413
 
 
 class GatewayServer:

@@ -31,7 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.transfer.layout import PoolLayout
-from services.transfer.state import PoolExhaustedError, TransferFailedError, TransferState
+from services.transfer.state import (
+    PoolExhaustedError,
+    TransferFailedError,
+    TransferState,
+)
 from services.wire.messages import (
     Abort,
     EmbeddingMeta,
@@ -41,7 +45,10 @@ from services.wire.messages import (
     Resume,
     TransferDone,
 )
-from services.wire.transport import Transport
+from services.wire.transport import TRANSFER_TIMEOUT_S, Transport
+
+# Receive blocks for a request whose images came without token hints.
+DEFAULT_ALLOCATE_TOKENS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +151,8 @@ class Receiver:
     def __init__(
         self,
         layout: PoolLayout,
-        default_allocate_tokens: int = 4096,
-        timeout_s: float = 30.0,
+        default_allocate_tokens: int = DEFAULT_ALLOCATE_TOKENS,
+        timeout_s: float = TRANSFER_TIMEOUT_S,
         quarantine_s: float = 15.0,
         polled: frozenset[Transport] = frozenset(),
         clock: Callable[[], float] = time.monotonic,

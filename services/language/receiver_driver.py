@@ -18,6 +18,7 @@ import torch
 
 from services.broker.client import BrokerUnavailableError
 from services.language.receiver import (
+    DEFAULT_ALLOCATE_TOKENS,
     Action,
     Allocate,
     Confirm,
@@ -33,7 +34,11 @@ from services.language.receiver import (
 )
 from services.transfer.block_pool import BlockPool
 from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
-from services.transfer.state import PoolExhaustedError, TransferFailedError, TransferState
+from services.transfer.state import (
+    PoolExhaustedError,
+    TransferFailedError,
+    TransferState,
+)
 from services.transfer.transports.base import ReceiveEnd
 from services.wire.messages import (
     Abort,
@@ -45,7 +50,7 @@ from services.wire.messages import (
     Resume,
     TransferDone,
 )
-from services.wire.transport import Transport
+from services.wire.transport import TRANSFER_TIMEOUT_S, Transport
 
 Planes = list[torch.Tensor]  # a request's tokens, [tokens, width] per plane of the pool
 
@@ -56,8 +61,8 @@ class ReceiverDriver:
         pool: EmbeddingPool,
         send: Callable[[Prealloc | Resume | Abort], None],
         ends: Mapping[Transport, ReceiveEnd],
-        default_allocate_tokens: int = 4096,
-        timeout_s: float = 30.0,
+        default_allocate_tokens: int = DEFAULT_ALLOCATE_TOKENS,
+        timeout_s: float = TRANSFER_TIMEOUT_S,
         on_finished: Callable[[TransferState], None] = lambda state: None,
         pool_wait_s: float = 5.0,
         quarantine_s: float = 15.0,

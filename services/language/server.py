@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.instance import InstanceConfig, InstanceServer
+from services.instance import InstanceServer
+from services.language.config import LanguageConfig
 from services.language.engine.async_engine import AsyncEngine
-from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine
 from services.language.frontend import Frontend
 from services.language.metrics import LanguageMetrics
@@ -21,7 +19,6 @@ from services.model.checkpoint import load_language_weights
 from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
-from services.ports import LANGUAGE_PORT
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.ends import receive_side
@@ -29,39 +26,9 @@ from services.wire.messages import (
     Heartbeat,
     PoolDescriptor,
     Register,
-    Role,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class LanguageConfig:
-    checkpoint: Path
-    model_name: str
-    instance: InstanceConfig = field(
-        default_factory=lambda: InstanceConfig(Role.LANGUAGE, LANGUAGE_PORT)
-    )
-    embedding_pool_tokens: int = 32768
-    embedding_block_size: int = 256
-    default_allocate_tokens: int = 4096
-    transfer_timeout_s: float = 30.0
-    # Admission: beyond this many requests in flight, Generate answers
-    # RESOURCE_EXHAUSTED at once; a request waits at most pool_wait_s for receive blocks.
-    max_active_requests: int = 256
-    pool_wait_s: float = 5.0
-    # Blocks given up while an encoder may still write them stay out of use until
-    # it says Released, or this long: more than the encoders' write timeout.
-    quarantine_s: float = 15.0
-    engine: EngineConfig = field(default_factory=EngineConfig)
-
-    def __post_init__(self) -> None:
-        if self.embedding_pool_tokens < self.embedding_block_size:
-            raise ValueError("embedding_pool_tokens must hold at least one block")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.engine.dtype
 
 
 class LanguageServer(InstanceServer):
@@ -76,7 +43,6 @@ class LanguageServer(InstanceServer):
         self.engine = AsyncEngine(
             LLMEngine(self.spec, weights, self.tokenizer, config.engine), self.metrics.on_step
         )
-        self.metrics.kv_pages_total.set(self.engine.num_kv_pages)
         self.pool, self.ends = receive_side(
             PoolLayout(
                 num_blocks=config.embedding_pool_tokens // config.embedding_block_size,
@@ -90,17 +56,6 @@ class LanguageServer(InstanceServer):
             config.instance.transports,
             config.instance.instance_id,
             lambda: self.grpc.address,
-        )
-        self.metrics.embedding_blocks_total.set(self.pool.layout.num_blocks)
-        engine, pool = self.engine, self.pool
-        self.metrics.observe(
-            running=lambda: engine.load.running,
-            waiting=lambda: engine.load.waiting,
-            receiving=lambda: len(self.receiver.transfers),
-            kv_pages_used=lambda: engine.load.kv_pages_used,
-            kv_pages_shared=lambda: engine.load.kv_pages_shared,
-            embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
-            embedding_blocks_quarantined=lambda: self.receiver.num_quarantined_blocks,
         )
         self.receiver = self.driver = ReceiverDriver(
             self.pool,
@@ -119,6 +74,7 @@ class LanguageServer(InstanceServer):
             self.receiver,
             ImageTokenRule.from_checkpoint(config.checkpoint).max_tokens,
         )
+        self._observe()
         servicer = LanguageServicer(
             self.frontend, self.receiver, self.metrics, config.max_active_requests
         )
@@ -126,6 +82,21 @@ class LanguageServer(InstanceServer):
             language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,
             lambda server: language_pb2_grpc.add_LanguageServicer_to_server(servicer, server),
             registry,
+        )
+
+    def _observe(self) -> None:
+        """The gauges read at each scrape: the engine's load, the receive pool."""
+        engine, pool, receiver = self.engine, self.pool, self.receiver
+        self.metrics.kv_pages_total.set(engine.num_kv_pages)
+        self.metrics.embedding_blocks_total.set(pool.layout.num_blocks)
+        self.metrics.observe(
+            running=lambda: engine.load.running,
+            waiting=lambda: engine.load.waiting,
+            receiving=lambda: len(receiver.transfers),
+            kv_pages_used=lambda: engine.load.kv_pages_used,
+            kv_pages_shared=lambda: engine.load.kv_pages_shared,
+            embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
+            embedding_blocks_quarantined=lambda: receiver.num_quarantined_blocks,
         )
 
     def registration(self) -> Register:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from services import env
 from services.children import die_with_parent
+from services.ports import TRITON_GRPC_PORT, TRITON_HTTP_PORT, TRITON_METRICS_PORT
 from services.transfer.shared_memory import remove_segments
 
 logger = logging.getLogger(__name__)
@@ -57,9 +58,9 @@ class TritonConfig:
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     model_name: str = "vit"
     host: str = "127.0.0.1"
-    http_port: int = 8010
-    grpc_port: int = 8011
-    metrics_port: int = 8012
+    http_port: int = TRITON_HTTP_PORT
+    grpc_port: int = TRITON_GRPC_PORT
+    metrics_port: int = TRITON_METRICS_PORT
     model_config_name: str | None = None  # e.g. "gpu" selects configs/gpu.pbtxt
     startup_timeout_s: float = 180.0
     log_verbose: int = 0

@@ -6,6 +6,11 @@ import enum
 
 from services.proto import common_pb2
 
+# A transfer that makes no progress this long fails, on the encoder's side and
+# the language side; the broker's rendezvous waits as long for a request's
+# other half. Each service's config takes it as its default.
+TRANSFER_TIMEOUT_S = 30.0
+
 
 class Transport(enum.IntEnum):
     """Values match epd.v1.Transport. Lower is preferred."""

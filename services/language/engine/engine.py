@@ -109,26 +109,7 @@ class LLMEngine:
                 f"the KV cache holds {kv_config.num_tokens} tokens, less than max_model_len "
                 f"{config.max_model_len}: raise kv_cache_bytes or lower max_model_len"
             )
-        for name, tensor in weights.items():
-            weights[name] = tensor.to(config.dtype)
-        model = LanguageModel.from_weights(spec.text, weights, device)
-        fused_moe = (
-            spec.text.moe is not None
-            and moe_backend(config.moe, config.dtype, device) == "flashinfer"
-        )
-        if fused_moe:
-            fuse_experts(model)
-        linear = linear_backend(config.linear, config.dtype, device)
-        if linear == "onednn":
-            pack_linears(model)
-        elif linear == "cpu":
-            kernel = linear_kernel()
-            assert kernel is not None  # linear_backend checked
-            use_linear_kernel(model, kernel)
-        if ops_backend(config.ops, config.dtype, device) == "cpu":
-            ops = fused_ops()
-            assert ops is not None  # ops_backend checked
-            model.use_fused_ops(ops)
+        model, fused_moe = self._model(weights, device)
         attention = self._attention(device)
         # capturable: FlashInfer attention, and MoE experts without host syncs
         graphs = (
@@ -153,6 +134,35 @@ class LLMEngine:
         self.detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
         self.vision = vision
+
+    def _model(
+        self, weights: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[LanguageModel, bool]:
+        """The model in the config's dtype, with the backends its `auto` choices
+        resolve to (experts, projections, fused operations); and whether its MoE
+        experts are FlashInfer's fused ones."""
+        config, spec = self.config, self.spec
+        for name, tensor in weights.items():
+            weights[name] = tensor.to(config.dtype)
+        model = LanguageModel.from_weights(spec.text, weights, device)
+        fused_moe = (
+            spec.text.moe is not None
+            and moe_backend(config.moe, config.dtype, device) == "flashinfer"
+        )
+        if fused_moe:
+            fuse_experts(model)
+        linear = linear_backend(config.linear, config.dtype, device)
+        if linear == "onednn":
+            pack_linears(model)
+        elif linear == "cpu":
+            kernel = linear_kernel()
+            assert kernel is not None  # linear_backend checked
+            use_linear_kernel(model, kernel)
+        if ops_backend(config.ops, config.dtype, device) == "cpu":
+            ops = fused_ops()
+            assert ops is not None  # ops_backend checked
+            model.use_fused_ops(ops)
+        return model, fused_moe
 
     def _attention(self, device: torch.device) -> AttentionBackend:
         t = self.spec.text

@@ -1,0 +1,411 @@
+"""The `epd` command's flags, one builder per command.
+
+A flag that sets a config field is built from that field (`field_option`): its
+type and default are the dataclass's, so the parser, the server and the
+drivers read the same value. Each builder imports only its own command's
+config classes: `epd triton`, `epd broker` and `epd gateway` import no torch
+and no server (tests/test_package_graph.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from services import env
+
+MIB = 1024 * 1024
+
+# services.wire.dtypes' names and `auto`, spelled out so that parsing needs no
+# torch (checked equal by the tests); each process resolves the name where it
+# knows its device.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+# What compose's required EPD_API_KEY is set to for a gateway open to anyone.
+NO_API_KEY = "disabled"
+
+
+def default(config: type, name: str) -> Any:
+    """A config dataclass field's default."""
+    for f in dataclasses.fields(config):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise TypeError(f"{config.__name__}.{name} has no default")
+    raise TypeError(f"{config.__name__} has no field {name}")
+
+
+def field_option(
+    p: argparse.ArgumentParser, config: type, name: str, *flags: str, scale: int = 1, **kwargs: Any
+) -> None:
+    """A flag for a config field, typed and defaulted by it; named --the-field
+    unless `flags` say otherwise; `scale`: the field's units in one of the
+    flag's (MIB for a byte count given in MiB)."""
+    value = default(config, name)
+    if scale != 1:
+        value //= scale
+    names = flags or (f"--{name.replace('_', '-')}",)
+    p.add_argument(*names, type=type(value), default=value, **kwargs)
+
+
+def add_dtype(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=env.DTYPE.get(),
+        help=f"{what}: auto (bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX, else "
+        "float32), float32, bfloat16 or float16 ($EPD_DTYPE)",
+    )
+
+
+def add_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster-token",
+        help="secret every internal gRPC call carries ($EPD_CLUSTER_TOKEN; epd serve makes one)",
+    )
+    p.add_argument("--tls-cert", help="PEM certificate chain: gRPC over TLS ($EPD_TLS_CERT)")
+    p.add_argument("--tls-key", help="PEM key of --tls-cert ($EPD_TLS_KEY)")
+    p.add_argument(
+        "--tls-ca",
+        help="PEM roots to verify peers with; servers then require client certificates "
+        "(mutual TLS) ($EPD_TLS_CA)",
+    )
+
+
+def add_limits(p: argparse.ArgumentParser) -> None:
+    """ImageLimits' fields, each a flag of its name."""
+    from services.encoder.limits import ImageLimits
+
+    helps = {"max_images": "images and videos", "max_video_pixels": "per frame"}
+    for f in dataclasses.fields(ImageLimits):
+        field_option(p, ImageLimits, f.name, help=helps.get(f.name))
+
+
+def transports(value: str) -> tuple[Any, ...]:
+    from services.wire.transport import Transport
+
+    try:
+        return tuple(Transport.parse(name) for name in value.split(",") if name.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        default=env.CHECKPOINT.get(),
+        required=not env.CHECKPOINT.get(),
+        help="checkpoint folder ($EPD_CHECKPOINT)",
+    )
+
+
+def add_instance(p: argparse.ArgumentParser, config: type) -> None:
+    """An encoder's or language instance's flags: `config` is its service's
+    config (EncoderConfig, LanguageConfig), whose `instance` gives the defaults."""
+    from services.instance import InstanceConfig
+
+    instance = default(config, "instance")
+    add_checkpoint(p)
+    p.add_argument("--model-name", help="served model name (default: the folder's name)")
+    field_option(p, InstanceConfig, "host", help="address to bind (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=instance.port)
+    p.add_argument(
+        "--advertise-host",
+        help="the host peers dial (default: --host, or this machine's name when binding 0.0.0.0)",
+    )
+    field_option(p, InstanceConfig, "metrics_port", help="Prometheus port (0: any free)")
+    p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
+    p.add_argument(
+        "--host-id", default=env.HOST_ID.get(), help="same id = shared memory ($EPD_HOST_ID)"
+    )
+    p.add_argument("--instance-id", help="default: role plus a random suffix")
+    p.add_argument(
+        "--transports",
+        type=transports,
+        default=instance.transports,
+        help="comma-separated: cuda_ipc, nixl, shm, grpc",
+    )
+
+
+def add_engine(p: argparse.ArgumentParser) -> None:
+    """EngineConfig's flags (the dtype has its own, shared with the other roles)."""
+    from services.language.engine.config import EngineConfig
+    from services.language.engine.scheduler import SchedulerConfig
+
+    field_option(p, EngineConfig, "device")
+    field_option(p, EngineConfig, "max_model_len")
+    field_option(p, EngineConfig, "kv_cache_bytes", "--kv-cache-mb", scale=MIB)
+    field_option(p, EngineConfig, "page_size")
+    field_option(p, SchedulerConfig, "max_num_seqs")
+    field_option(p, SchedulerConfig, "max_num_batched_tokens")
+    field_option(
+        p,
+        EngineConfig,
+        "attention",
+        choices=("auto", "torch", "cpu", "flashinfer"),
+        help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
+        "(built on first use with the machine's C compiler; cpu: also in bfloat16), "
+        "else torch (SDPA)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run decode steps eagerly on CUDA (by default they replay captured CUDA graphs)",
+    )
+
+
+def engine_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags `epd serve` passes on to its language (or monolithic) instances."""
+    return [
+        *("--device", args.device),
+        *("--max-model-len", str(args.max_model_len)),
+        *("--kv-cache-mb", str(args.kv_cache_mb)),
+        *("--page-size", str(args.page_size)),
+        *("--max-num-seqs", str(args.max_num_seqs)),
+        *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
+        *("--attention", args.attention),
+        *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
+    ]
+
+
+def add_gateway_common(p: argparse.ArgumentParser) -> None:
+    """The flags of a gateway, in front of a broker or of the monolithic engine."""
+    from services.gateway.config import FetchPolicy, GatewayConfig
+
+    field_option(p, GatewayConfig, "host")
+    field_option(p, GatewayConfig, "port")
+    p.add_argument(
+        "--checkpoint",
+        default=env.CHECKPOINT.get() or None,
+        help="the model folder, for image token hints ($EPD_CHECKPOINT)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=env.API_KEY.get(),
+        help=f"require this bearer key ($EPD_API_KEY; '{NO_API_KEY}': none, as when unset)",
+    )
+    add_limits(p)
+    field_option(
+        p, FetchPolicy, "timeout_s", "--fetch-timeout", help="seconds for a remote image URL"
+    )
+    p.add_argument(
+        "--allow-private-urls",
+        action="store_true",
+        help="let image URLs reach loopback/private/link-local addresses",
+    )
+    field_option(
+        p,
+        GatewayConfig,
+        "max_concurrent_requests",
+        help="requests in flight beyond which new ones get 429 with Retry-After",
+    )
+    field_option(
+        p,
+        GatewayConfig,
+        "max_body_bytes",
+        "--max-body-mb",
+        scale=MIB,
+        help="request bodies over this are refused (413)",
+    )
+    field_option(
+        p,
+        GatewayConfig,
+        "encode_timeout_s",
+        "--encode-timeout",
+        help="seconds for one encoder's Encode",
+    )
+    p.add_argument(
+        "--served-model",
+        action="append",
+        help="a model this gateway serves: 503 (not 404) while no instance is up; repeatable",
+    )
+
+
+# -- one builder per command -------------------------------------------------------
+
+
+def protos(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check", action="store_true", help="fail if the generated code is stale")
+
+
+def demo_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="output folder")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument(
+        "--arch", choices=("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), default="qwen2_5_vl"
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def broker(p: argparse.ArgumentParser) -> None:
+    from services.broker.config import BrokerConfig
+
+    field_option(p, BrokerConfig, "host")
+    field_option(p, BrokerConfig, "port")
+    field_option(p, BrokerConfig, "metrics_port")
+    field_option(p, BrokerConfig, "heartbeat_interval_s", "--heartbeat-interval")
+    field_option(p, BrokerConfig, "heartbeat_timeout_s", "--heartbeat-timeout")
+    field_option(p, BrokerConfig, "rendezvous_ttl_s", "--rendezvous-ttl")
+    add_security(p)
+
+
+def triton(p: argparse.ArgumentParser) -> None:
+    from services.triton.launcher import TritonConfig
+
+    add_checkpoint(p)
+    p.add_argument(
+        "--model-repository", type=Path, default=default(TritonConfig, "model_repository")
+    )
+    p.add_argument("--model-config-name", help="e.g. gpu: use configs/gpu.pbtxt")
+    field_option(p, TritonConfig, "host")
+    field_option(p, TritonConfig, "http_port")
+    field_option(p, TritonConfig, "grpc_port")
+    field_option(p, TritonConfig, "metrics_port")
+    add_dtype(p, "the vision tower's dtype")
+
+
+def encoder(p: argparse.ArgumentParser) -> None:
+    from services.encoder.config import EncoderConfig
+
+    add_instance(p, EncoderConfig)
+    add_dtype(p, "embedding dtype (the language instances' dtype)")
+    p.add_argument(
+        "--triton", default=env.TRITON_URL.get(), help="Triton gRPC address ($EPD_TRITON_URL)"
+    )
+    p.add_argument("--no-triton-shm", action="store_true", help="send tensors to Triton over gRPC")
+    add_limits(p)
+    field_option(p, EncoderConfig, "cache_bytes", "--cache-mb", scale=MIB)
+    field_option(p, EncoderConfig, "send_buffer_tokens")
+    field_option(
+        p,
+        EncoderConfig,
+        "max_pending",
+        help="encodes in progress beyond which new ones get RESOURCE_EXHAUSTED",
+    )
+    field_option(
+        p,
+        EncoderConfig,
+        "buffer_wait_s",
+        "--buffer-wait",
+        help="seconds an encode waits for send-buffer room",
+    )
+    add_security(p)
+
+
+def language(p: argparse.ArgumentParser) -> None:
+    from services.language.config import LanguageConfig
+
+    add_instance(p, LanguageConfig)
+    add_engine(p)
+    add_dtype(p, "model dtype (and the embeddings')")
+    field_option(p, LanguageConfig, "embedding_pool_tokens")
+    field_option(p, LanguageConfig, "default_allocate_tokens")
+    field_option(
+        p,
+        LanguageConfig,
+        "max_active_requests",
+        help="requests in flight (receiving or generating) beyond which new ones get "
+        "RESOURCE_EXHAUSTED",
+    )
+    field_option(
+        p,
+        LanguageConfig,
+        "pool_wait_s",
+        "--pool-wait",
+        help="seconds a request waits for receive blocks",
+    )
+    field_option(
+        p,
+        LanguageConfig,
+        "quarantine_s",
+        "--quarantine",
+        help="seconds receive blocks stay out of use after their request ended while an "
+        "encoder may still write them (unless it says it stopped)",
+    )
+    add_security(p)
+
+
+def gateway(p: argparse.ArgumentParser) -> None:
+    add_gateway_common(p)
+    p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
+    add_security(p)
+
+
+def monolithic(p: argparse.ArgumentParser) -> None:
+    add_gateway_common(p)
+    add_engine(p)
+    add_dtype(p, "model dtype")
+    p.add_argument("--model-name", help="served model name (default: the folder's name)")
+
+
+def health(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="host:port of a gRPC server, or http(s)://... for an HTTP check")
+    p.add_argument("--service", default="", help="gRPC service name (default: the server)")
+    add_security(p)
+
+
+def serve(p: argparse.ArgumentParser) -> None:
+    from services.serve import StackConfig
+
+    p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
+    p.add_argument("--model-name", help="served model name (default: the folder's name)")
+    p.add_argument("--demo-size", choices=("tiny", "small"), default="tiny")
+    p.add_argument(
+        "--monolithic",
+        action="store_true",
+        help="one process, no Triton and no broker: the baseline to compare with",
+    )
+    field_option(
+        p,
+        StackConfig,
+        "host",
+        help="address the gateway binds (0.0.0.0: all); the other components listen "
+        "on 127.0.0.1 only",
+    )
+    field_option(p, StackConfig, "port", help="the gateway's port")
+    p.add_argument("--api-key", default=env.API_KEY.get())
+    p.add_argument("--allow-private-urls", action="store_true")
+    field_option(p, StackConfig, "num_encoders", "--encoders", help="encoder instances")
+    field_option(p, StackConfig, "num_languages", "--languages", help="language instances")
+    field_option(p, StackConfig, "broker_port")
+    field_option(p, StackConfig, "encoder_port", help="the first encoder's port")
+    field_option(p, StackConfig, "language_port", help="the first language port")
+    http, grpc, metrics = default(StackConfig, "triton_ports")
+    p.add_argument("--triton-http-port", type=int, default=http)
+    p.add_argument("--triton-grpc-port", type=int, default=grpc)
+    p.add_argument("--triton-metrics-port", type=int, default=metrics)
+    add_engine(p)
+    add_dtype(p, "dtype of the vision tower, the embeddings and the language model")
+    field_option(
+        p,
+        StackConfig,
+        "encoder_cpus",
+        help="CPUs for Triton and the encoders, e.g. 1 or 4-7 (default: all)",
+    )
+    field_option(
+        p,
+        StackConfig,
+        "language_cpus",
+        help="CPUs for the language instances, e.g. 0 or 0-3 (default: all)",
+    )
+    field_option(
+        p,
+        StackConfig,
+        "encoder_nice",
+        help="niceness for Triton and the encoders (e.g. 10): the language "
+        "engine gets the CPU first when they contend",
+    )
+    field_option(
+        p,
+        StackConfig,
+        "max_restarts",
+        help="a component that dies is restarted; this many restarts within "
+        "--restart-window seconds stop the stack",
+    )
+    field_option(p, StackConfig, "restart_window_s", "--restart-window")
+    p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
+    add_security(p)

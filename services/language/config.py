@@ -1,0 +1,45 @@
+"""LanguageConfig: a language instance's settings and their defaults (`epd
+language`'s flags are built from them, and from its EngineConfig's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.instance import InstanceConfig
+from services.language.engine.config import EngineConfig
+from services.language.receiver import DEFAULT_ALLOCATE_TOKENS
+from services.ports import LANGUAGE_PORT
+from services.wire.messages import Role
+from services.wire.transport import TRANSFER_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class LanguageConfig:
+    checkpoint: Path
+    model_name: str
+    instance: InstanceConfig = field(
+        default_factory=lambda: InstanceConfig(Role.LANGUAGE, LANGUAGE_PORT)
+    )
+    embedding_pool_tokens: int = 32768
+    embedding_block_size: int = 256
+    default_allocate_tokens: int = DEFAULT_ALLOCATE_TOKENS
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
+    # Admission: beyond this many requests in flight, Generate answers
+    # RESOURCE_EXHAUSTED at once; a request waits at most pool_wait_s for receive blocks.
+    max_active_requests: int = 256
+    pool_wait_s: float = 5.0
+    # Blocks given up while an encoder may still write them stay out of use until
+    # it says Released, or this long: more than the encoders' write timeout.
+    quarantine_s: float = 15.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.embedding_pool_tokens < self.embedding_block_size:
+            raise ValueError("embedding_pool_tokens must hold at least one block")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
