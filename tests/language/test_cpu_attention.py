@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.language.engine import cpu_kernels, engine
+from services.language.engine import config, cpu_kernels
 from services.language.engine.attention import TorchAttention
 from services.language.engine.config import attention_backend, linear_backend, ops_backend
 from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
@@ -137,7 +137,7 @@ def test_without_a_compiler_the_engine_keeps_torch(
     monkeypatch.setenv("CC", "no-such-compiler")
     uncached = getattr(cpu_kernels, kernels).__wrapped__
     assert uncached() is None
-    monkeypatch.setattr(engine, kernels, uncached)
+    monkeypatch.setattr(config, kernels, uncached)
     cpu = torch.device("cpu")
     assert backend("auto", torch.float32, cpu) == fallback
     with pytest.raises(ValueError, match="C compiler"):
