@@ -55,7 +55,7 @@ from services.transfer.transports.base import Part, Writer
 from services.transfer.transports.grpc_stream import GrpcWriter
 from services.transfer.transports.nixl import NixlWriter
 from services.transfer.transports.shm import ShmWriter
-from services.wire.messages import Heartbeat, ImageGrid, Register, Role
+from services.wire.messages import Heartbeat, MediaGrid, Register, Role
 from services.wire.transport import Transport
 
 HIDDEN = 128  # the tiny demo model's embedding width (float32: 512 bytes a token)
@@ -156,7 +156,7 @@ class EncoderSide:
         stubs: Stubs,
         peer: Register,
         request_id: str,
-        grid: ImageGrid,
+        grid: MediaGrid,
     ) -> float:
         """One request through everything; the sender's time from meta to last TransferDone.
         Routed first, as the gateway does: the broker takes embedding metadata only
@@ -269,7 +269,7 @@ async def run(args: argparse.Namespace) -> None:
             Transport.NIXL: lambda: EncoderSide.with_nixl(broker, 2 * tokens, host),
             Transport.GRPC: lambda: EncoderSide(broker, GrpcWriter("bench-grpc"), 2 * tokens, host),
         }
-        grid = ImageGrid(1, 2 * 128, tokens * 4 // 256)  # tokens = h * w / 4
+        grid = MediaGrid(1, 2 * 128, tokens * 4 // 256)  # tokens = h * w / 4
         for transport, make in sides.items():
             side = make()
             await side.link.start(wait_s=60)
@@ -287,7 +287,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 async def control_plane(stubs: Stubs, side: EncoderSide, peer: Register, requests: int) -> None:
-    small = ImageGrid(1, 16, 16)
+    small = MediaGrid(1, 16, 16)
     for i in range(20):
         await side.send(stubs, peer, f"warm-{i}", small)
     latencies = [1000 * await side.send(stubs, peer, f"cp-{i}", small) for i in range(requests)]

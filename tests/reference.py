@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 
 @cache
@@ -77,7 +77,7 @@ class HfVideo:
     frame_seconds: tuple[float, ...] = ()
 
     @classmethod
-    def of(cls, pixels: torch.Tensor, grid: ImageGrid) -> HfVideo:
+    def of(cls, pixels: torch.Tensor, grid: MediaGrid) -> HfVideo:
         """The video the project's preprocessing made (equal to the processor's)."""
         return cls(pixels, (grid.t, grid.h, grid.w), grid.second_per_grid_t, grid.frame_seconds)
 

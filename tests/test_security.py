@@ -44,7 +44,7 @@ from services.proto import (
 )
 from services.security import Security
 from services.triton.launcher import TritonServer
-from services.wire.messages import Abort, EmbeddingMeta, ImageGrid, Plane, Prealloc
+from services.wire.messages import Abort, EmbeddingMeta, MediaGrid, Plane, Prealloc
 from services.wire.transport import Transport
 from tests.broker.peers import attach, encoder, language, wait_for
 from tests.reflection import grpcurl, list_services
@@ -346,7 +346,7 @@ async def test_only_the_routed_encoder_speaks_for_a_request(secured: None) -> No
 
         def meta() -> EmbeddingMeta:
             return EmbeddingMeta(
-                "r", "L", 64, (ImageGrid(1, 16, 16),), (Plane("embeddings", 8),), torch.float32
+                "r", "L", 64, (MediaGrid(1, 16, 16),), (Plane("embeddings", 8),), torch.float32
             )
 
         stranger.link.send(meta())

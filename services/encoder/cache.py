@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 
 @dataclass(frozen=True, slots=True)
 class ImageEmbedding:
     planes: tuple[torch.Tensor, ...]  # [tokens, width] per plane: embeddings, then deepstack
-    grid: ImageGrid
+    grid: MediaGrid
 
     @property
     def num_tokens(self) -> int:

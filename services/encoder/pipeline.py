@@ -20,7 +20,7 @@ from services.encoder.limits import ImageLimits
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess import Preprocessor
 from services.encoder.triton_client import VitClient
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +29,7 @@ class Encoded:
     num_cached: int
 
     @property
-    def grids(self) -> list[ImageGrid]:
+    def grids(self) -> list[MediaGrid]:
         return [i.grid for i in self.images]
 
     @property

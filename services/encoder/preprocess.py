@@ -21,13 +21,13 @@ from services.encoder.images import BadImageError, decode_image, inspect_video
 from services.encoder.limits import ImageLimits
 from services.model.processor import ImageTokenRule, load_image_processor
 from services.model.video import VideoRule, load_video
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 
 @dataclass(frozen=True, slots=True)
 class PreprocessedImage:
     pixel_values: np.ndarray  # [num_patches, 3 * temporal_patch * patch * patch] float32
-    grid: ImageGrid
+    grid: MediaGrid
 
 
 def content_key(data: bytes) -> str:
@@ -52,7 +52,7 @@ class Preprocessor:
         out = self._processor(images=[image], return_tensors="np")
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        return PreprocessedImage(pixels, ImageGrid(t, h, w))
+        return PreprocessedImage(pixels, MediaGrid(t, h, w))
 
     def _run_video(self, data: bytes, index: int) -> PreprocessedImage:
         info = inspect_video(data, index, self.limits)

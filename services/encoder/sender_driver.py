@@ -35,8 +35,8 @@ from services.wire.messages import (
     Abort,
     BrokerMessage,
     EmbeddingMeta,
-    ImageGrid,
     InstanceJoined,
+    MediaGrid,
     PeerLost,
     Prealloc,
     Register,
@@ -117,7 +117,7 @@ class SenderDriver:
     # -- the servicer's calls ----------------------------------------------------
 
     def start(
-        self, request_id: str, peer: Register, held: Held, grids: Sequence[ImageGrid]
+        self, request_id: str, peer: Register, held: Held, grids: Sequence[MediaGrid]
     ) -> asyncio.Future[None]:
         """Announces the embeddings held in the send buffer (which this transfer
         frees); the future resolves when they landed, or fails with TransferError."""

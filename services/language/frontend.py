@@ -32,7 +32,7 @@ from services.language.engine.request import Request, new_request
 from services.language.receiver_driver import ReceiverDriver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import ChatMessages, Prompt, build_prompt, completion_prompt
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 from services.wire.request import (
     ChatMessage,
     GenerateChunk,
@@ -58,7 +58,7 @@ class Media:
     their grids, and either their embeddings (with deepstack, its features) or,
     for an engine with its own vision tower, their pixels."""
 
-    grids: tuple[ImageGrid, ...] = ()
+    grids: tuple[MediaGrid, ...] = ()
     embeddings: torch.Tensor | None = None  # [tokens, hidden]
     deepstack: torch.Tensor | None = None  # [tokens, levels * hidden]
     pixel_values: torch.Tensor | None = None  # [patches, patch_dim]
@@ -194,7 +194,7 @@ class Frontend:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
         return Media(meta.grids, planes["embeddings"], planes.get("deepstack"))
 
-    async def rebuild(self, rendered: Rendered, grids: Sequence[ImageGrid]) -> Rendered:
+    async def rebuild(self, rendered: Rendered, grids: Sequence[MediaGrid]) -> Rendered:
         """The prompt for the real grids, tokenized again only where they differ
         from the hints or a video spells out its timestamps (Qwen3-VL)."""
         if len(grids) != len(rendered.hints):

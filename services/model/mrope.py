@@ -23,13 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 
 def mrope_positions(
     token_ids: Sequence[int],
     image_token_id: int,
-    grids: Sequence[ImageGrid],
+    grids: Sequence[MediaGrid],
     spatial_merge_size: int,
     video_token_id: int | None = None,
     tokens_per_second: float | None = None,

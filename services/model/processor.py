@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from services.model.spec import CheckpointError
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 MAX_ASPECT_RATIO = 200  # the processor refuses anything more extreme
 # CLIP's normalisation, which Qwen2-VL's image and video processors use
@@ -66,9 +66,9 @@ class ImageTokenRule:
         """Tokens of the largest image the resize rule lets through."""
         return self.max_pixels // (self.factor * self.factor)
 
-    def grid(self, height: int, width: int) -> ImageGrid:
+    def grid(self, height: int, width: int) -> MediaGrid:
         h, w = self.resized(height, width)
-        return ImageGrid(1, h // self.patch_size, w // self.patch_size)
+        return MediaGrid(1, h // self.patch_size, w // self.patch_size)
 
     def num_tokens(self, height: int, width: int) -> int:
         return self.grid(height, width).num_tokens(self.merge_size)

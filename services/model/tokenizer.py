@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.model.spec import CheckpointError, ModelSpec
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 # Chat messages: {"role": ..., "content": str | [{"type": "text" | "image" | "video", ...}]}
 ChatMessages = Sequence[dict[str, Any]]
@@ -69,17 +69,6 @@ def render_chat(tokenizer: Any, messages: ChatMessages) -> str:
     )
 
 
-def count_images(messages: ChatMessages) -> int:
-    """Image and video parts (each a vision item with its own placeholder)."""
-    return sum(
-        1
-        for message in messages
-        if not isinstance(message.get("content"), str)
-        for part in message.get("content") or ()
-        if part.get("type") in ("image", "video")
-    )
-
-
 def completion_prompt(
     tokenizer: Any, spec: ModelSpec, text: str, token_ids: Sequence[int]
 ) -> Prompt:
@@ -99,7 +88,7 @@ def completion_prompt(
 
 
 def build_prompt(
-    tokenizer: Any, spec: ModelSpec, messages: ChatMessages, items: Sequence[ImageGrid | int]
+    tokenizer: Any, spec: ModelSpec, messages: ChatMessages, items: Sequence[MediaGrid | int]
 ) -> Prompt:
     """Token ids of the templated chat with the placeholder of vision item i (an
     image or a video, in prompt order) expanded for items[i]: its grid, or only
@@ -127,7 +116,7 @@ def build_prompt(
     return Prompt(out, offsets, counts)
 
 
-def _expand(tokenizer: Any, spec: ModelSpec, pad: int, item: ImageGrid | int) -> list[int]:
+def _expand(tokenizer: Any, spec: ModelSpec, pad: int, item: MediaGrid | int) -> list[int]:
     """The tokens that stand for one image or video in the prompt."""
     merge = spec.vision.spatial_merge_size
     count = item if isinstance(item, int) else item.num_tokens(merge)

@@ -10,7 +10,7 @@ Two families of rules, each transformers' video processor of its models:
 - `Qwen3VideoRule`, Qwen3-VL's `Qwen3VLVideoProcessor`: the frame count is not
   rounded (the last frame is repeated to fill a temporal patch), the pixel
   bounds hold for the whole clip, and each temporal patch has a timestamp that
-  the prompt spells out before the patch's tokens (`ImageGrid.frame_seconds`).
+  the prompt spells out before the patch's tokens (`MediaGrid.frame_seconds`).
 Either way frames are resized bicubic, antialiased, on uint8 as torchvision
 does on the CPU, normalised, and cut into patches of `temporal_patch_size`
 consecutive frames. `VideoRule.grid` gives the token grid from the header alone
@@ -41,7 +41,7 @@ from services.model.processor import (
     check_aspect_ratio,
 )
 from services.model.spec import QWEN3_MODEL_TYPES, CheckpointError
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 # Qwen2-VL's video processor: each frame's patches, merge and pixel bounds
 VIDEO_FRAME = ImageTokenRule(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28)
@@ -107,7 +107,7 @@ class VideoRule:
         """Frames per second of the sampled clip (what M-RoPE's time axis counts in)."""
         return _sampled_fps(len(self.frame_indices(info.num_frames, info.fps)), info)
 
-    def grid(self, info: VideoInfo) -> ImageGrid:
+    def grid(self, info: VideoInfo) -> MediaGrid:
         """The patch grid of a video from its header: (temporal patches of the
         sampled frames, resized height / patch, resized width / patch), the seconds
         a temporal patch spans (temporal patch / sampled fps, as transformers'
@@ -116,7 +116,7 @@ class VideoRule:
         indices = self.frame_indices(info.num_frames, info.fps)
         frames = len(indices)
         h, w = self.resized(frames, info.height, info.width)
-        return ImageGrid(
+        return MediaGrid(
             -(-frames // tp),
             h // p,
             w // p,
@@ -280,7 +280,7 @@ def decode(data: bytes, indices: list[int]) -> np.ndarray:
 
 def load_video(
     data: bytes, rule: VideoRule, info: VideoInfo | None = None
-) -> tuple[torch.Tensor, ImageGrid]:
+) -> tuple[torch.Tensor, MediaGrid]:
     """An encoded video -> (pixel rows, grid with its seconds per temporal patch):
     header (`info` if already read), sampled frames decoded, preprocessed."""
     info = info or probe(data)
@@ -291,7 +291,7 @@ def load_video(
     return pixels, header
 
 
-def preprocess(frames: np.ndarray, rule: VideoRule) -> tuple[torch.Tensor, ImageGrid]:
+def preprocess(frames: np.ndarray, rule: VideoRule) -> tuple[torch.Tensor, MediaGrid]:
     """Sampled uint8 RGB frames [T, H, W, 3] -> (pixel rows [t*h*w, C*tp*p*p]
     float32, grid), exactly as transformers' Qwen2VLVideoProcessor on them."""
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [T, C, H, W]
@@ -311,4 +311,4 @@ def preprocess(frames: np.ndarray, rule: VideoRule) -> tuple[torch.Tensor, Image
     gt, gh, gw = num_frames // tp, h // p, w // p
     patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p)
     patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return patches.reshape(gt * gh * gw, channels * tp * p * p), ImageGrid(gt, gh, gw)
+    return patches.reshape(gt * gh * gw, channels * tp * p * p), MediaGrid(gt, gh, gw)

@@ -25,7 +25,7 @@ class Role(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class ImageGrid:
+class MediaGrid:
     """An image's or a video's patch grid (temporal, height, width) before the
     spatial merge; a video's also says how many seconds a temporal patch spans
     and, for Qwen3-VL, each temporal patch's timestamp."""
@@ -167,7 +167,7 @@ class EmbeddingMeta:
     request_id: str
     language_instance_id: str
     total_tokens: int
-    grids: tuple[ImageGrid, ...]
+    grids: tuple[MediaGrid, ...]
     planes: tuple[Plane, ...]
     dtype: torch.dtype
     encoder_instance_id: str = ""

@@ -18,8 +18,8 @@ from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 from services.wire.convert import wrap
 from services.wire.messages import (
     EmbeddingMeta,
-    ImageGrid,
     InstanceJoined,
+    MediaGrid,
     PeerLost,
     Plane,
     Prealloc,
@@ -67,7 +67,7 @@ async def test_rendezvous_relays_over_the_streams(broker: BrokerServer) -> None:
     enc = await attach(broker, encoder("E"))
     await wait_for(lambda: enc.of(InstanceJoined))
     await route(broker, "r1")
-    enc.link.send(EmbeddingMeta("r1", "L", 64, (ImageGrid(1, 16, 16),), PLANES, torch.float32))
+    enc.link.send(EmbeddingMeta("r1", "L", 64, (MediaGrid(1, 16, 16),), PLANES, torch.float32))
     lang.link.send(Prealloc("r1", (3,), 256))
     await wait_for(lambda: lang.of(EmbeddingMeta) and enc.of(Prealloc))
     assert lang.of(EmbeddingMeta)[0].encoder_instance_id == "E"
@@ -85,7 +85,7 @@ async def test_silent_instance_is_evicted_and_its_peers_hear_peer_lost(
     outgoing: asyncio.Queue[broker_pb2.PeerMessage | None] = asyncio.Queue()
     for message in (
         encoder("silent"),
-        EmbeddingMeta("r2", "L", 64, (ImageGrid(1, 16, 16),), PLANES, torch.float32),
+        EmbeddingMeta("r2", "L", 64, (MediaGrid(1, 16, 16),), PLANES, torch.float32),
     ):
         outgoing.put_nowait(wrap(broker_pb2.PeerMessage, message))
 
@@ -202,7 +202,7 @@ async def test_describe_request_shows_the_phase(broker: BrokerServer) -> None:
     waiting = await stub.DescribeRequest(broker_pb2.DescribeRequestRequest(request_id="r9"))
     assert waiting.phase == broker_pb2.RequestDescription.PHASE_WAITING
     assert waiting.has_prealloc and not waiting.has_meta
-    enc.link.send(EmbeddingMeta("r9", "L", 64, (ImageGrid(1, 16, 16),), PLANES, torch.float32))
+    enc.link.send(EmbeddingMeta("r9", "L", 64, (MediaGrid(1, 16, 16),), PLANES, torch.float32))
     await wait_for(lambda: lang.of(EmbeddingMeta))
     paired = await stub.DescribeRequest(broker_pb2.DescribeRequestRequest(request_id="r9"))
     assert paired.phase == broker_pb2.RequestDescription.PHASE_TRANSFERRING

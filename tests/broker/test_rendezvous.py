@@ -12,7 +12,7 @@ from services.broker.rendezvous import FailoverError, Phase, Rendezvous
 from services.wire.messages import (
     Abort,
     EmbeddingMeta,
-    ImageGrid,
+    MediaGrid,
     PeerLost,
     Plane,
     Prealloc,
@@ -27,7 +27,7 @@ E, E2, L = "enc", "enc-2", "lang"
 
 def meta(rid: str = "r", total: int = 100) -> EmbeddingMeta:
     return EmbeddingMeta(
-        rid, L, total, (ImageGrid(1, 20, 20),), (Plane("embeddings", 8),), torch.float32
+        rid, L, total, (MediaGrid(1, 20, 20),), (Plane("embeddings", 8),), torch.float32
     )
 
 

@@ -16,7 +16,7 @@ from services.model.checkpoint import load_language_weights, load_vision_tower
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 
 def make_engine(
@@ -60,11 +60,11 @@ def make_request(
     dtype: torch.dtype = torch.float32,
 ) -> Request:
     spec = load_spec(checkpoint)
-    grids: list[ImageGrid] = []
+    grids: list[MediaGrid] = []
     embeds = deepstack = None
     if images:
         pixels = load_image_processor(checkpoint)(images=images, return_tensors="pt")
-        grids = [ImageGrid(*map(int, g)) for g in pixels["image_grid_thw"]]
+        grids = [MediaGrid(*map(int, g)) for g in pixels["image_grid_thw"]]
         with torch.no_grad():
             out = load_vision_tower(checkpoint, spec, dtype=dtype)(
                 pixels["pixel_values"].to(dtype), grid_thw=pixels["image_grid_thw"]

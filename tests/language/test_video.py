@@ -22,7 +22,7 @@ from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
 from services.model.video import VideoRule, load_video
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 from tests.language.engine_fixtures import check_batch, make_engine, run_to_completion, tokens
 from tests.reference import HfVideo, hf_greedy_videos
 
@@ -46,10 +46,10 @@ def _messages(text: str, items: list[str]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def _pixels(checkpoint: Path, item: str) -> tuple[torch.Tensor, ImageGrid]:
+def _pixels(checkpoint: Path, item: str) -> tuple[torch.Tensor, MediaGrid]:
     if item == "image":
         out = load_image_processor(checkpoint)(images=[IMAGE], return_tensors="pt")
-        return out["pixel_values"], ImageGrid(*map(int, out["image_grid_thw"][0]))
+        return out["pixel_values"], MediaGrid(*map(int, out["image_grid_thw"][0]))
     return load_video(CLIPS[item], VideoRule.from_checkpoint(checkpoint))
 
 

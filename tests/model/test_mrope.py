@@ -8,11 +8,11 @@ import torch
 from services.model.mrope import decode_position, mrope_positions
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 
 
 def _hf_rope_index(
-    folder: Path, ids: list[int], grids: list[ImageGrid]
+    folder: Path, ids: list[int], grids: list[MediaGrid]
 ) -> tuple[torch.Tensor, int]:
     from transformers import AutoConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
@@ -37,23 +37,23 @@ def _hf_rope_index(
 
 GRID_SETS = [
     [],
-    [ImageGrid(1, 16, 16)],
-    [ImageGrid(1, 4, 30)],
-    [ImageGrid(1, 36, 6), ImageGrid(1, 2, 2), ImageGrid(1, 22, 36)],
-    [ImageGrid(4, 8, 12, second_per_grid_t=1.0)],  # a video sampled at 2 fps
+    [MediaGrid(1, 16, 16)],
+    [MediaGrid(1, 4, 30)],
+    [MediaGrid(1, 36, 6), MediaGrid(1, 2, 2), MediaGrid(1, 22, 36)],
+    [MediaGrid(4, 8, 12, second_per_grid_t=1.0)],  # a video sampled at 2 fps
     # videos (frame rates that give fractional time steps) between images
     [
-        ImageGrid(1, 4, 4),
-        ImageGrid(3, 6, 4, second_per_grid_t=2 / 3.3),
-        ImageGrid(8, 2, 2, second_per_grid_t=0.7),
-        ImageGrid(1, 6, 8),
+        MediaGrid(1, 4, 4),
+        MediaGrid(3, 6, 4, second_per_grid_t=2 / 3.3),
+        MediaGrid(8, 2, 2, second_per_grid_t=0.7),
+        MediaGrid(1, 6, 8),
     ],
-    [ImageGrid(30, 2, 2, second_per_grid_t=2 / 1.5)],  # time outruns the spatial extent
+    [MediaGrid(30, 2, 2, second_per_grid_t=2 / 1.5)],  # time outruns the spatial extent
 ]
 
 
 @pytest.mark.parametrize("grids", GRID_SETS)
-def test_positions_equal_get_rope_index(tiny_checkpoint: Path, grids: list[ImageGrid]) -> None:
+def test_positions_equal_get_rope_index(tiny_checkpoint: Path, grids: list[MediaGrid]) -> None:
     spec = load_spec(tiny_checkpoint)
     merge = spec.vision.spatial_merge_size
     ids: list[int] = [100, 101, 102]
@@ -77,7 +77,7 @@ def test_positions_equal_get_rope_index(tiny_checkpoint: Path, grids: list[Image
 
 
 def test_decode_positions_continue_with_delta() -> None:
-    grids = [ImageGrid(1, 8, 4)]
+    grids = [MediaGrid(1, 8, 4)]
     ids = [1, 2] + [9] * 8 + [3]
     positions, delta = mrope_positions(ids, 9, grids, 2)
     # text(2) + image(4x2 merged: spans 4 positions) + text(1) => last position 2+4 = 6
@@ -87,11 +87,11 @@ def test_decode_positions_continue_with_delta() -> None:
 
 def test_mismatched_grids_are_errors() -> None:
     with pytest.raises(ValueError, match="more image grids"):
-        mrope_positions([1, 2, 3], 9, [ImageGrid(1, 2, 2)], 2)
+        mrope_positions([1, 2, 3], 9, [MediaGrid(1, 2, 2)], 2)
     with pytest.raises(ValueError, match="consecutive placeholder"):
-        mrope_positions([1, 9, 9, 2], 9, [ImageGrid(1, 4, 4)], 2)
+        mrope_positions([1, 9, 9, 2], 9, [MediaGrid(1, 4, 4)], 2)
     with pytest.raises(ValueError, match="video at token 1 needs 1 consecutive"):
-        mrope_positions([1, 9, 2], 9, [ImageGrid(1, 2, 2, second_per_grid_t=1.0)], 2, 8, 2)
+        mrope_positions([1, 9, 2], 9, [MediaGrid(1, 2, 2, second_per_grid_t=1.0)], 2, 8, 2)
 
 
 def test_qwen3_timestamped_videos_equal_get_rope_index(qwen3_checkpoint: Path) -> None:
@@ -102,9 +102,9 @@ def test_qwen3_timestamped_videos_equal_get_rope_index(qwen3_checkpoint: Path) -
 
     spec = load_spec(qwen3_checkpoint)
     grids = [
-        ImageGrid(3, 4, 6, second_per_grid_t=1.0, frame_seconds=(0.3, 1.45, 2.6)),
-        ImageGrid(1, 6, 8),
-        ImageGrid(2, 8, 2, second_per_grid_t=0.8, frame_seconds=(0.2, 14.0)),
+        MediaGrid(3, 4, 6, second_per_grid_t=1.0, frame_seconds=(0.3, 1.45, 2.6)),
+        MediaGrid(1, 6, 8),
+        MediaGrid(2, 8, 2, second_per_grid_t=0.8, frame_seconds=(0.2, 14.0)),
     ]
     kinds = ["video", "image", "video"]
     messages = [

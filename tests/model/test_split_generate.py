@@ -17,7 +17,7 @@ from services.model.mrope import decode_position, mrope_positions
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 from tests.reference import chat, hf_greedy
 
 
@@ -30,10 +30,10 @@ def split_greedy(
     spec = load_spec(folder)
     tokenizer = load_tokenizer(folder)
     embeds = torch.empty(0, spec.text.hidden_size)
-    grids: list[ImageGrid] = []
+    grids: list[MediaGrid] = []
     if images:
         pixels = load_image_processor(folder)(images=images, return_tensors="pt")
-        grids = [ImageGrid(*map(int, g)) for g in pixels["image_grid_thw"]]
+        grids = [MediaGrid(*map(int, g)) for g in pixels["image_grid_thw"]]
         tower = load_vision_tower(folder, spec)
         with torch.no_grad():
             embeds = tower(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]).pooler_output

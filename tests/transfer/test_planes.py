@@ -33,7 +33,7 @@ from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.transports.base import Writer
 from services.transfer.transports.ends import writers
-from services.wire.messages import EmbeddingMeta, Heartbeat, ImageGrid, Register, Role
+from services.wire.messages import EmbeddingMeta, Heartbeat, MediaGrid, Register, Role
 from services.wire.transport import Transport
 from tests.stack import start_broker, start_language
 
@@ -92,7 +92,7 @@ async def test_embeddings_and_deepstack_arrive_bit_exact_through_resume(
         async with _encoder(
             broker, encoder_id, source, writers([transport], encoder_id, source, 30)
         ) as sender:
-            grid = ImageGrid(1, 50, 200)  # 2500 tokens: three parts through a 1024-token pool
+            grid = MediaGrid(1, 50, 200)  # 2500 tokens: three parts through a 1024-token pool
             planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
             request_id = f"planes-{transport.name}-{device}"
             meta = await _send(broker, language, sender, encoder_id, request_id, grid, planes)
@@ -139,7 +139,7 @@ async def _send(
     sender: SenderDriver,
     encoder_id: str,
     request_id: str,
-    grid: ImageGrid,
+    grid: MediaGrid,
     planes: tuple[torch.Tensor, ...],
 ) -> EmbeddingMeta:
     """One request's embeddings from the encoder side to the language server, routed
@@ -188,7 +188,7 @@ async def test_a_mapping_that_fails_falls_back_to_grpc_and_stays_off(
             peer = await sender.peer(language.instance_id, wait_s=10)
             assert sender.transport_to(peer) is Transport.SHM
             for i in range(2):
-                grid = ImageGrid(1, 20, 20)
+                grid = MediaGrid(1, 20, 20)
                 planes = tuple(torch.randn(grid.num_tokens(2), p.width) for p in layout.planes)
                 request_id = f"fallback-{i}"
                 meta = await _send(broker, language, sender, encoder_id, request_id, grid, planes)

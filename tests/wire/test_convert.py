@@ -17,9 +17,9 @@ from services.wire.messages import (
     EmbeddingMeta,
     GrpcPool,
     Heartbeat,
-    ImageGrid,
     InstanceInfo,
     InstanceJoined,
+    MediaGrid,
     NixlPool,
     PeerLost,
     Plane,
@@ -49,7 +49,7 @@ LANGUAGE = Register(
     Role.LANGUAGE, "language-0", "10.0.0.2:50071", "node-1", POOL.transports, "m", POOL
 )
 META = EmbeddingMeta(
-    "r1", "language-0", 120, (ImageGrid(1, 10, 12), ImageGrid(2, 4, 4)), POOL.planes,
+    "r1", "language-0", 120, (MediaGrid(1, 10, 12), MediaGrid(2, 4, 4)), POOL.planes,
     torch.float16, "encoder-1", Transport.NIXL,
 )  # fmt: skip
 PEER = [

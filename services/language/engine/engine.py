@@ -269,7 +269,7 @@ class LLMEngine:
         for row, s in enumerate(s for s in batch if s.samples):
             parent = s.request
             for choice in parent.forks:
-                choice.image_embeds = parent.image_embeds  # encoded by now if it came as pixels
+                choice.media_embeds = parent.media_embeds  # encoded by now if it came as pixels
                 self.scheduler.join(parent, choice, s.num_tokens)
                 forked.append(Scheduled(choice, 0, samples=True))
                 rows.append(row)

@@ -13,7 +13,7 @@ import xgrammar as xgr
 
 from services.model.mrope import mrope_positions
 from services.model.spec import ModelSpec
-from services.wire.messages import ImageGrid
+from services.wire.messages import MediaGrid
 from services.wire.request import FinishReason, SamplingParams
 
 
@@ -47,13 +47,14 @@ class Request:
     sampling: SamplingParams
     positions: torch.Tensor  # [3, num_prompt_tokens] M-RoPE positions of the prompt
     mrope_delta: int = 0  # decode position = sequence index + delta
-    image_embeds: torch.Tensor | None = None  # [num_image_tokens, hidden], in prompt order
-    image_positions: torch.Tensor | None = None  # [num_image_tokens] prompt indices
-    # Qwen3-VL: [num_image_tokens, levels * hidden], added after the first decoder layers.
+    # The images' and videos' embeddings, in prompt order: [num_media_tokens, hidden]
+    media_embeds: torch.Tensor | None = None
+    media_positions: torch.Tensor | None = None  # [num_media_tokens] prompt indices
+    # Qwen3-VL: [num_media_tokens, levels * hidden], added after the first decoder layers.
     deepstack: torch.Tensor | None = None
     # Monolithic serving only: pixels the engine's own vision tower still has to encode.
     pixel_values: torch.Tensor | None = None  # [num_patches, patch_dim]
-    image_grids: tuple[ImageGrid, ...] = ()
+    media_grids: tuple[MediaGrid, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -86,10 +87,10 @@ class Request:
             sampling,
             self.positions,
             self.mrope_delta,
-            self.image_embeds,
-            self.image_positions,
+            self.media_embeds,
+            self.media_positions,
             self.deepstack,
-            image_grids=self.image_grids,
+            media_grids=self.media_grids,
             arrival_time=self.arrival_time,
             grammar=self.grammar,
             index=index,
@@ -127,8 +128,8 @@ def new_request(
     token_ids: list[int],
     sampling: SamplingParams,
     spec: ModelSpec,
-    grids: Sequence[ImageGrid] = (),
-    image_embeds: torch.Tensor | None = None,
+    grids: Sequence[MediaGrid] = (),
+    media_embeds: torch.Tensor | None = None,
     pixel_values: torch.Tensor | None = None,
     grammar: Any = None,
     deepstack: torch.Tensor | None = None,
@@ -137,7 +138,7 @@ def new_request(
     (the placeholder tokens, merge size and video time scale are the model's).
 
     Images and videos (`grids` in prompt order; "image" below means either) come
-    either encoded (image_embeds, and with deepstack its features) or, for an
+    either encoded (media_embeds, and with deepstack its features) or, for an
     engine with its own vision tower, as pixel_values it encodes before the
     request runs."""
     image_token_id = spec.image_token_id
@@ -151,21 +152,21 @@ def new_request(
         video_token_id,
         spec.vision.tokens_per_second,
     )
-    image_positions = None
+    media_positions = None
     if grids:
         pads = [image_token_id] if video_token_id is None else [image_token_id, video_token_id]
-        image_positions = torch.isin(torch.tensor(token_ids), torch.tensor(pads))
-        image_positions = image_positions.nonzero().flatten()
+        media_positions = torch.isin(torch.tensor(token_ids), torch.tensor(pads))
+        media_positions = media_positions.nonzero().flatten()
         if pixel_values is None and (
-            image_embeds is None or image_embeds.shape[0] != image_positions.numel()
+            media_embeds is None or media_embeds.shape[0] != media_positions.numel()
         ):
             raise ValueError(
-                f"{image_positions.numel()} image placeholders but "
-                f"{0 if image_embeds is None else image_embeds.shape[0]} image embeddings"
+                f"{media_positions.numel()} image placeholders but "
+                f"{0 if media_embeds is None else media_embeds.shape[0]} image embeddings"
             )
-        if deepstack is not None and deepstack.shape[0] != image_positions.numel():
+        if deepstack is not None and deepstack.shape[0] != media_positions.numel():
             raise ValueError(
-                f"{image_positions.numel()} image placeholders but deepstack features "
+                f"{media_positions.numel()} image placeholders but deepstack features "
                 f"for {deepstack.shape[0]} tokens"
             )
     return Request(
@@ -174,10 +175,10 @@ def new_request(
         sampling,
         positions,
         delta,
-        image_embeds,
-        image_positions,
+        media_embeds,
+        media_positions,
         deepstack,
         pixel_values=pixel_values,
-        image_grids=tuple(grids),
+        media_grids=tuple(grids),
         grammar=grammar,
     )

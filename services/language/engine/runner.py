@@ -128,15 +128,15 @@ class ModelRunner:
             r = s.request
             begin, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
             if (
-                r.image_positions is not None
-                and r.image_embeds is not None
+                r.media_positions is not None
+                and r.media_embeds is not None
                 and begin < r.num_prompt_tokens
             ):
-                lo = int(torch.searchsorted(r.image_positions, begin))
-                hi = int(torch.searchsorted(r.image_positions, end))
+                lo = int(torch.searchsorted(r.media_positions, begin))
+                hi = int(torch.searchsorted(r.media_positions, end))
                 if hi > lo:
-                    offsets.append(r.image_positions[lo:hi] + (len(ids) - begin))
-                    values.append(r.image_embeds[lo:hi])
+                    offsets.append(r.media_positions[lo:hi] + (len(ids) - begin))
+                    values.append(r.media_embeds[lo:hi])
                     if r.deepstack is not None:
                         deep_offsets.append(offsets[-1])
                         features.append(r.deepstack[lo:hi])

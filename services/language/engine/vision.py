@@ -28,14 +28,14 @@ class VisionTower:
         if not pending:
             return 0
         pixels = torch.cat([r.pixel_values for r in pending if r.pixel_values is not None])
-        grids = torch.tensor([[g.t, g.h, g.w] for r in pending for g in r.image_grids])
+        grids = torch.tensor([[g.t, g.h, g.w] for r in pending for g in r.media_grids])
         out = self.tower(pixels.to(self.device), grid_thw=grids.to(self.device))
-        sizes = [sum(g.num_tokens(self.merge_size) for g in r.image_grids) for r in pending]
+        sizes = [sum(g.num_tokens(self.merge_size) for g in r.media_grids) for r in pending]
         levels = getattr(out, "deepstack_features", None)  # Qwen3-VL: [tokens, hidden] per level
         deepstack = torch.split(torch.cat(levels, dim=-1), sizes) if levels else None
         embeds = torch.split(out.pooler_output, sizes)
         for i, request in enumerate(pending):
-            request.image_embeds = embeds[i]
+            request.media_embeds = embeds[i]
             request.deepstack = deepstack[i] if deepstack is not None else None
             request.pixel_values = None
         return len(grids)

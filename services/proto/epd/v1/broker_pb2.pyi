@@ -50,11 +50,11 @@ class EmbeddingMeta(_message.Message):
     language_instance_id: str
     encoder_instance_id: str
     total_tokens: int
-    grids: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageGrid]
+    grids: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaGrid]
     dtype: _common_pb2.DType
     transport: _common_pb2.Transport
     planes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Plane]
-    def __init__(self, request_id: _Optional[str] = ..., language_instance_id: _Optional[str] = ..., encoder_instance_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., language_instance_id: _Optional[str] = ..., encoder_instance_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.MediaGrid, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ...) -> None: ...
 
 class Prealloc(_message.Message):
     __slots__ = ("request_id", "block_ids", "allocated_tokens", "language_instance_id")

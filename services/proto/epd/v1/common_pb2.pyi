@@ -40,7 +40,7 @@ TRANSPORT_NIXL: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_GRPC: Transport
 
-class ImageGrid(_message.Message):
+class MediaGrid(_message.Message):
     __slots__ = ("t", "h", "w", "second_per_grid_t", "frame_seconds")
     T_FIELD_NUMBER: _ClassVar[int]
     H_FIELD_NUMBER: _ClassVar[int]

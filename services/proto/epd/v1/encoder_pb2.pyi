@@ -30,9 +30,9 @@ class EncodeReply(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     total_tokens: int
-    grids: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageGrid]
+    grids: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaGrid]
     dtype: _common_pb2.DType
     cached_images: int
     planes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Plane]
     data: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.ImageGrid, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., cached_images: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.MediaGrid, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., cached_images: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...
