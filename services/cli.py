@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from services import env, flags
+from services import env, flags, logs
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -305,6 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
             encoder_nice=args.encoder_nice,
             max_restarts=args.max_restarts,
             restart_window_s=args.restart_window,
+            shutdown_grace_s=args.shutdown_grace,
         )
     )
 
@@ -353,6 +354,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     that command's config classes and nothing else."""
     parser = argparse.ArgumentParser(prog="epd", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=env.LOG_FORMAT.get(),
+        help="text, or json: one JSON object a line ($EPD_LOG_FORMAT)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, add_flags, handler) in COMMANDS.items():
         p = sub.add_parser(name, help=text)
@@ -390,10 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     export_security(args)
     place_process()
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    os.environ[env.LOG_FORMAT.name] = args.log_format  # children (epd serve's) inherit it
+    logs.configure(args.log_level, args.log_format)
     for chatty in ("httpx", "matplotlib"):  # a line per request / per font otherwise
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     handler: Handler = args.handler

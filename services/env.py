@@ -40,6 +40,18 @@ CHECKPOINT = EnvVar("EPD_CHECKPOINT", str, lambda: "", "checkpoint folder")
 HOST_ID = EnvVar(
     "EPD_HOST_ID", str, socket.gethostname, "instances with the same host id share memory"
 )
+LOG_FORMAT = EnvVar(
+    "EPD_LOG_FORMAT",
+    str,
+    lambda: "text",
+    "text or json (JSON lines); epd serve's children inherit it",
+)
+SHUTDOWN_GRACE = EnvVar(
+    "EPD_SHUTDOWN_GRACE",
+    float,
+    lambda: 5.0,
+    "seconds a stopping component gives its requests in flight to finish",
+)
 API_KEY = EnvVar("EPD_API_KEY", str, lambda: "", "gateway API key (empty: none)")
 CACHE_DIR = EnvVar(
     "EPD_CACHE_DIR",

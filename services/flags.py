@@ -407,5 +407,13 @@ def serve(p: argparse.ArgumentParser) -> None:
         "--restart-window seconds stop the stack",
     )
     field_option(p, StackConfig, "restart_window_s", "--restart-window")
+    field_option(
+        p,
+        StackConfig,
+        "shutdown_grace_s",
+        "--shutdown-grace",
+        help="seconds each component gives its requests in flight on Ctrl-C or SIGTERM "
+        "($EPD_SHUTDOWN_GRACE)",
+    )
     p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
     add_security(p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,9 @@ CHANNEL_OPTIONS = [
     *_SIZES,
     ("grpc.keepalive_time_ms", 5000),
     ("grpc.keepalive_timeout_ms", 3000),
+    # without it this gRPC never times a ping out: a frozen server held a call
+    # to its deadline (measured: 39 s of 40, against 7 s with it)
+    ("grpc.http2.ping_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -137,9 +141,15 @@ class GrpcServer:
         await self.set_serving(False)
         await self.server.stop(grace_s)
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+            # shutdown() waits for the serving thread's next poll (up to 0.5 s):
+            # off the stop's path, which only needs the port closed soon after
+            threading.Thread(target=_close_http, args=(self._metrics_server,), daemon=True).start()
             self._metrics_server = None
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def _close_http(server: Any) -> None:
+    server.shutdown()
+    server.server_close()

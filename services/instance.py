@@ -3,7 +3,8 @@ shares: InstanceConfig (where it listens, how peers reach it, who it is, which
 broker, which transports), and InstanceServer, the one lifecycle both run:
 
     start: serve gRPC -> on_serving -> attach to the broker -> run the periodic tasks
-    stop:  the tasks -> gRPC (2 s grace) -> the transfer driver -> the broker link
+    stop:  the tasks -> gRPC (EPD_SHUTDOWN_GRACE for requests in flight) -> the
+           transfer driver -> the broker link
            -> whatever the instance holds (release)
 """
 
@@ -158,7 +159,7 @@ class InstanceServer(abc.ABC):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.grpc.stop(2.0)
+        await self.grpc.stop(env.SHUTDOWN_GRACE.get())  # requests in flight may finish
         await self.driver.close()
         if self.link is not None:
             await self.link.close()

@@ -71,6 +71,7 @@ class LocalBackend:
     async def generate(self, call: GenerateCall) -> Responses:
         """The frontend's steps, with the images preprocessed here (their pixels
         encoded by the engine's own vision tower) in place of receiving them."""
+        call.record.language = "monolithic"
         try:
             rendered = await self.frontend.render(call.request)
             media = await self._preprocess(call.media)

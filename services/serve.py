@@ -47,11 +47,15 @@ from services.ports import (
     TRITON_HTTP_PORT,
     TRITON_METRICS_PORT,
 )
-from services.security import sync_channel
+from services.proto import broker_pb2, broker_pb2_grpc
+from services.security import current, sync_channel
 from services.transfer.shared_memory import remove_segments
 
 # Every component but the gateway listens here: only the gateway is exposed.
 LOCAL = "127.0.0.1"
+
+
+STOP_MARGIN_S = 5.0  # past the grace: what has not left by then is killed
 
 
 class StackError(RuntimeError):
@@ -67,6 +71,24 @@ def grpc_serving(address: str, service: str = "") -> bool:
     except grpc.RpcError:
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def attached(broker: str, instance_id: str) -> bool:
+    """Whether the broker lists the instance: it has registered on its attach
+    stream, so requests can be routed to it."""
+    security = current()
+    try:
+        with sync_channel(broker, security) as channel:
+            reply = broker_pb2_grpc.BrokerStub(channel).ListInstances(
+                broker_pb2.ListInstancesRequest(), timeout=1, metadata=security.metadata
+            )
+    except grpc.RpcError:
+        return False
+    return any(i.registration.instance_id == instance_id for i in reply.instances)
+
+
+def instance_ready(address: str, service: str, broker: str, instance_id: str) -> bool:
+    return grpc_serving(address, service) and attached(broker, instance_id)
 
 
 def http_ok(url: str) -> bool:
@@ -131,13 +153,21 @@ class Component:
             return "(no log)"
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
+        self.terminate()
+        self.reap(time.monotonic() + timeout_s)
+
+    def terminate(self) -> None:
+        """Asks it to stop (SIGTERM to its process group): it finishes what it can."""
+        if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout_s)
+
+    def reap(self, deadline: float) -> None:
+        """Waits for it until the deadline, then kills what is left of its group."""
+        if self.process is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(max(0.0, deadline - time.monotonic()))
         # What is left of its process group when it was killed on its own, and
         # until it is gone: only then can its shared memory be swept.
         with contextlib.suppress(ProcessLookupError):
@@ -186,6 +216,9 @@ class StackConfig:
     max_restarts: int = 5
     restart_window_s: float = 60.0
     restart_backoff_s: float = 0.5
+    # Stopping: every component at once, each giving its requests in flight this
+    # long (EPD_SHUTDOWN_GRACE, which the children inherit); then it is killed.
+    shutdown_grace_s: float = field(default_factory=env.SHUTDOWN_GRACE.get)
 
     def metrics_port(self, port: int) -> int:
         return port + self.metrics_offset
@@ -197,13 +230,14 @@ class StackConfig:
 def _instance(config: StackConfig, role: str, index: int, port: int, extra: list[str]) -> Component:
     """An encoder or language instance: the same flags but for its own."""
     name = f"{role}-{index}"
+    broker = f"{LOCAL}:{config.broker_port}"
     args = [
         role,
         "--checkpoint", str(config.checkpoint),
         "--model-name", config.model_name,
         "--port", str(port),
         "--metrics-port", str(config.metrics_port(port)),
-        "--broker", f"{LOCAL}:{config.broker_port}",
+        "--broker", broker,
         "--instance-id", name,
         "--dtype", config.dtype,
         *extra,
@@ -214,7 +248,8 @@ def _instance(config: StackConfig, role: str, index: int, port: int, extra: list
     return Component(
         name,
         args,
-        partial(grpc_serving, f"{LOCAL}:{port}", service),
+        # serving and attached: the broker routes to it
+        partial(instance_ready, f"{LOCAL}:{port}", service, broker, name),
         config.log_dir / f"{name}.log",
         cpus,
         nice,
@@ -314,7 +349,10 @@ class Stack:
 
     def start(self) -> None:
         self.parts = components(self.config)
-        self.environment = dict(os.environ)
+        self.environment = {
+            **os.environ,
+            env.SHUTDOWN_GRACE.name: str(self.config.shutdown_grace_s),
+        }
         if not self.config.monolithic:
             # Several torch processes share these cores: idle OpenMP threads must
             # sleep, not spin on a core another process needs (measured: image
@@ -373,8 +411,13 @@ class Stack:
                 self.say(f"{part.name} is serving again")
 
     def stop(self) -> None:
-        for part in reversed(self.parts):
-            part.stop()
+        """Stops every component at once: each drains its own requests within
+        its grace period, none waits for another's."""
+        for part in self.parts:
+            part.terminate()
+        deadline = time.monotonic() + self.config.shutdown_grace_s + STOP_MARGIN_S
+        for part in self.parts:
+            part.reap(deadline)
         leftovers = remove_segments(self.shm_prefix)
         if leftovers:
             self.say(

@@ -120,7 +120,7 @@ def test_videos_greedy_equal_hf_generate(url: str, checkpoint: Path, case: str) 
             {"role": "user", "content": [*map(part, items), {"type": "text", "text": text}]}  # type: ignore[list-item,misc]
         ],
     )
-    assert reply.choices[0].message.content == expected_text.rstrip("\ufffd")
+    assert reply.choices[0].message.content == expected_text
     assert reply.usage is not None and reply.usage.prompt_tokens > sum(
         rule.num_tokens(probe(clips[int(i)])) for i in items if i != "image"
     )

@@ -131,11 +131,16 @@ class Broker:
         needs_encoder: bool,
         language_id: str = "",
         failed_encoder_id: str = "",
+        failed_language_id: str = "",
     ) -> RouteChoice:
         """A language instance and, for images, an encoder. With failed_encoder_id the
         request fails over: it stays on language_id and gets another encoder
-        (NoRouteError if none; FailoverError if it cannot move)."""
-        choice = self.registry.route(model, needs_encoder, language_id, failed_encoder_id)
+        (NoRouteError if none; FailoverError if it cannot move). With
+        failed_language_id (a retry under a new request id) another language
+        instance than that one."""
+        choice = self.registry.route(
+            model, needs_encoder, language_id, failed_encoder_id, failed_language_id
+        )
         if not request_id or choice.encoder is None:
             return choice
         encoder_id, language = choice.encoder.instance_id, choice.language.instance_id

@@ -94,7 +94,12 @@ class Registry:
         return [s for s in self._sessions.values() if now - s.last_heartbeat > timeout_s]
 
     def route(
-        self, model: str, needs_encoder: bool, language_id: str = "", exclude_encoder: str = ""
+        self,
+        model: str,
+        needs_encoder: bool,
+        language_id: str = "",
+        exclude_encoder: str = "",
+        exclude_language: str = "",
     ) -> RouteChoice:
         """The least-loaded language instance (or the pinned one) and, for images,
         the least-loaded available encoder that shares a transport with it."""
@@ -103,6 +108,7 @@ class Registry:
             for s in self.sessions(Role.LANGUAGE)
             if (not model or s.registration.model == model)
             and (not language_id or s.instance_id == language_id)
+            and s.instance_id != exclude_language
         ]
         if not languages:
             if language_id:

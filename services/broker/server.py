@@ -7,6 +7,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry
 
+from services import env
 from services.broker.broker import Broker
 from services.broker.config import BrokerConfig
 from services.broker.metrics import BrokerMetrics
@@ -54,9 +55,9 @@ class BrokerServer:
             await asyncio.sleep(self.config.tick_s)
             self.broker.tick()
 
-    async def stop(self, grace_s: float = 2.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         if self._upkeep is not None:
             self._upkeep.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._upkeep
-        await self.grpc.stop(grace_s)
+        await self.grpc.stop(env.SHUTDOWN_GRACE.get() if grace_s is None else grace_s)

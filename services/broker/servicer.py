@@ -79,6 +79,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 request.needs_encoder,
                 request.language_id,
                 request.failed_encoder_id,
+                request.failed_language_id,
             )
         except NoRouteError as exc:
             self.broker.metrics.routes.labels("unavailable").inc()

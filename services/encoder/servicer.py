@@ -88,6 +88,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             if code is None:
                 raise
             self.metrics.requests.labels(code.name.lower()).inc()
+            logger.warning("%s: encode failed (%s): %s", request.request_id, code.name, exc)
             await context.abort(code, str(exc))
         finally:
             self.pending -= 1

@@ -47,6 +47,8 @@ from services.gateway.protocol import (
     usage,
     validation_error,
 )
+from services.gateway.request_log import RequestRecord
+from services.gateway.request_log import log as log_request
 from services.wire import request as wire
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,8 @@ class InFlight:
             await send(message)
 
         started = time.monotonic()
+        record = RequestRecord(scope["path"])
+        scope.setdefault("state", {})["record"] = record  # the handlers' request.state.record
         self.active += 1
         metrics.in_flight.inc()
         try:
@@ -108,9 +112,15 @@ class InFlight:
             metrics.in_flight.dec()
             metrics.requests.labels(str(status)).inc()
             metrics.latency.observe(time.monotonic() - started)
+            record.status = status
+            record.total_ms = (time.monotonic() - started) * 1000
+            log_request(record)
 
 
-async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCall:
+async def _prepare(
+    gateway: Gateway, body: ChatCompletionRequest, record: RequestRecord
+) -> GenerateCall:
+    record.model = body.model
     await gateway.backend.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
@@ -120,6 +130,7 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
         ["image" if isinstance(p, ImagePart) else "video" for p in vision],
     )
     gateway.metrics.images.inc(len(loaded))
+    record.media = len(loaded)
     hints = iter(image.token_hint for image in loaded)
     messages = []
     for message in body.messages:
@@ -144,22 +155,25 @@ async def _prepare(gateway: Gateway, body: ChatCompletionRequest) -> GenerateCal
         if isinstance(form, JsonSchemaFormat)
         else "",
     )
-    request = wire.GenerateRequest(f"chatcmpl-{secrets.token_hex(12)}", tuple(messages), sampling)
+    request = wire.GenerateRequest(record.request_id, tuple(messages), sampling)
     media = tuple(
         MediaData(image.data, isinstance(part, VideoPart))
         for image, part in zip(loaded, vision, strict=True)
     )
-    return GenerateCall(request, body.model, media)
+    return GenerateCall(request, body.model, media, record)
 
 
-async def _prepare_completion(gateway: Gateway, body: CompletionRequest) -> list[GenerateCall]:
+async def _prepare_completion(
+    gateway: Gateway, body: CompletionRequest, record: RequestRecord
+) -> list[GenerateCall]:
     """One call per prompt (its choice index); text-only, no chat template."""
+    record.model = body.model
     await gateway.backend.check_model(body.model)
     prompts = body.prompts
     if body.stream and len(prompts) > 1:
         raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
     sampling = _sampling(body, body.logprobs is not None, body.logprobs or 0)
-    request_id = f"cmpl-{secrets.token_hex(12)}"
+    request_id = record.request_id
     return [
         GenerateCall(
             wire.GenerateRequest(
@@ -169,6 +183,7 @@ async def _prepare_completion(gateway: Gateway, body: CompletionRequest) -> list
                 prompt_token_ids=() if isinstance(prompt, str) else tuple(prompt),
             ),
             body.model,
+            record=record,
         )
         for index, prompt in enumerate(prompts)
     ]
@@ -284,11 +299,25 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _count(gateway: Gateway, response: wire.GenerateResponse, done: wire.GenerateComplete) -> None:
+def _count(
+    gateway: Gateway,
+    call: GenerateCall,
+    response: wire.GenerateResponse,
+    done: wire.GenerateComplete,
+) -> None:
     """Token counters, from each choice's completion (the prompt counts once)."""
     if response.index == 0:
         gateway.metrics.prompt_tokens.inc(done.prompt_tokens)
+        call.record.prompt_tokens += done.prompt_tokens
     gateway.metrics.completion_tokens.inc(done.completion_tokens)
+    call.record.completion_tokens += done.completion_tokens
+
+
+def _first_token(gateway: Gateway, call: GenerateCall, started: float) -> None:
+    seconds = time.monotonic() - started
+    gateway.metrics.ttft.observe(seconds)
+    if call.record.ttft_ms is None:
+        call.record.ttft_ms = seconds * 1000
 
 
 def _choice_index(response: wire.GenerateResponse, n: int) -> int:
@@ -348,12 +377,12 @@ async def _sse(
             match response.kind:
                 case wire.GenerateChunk() as c:
                     if not seen_text and c.text:
-                        gateway.metrics.ttft.observe(time.monotonic() - started)
+                        _first_token(gateway, call, started)
                         seen_text = True
                     if c.text or (call.sampling.logprobs and c.logprobs):
                         yield _event(_piece(call, created, index, c.text, list(c.logprobs), None))
                 case wire.GenerateComplete() as done:
-                    _count(gateway, response, done)
+                    _count(gateway, call, response, done)
                     yield _event(_piece(call, created, index, "", [], done.finish_reason))
                     going -= 1
                     completion_tokens += done.completion_tokens
@@ -366,6 +395,7 @@ async def _sse(
                         yield _event(body)
         yield "data: [DONE]\n\n"
     except ApiError as exc:  # a failure after the response started: it travels in the stream
+        call.record.error, call.record.component = exc.message, exc.component
         yield _event(exc.body())
         yield "data: [DONE]\n\n"
     finally:
@@ -406,12 +436,12 @@ async def _collect(
         match response.kind:
             case wire.GenerateChunk() as c:
                 if not seen:
-                    gateway.metrics.ttft.observe(time.monotonic() - started)
+                    _first_token(gateway, call, started)
                     seen = True
                 texts[index].append(c.text)
                 logprobs[index] += list(c.logprobs)
             case wire.GenerateComplete() as end:
-                _count(gateway, response, end)
+                _count(gateway, call, response, end)
                 done[index] = _Generated(
                     "".join(texts[index]),
                     logprobs[index],
@@ -464,6 +494,9 @@ def create_app(gateway: Gateway) -> ASGIApp:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        record = getattr(request.state, "record", None)
+        if record is not None:
+            record.error, record.component = exc.message, exc.component
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -475,7 +508,9 @@ def create_app(gateway: Gateway) -> ASGIApp:
         started = time.monotonic()
         _check_key(gateway, request)
         body = await _parse(request, gateway.max_body_bytes, ChatCompletionRequest)
-        call = await _prepare(gateway, body)
+        record = request.state.record
+        record.request_id = f"chatcmpl-{secrets.token_hex(12)}"
+        call = await _prepare(gateway, body, record)
         try:
             if body.stream:
                 return await _streamed(gateway, request, call, body.include_usage, started)
@@ -499,7 +534,9 @@ def create_app(gateway: Gateway) -> ASGIApp:
         started = time.monotonic()
         _check_key(gateway, request)
         body = await _parse(request, gateway.max_body_bytes, CompletionRequest)
-        calls = await _prepare_completion(gateway, body)
+        record = request.state.record
+        record.request_id = f"cmpl-{secrets.token_hex(12)}"
+        calls = await _prepare_completion(gateway, body, record)
         try:
             if body.stream:
                 return await _streamed(gateway, request, calls[0], body.include_usage, started)

@@ -15,12 +15,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import grpc
 
 from services.gateway.errors import ApiError, from_grpc
+from services.gateway.request_log import RequestRecord
 from services.grpc_server import channel
 from services.proto import (
     broker_pb2,
@@ -77,6 +78,8 @@ class GenerateCall:
     request: GenerateRequest
     model: str
     media: tuple[MediaData, ...] = ()
+    # filled in by the backend with the instances it used, logged at the end
+    record: RequestRecord = field(default_factory=lambda: RequestRecord(""))
 
     @property
     def request_id(self) -> str:
@@ -89,6 +92,15 @@ class GenerateCall:
     @property
     def is_completion(self) -> bool:
         return self.request.is_completion
+
+
+class _NothingProduced(Exception):
+    """A language instance was unavailable before it produced anything: the
+    request can start again on another."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _stop_on_failure(encode: asyncio.Task[None], stream: grpc.aio.Call) -> None:
@@ -206,53 +218,101 @@ class Backend:
             raise from_grpc(exc, "routing") from None
 
     async def generate(self, call: GenerateCall) -> Responses:
-        """The language instance's stream; ApiError for anything that fails."""
-        route = await self._route(
-            broker_pb2.RouteRequest(
-                request_id=call.request_id, model=call.model, needs_encoder=bool(call.media)
+        """The language instance's stream; ApiError for anything that fails.
+
+        A language instance that fails before it produced anything (it died, or
+        cannot be reached) is replaced by another: the request starts again
+        there under a new id downstream, its images encoded for it. After the
+        first response a failure ends the request."""
+        failed = ""
+        for attempt in range(self.max_failovers + 1):
+            request = call.request
+            if attempt:
+                request = replace(request, request_id=f"{call.request_id}-retry{attempt}")
+            route = await self._route(
+                broker_pb2.RouteRequest(
+                    request_id=request.request_id,
+                    model=call.model,
+                    needs_encoder=bool(call.media),
+                    failed_language_id=failed,
+                )
             )
-        )
+            async with contextlib.aclosing(self._attempt(call, request, route)) as responses:
+                try:
+                    first = await anext(responses)
+                except _NothingProduced as exc:
+                    if attempt == self.max_failovers:
+                        raise exc.error from None
+                    logger.warning(
+                        "%s: language instance %s failed before its first token (%s); "
+                        "retrying on another",
+                        call.request_id,
+                        route.language_id,
+                        exc.error.message,
+                    )
+                    failed = route.language_id
+                    continue
+                except StopAsyncIteration:
+                    return
+                yield first
+                async for response in responses:
+                    yield response
+                return
+
+    async def _attempt(
+        self, call: GenerateCall, request: GenerateRequest, route: broker_pb2.RouteReply
+    ) -> Responses:
+        """The request on the routed language instance (and encoder);
+        _NothingProduced if that instance is unavailable before its first response."""
+        call.record.language = route.language_id
         language = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
-        stream = language.Generate(to_proto(call.request), timeout=self.generate_timeout_s)
+        stream = language.Generate(to_proto(request), timeout=self.generate_timeout_s)
         encode: asyncio.Task[None] | None = None
         if call.media:
-            encode = asyncio.ensure_future(self._encode(call, route))
+            encode = asyncio.ensure_future(self._encode(call, request.request_id, route))
             encode.add_done_callback(lambda task: _stop_on_failure(task, stream))
-        finished = False
+        finished = produced = False
         try:
             async for pb in stream:
                 response = from_proto(GenerateResponse, pb)
                 if isinstance(response.kind, GenerateError):
                     raise ApiError(500, f"language instance: {response.kind.message}")
+                produced = True
                 yield response
             finished = True
         except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc, f"language instance {route.language_id}") from None
+            error = from_grpc(exc, f"language instance {route.language_id}")
+            if not produced and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _NothingProduced(error) from None
+            raise error from None
         except asyncio.CancelledError:
             if encode is not None and encode.done() and not encode.cancelled():
-                error = encode.exception()
-                if isinstance(error, ApiError):
-                    raise error from None
+                failure = encode.exception()
+                if isinstance(failure, ApiError):
+                    raise failure from None
             raise
         finally:
             if not finished:
                 stream.cancel()
-                await self._abort(language, call.request_id)
+                await self._abort(language, request.request_id)
             if encode is not None and not encode.done():
                 encode.cancel()
             if encode is not None:
                 with contextlib.suppress(asyncio.CancelledError, ApiError):
                     await encode
 
-    async def _encode(self, call: GenerateCall, route: broker_pb2.RouteReply) -> None:
+    async def _encode(
+        self, call: GenerateCall, request_id: str, route: broker_pb2.RouteReply
+    ) -> None:
         """Encode on the routed encoder, failing over to another while it is unavailable."""
         encoder_id, address = route.encoder_id, route.encoder_address
         for attempt in range(self.max_failovers + 1):
+            call.record.encoder = encoder_id
             encoder = encoder_pb2_grpc.EncoderStub(await self._channel(address))
             try:
                 await encoder.Encode(
                     encoder_pb2.EncodeRequest(
-                        request_id=call.request_id,
+                        request_id=request_id,
                         images=[m.data for m in call.media],
                         video_indices=[i for i, m in enumerate(call.media) if m.is_video],
                         language_instance_id=route.language_id,
@@ -271,7 +331,7 @@ class Backend:
                 )
             failover = await self._route(
                 broker_pb2.RouteRequest(
-                    request_id=call.request_id,
+                    request_id=request_id,
                     model=call.model,
                     needs_encoder=True,
                     language_id=route.language_id,

@@ -33,6 +33,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         aborted_downstream: bool = False,
+        component: str = "gateway",
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -42,6 +43,7 @@ class ApiError(Exception):
         # The component that failed was told to give up by another one, whose own
         # error says why (an encode aborted by the language side).
         self.aborted_downstream = aborted_downstream
+        self.component = component  # what raised it, for the request log
 
     @property
     def headers(self) -> dict[str, str]:
@@ -82,4 +84,4 @@ def from_grpc(error: grpc.aio.AioRpcError, what: str) -> ApiError:
     if status >= 429:
         details = f"{what}: {details}"
     aborted = error.code() == grpc.StatusCode.ABORTED
-    return ApiError(status, details, code=code, aborted_downstream=aborted)
+    return ApiError(status, details, code=code, aborted_downstream=aborted, component=what)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from services import env
 from services.gateway.app import Gateway, create_app
 from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.config import GatewayConfig
@@ -47,6 +49,9 @@ class GatewayServer:
                 host=config.host,
                 port=config.port,
                 log_level="warning",
+                log_config=None,  # this process's logging (services/logs.py): text or JSON
+                access_log=False,  # the request log is ours (request_log.py)
+                timeout_graceful_shutdown=math.ceil(env.SHUTDOWN_GRACE.get()),
                 lifespan="off",
             )
         )

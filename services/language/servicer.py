@@ -80,6 +80,9 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 if isinstance(exc, kind):
                     if kind is RequestFailedError:
                         self.metrics.requests.labels("error").inc()
+                    logger.warning(
+                        "%s: generate failed (%s): %s%s", request_id, code.name, prefix, exc
+                    )
                     await context.abort(code, f"{prefix}{exc}")
             raise
         finally:

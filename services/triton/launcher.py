@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 # Where tritonserver says why the model did not load; the cause runs up to the
 # first (escaped) newline of the message, the traceback follows it.
+# What tritonserver logs, once asked to stop, when no inference is in flight any more.
+_DRAINED = "All models are stopped, unloading models"
 _CAUSE = re.compile(
     r"(?:failed to load '[^']*' version \d+|Failed to initialize Python stub|"
     r"failed to load model '[^']*'): (?:Internal: )?(?P<cause>.+?)(?:\\n|\"$|$)"
@@ -143,6 +145,8 @@ class TritonServer:
     # Kept apart from the tail: a long traceback pushes them out of it.
     _causes: dict[str, None] = field(default_factory=dict)
     _log_thread: threading.Thread | None = None
+    # Set when a stopping tritonserver has finished its in-flight inferences.
+    _drained: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -231,6 +235,8 @@ class TritonServer:
             self._log_tail.append(line)
             if (match := _CAUSE.search(line)) is not None:
                 self._causes[match["cause"]] = None
+            if _DRAINED in line:
+                self._drained.set()
             logger.debug("tritonserver: %s", line)
 
     def _get(self, path: str) -> int:
@@ -284,13 +290,20 @@ class TritonServer:
             return stats
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        """Asks tritonserver to stop and waits until its in-flight inferences are
+        done (or timeout_s); then kills what is left: unloading the model, which
+        tritonserver would take seconds over, frees nothing a stopped process
+        still holds (its shared memory is swept here)."""
         process, self._process = self._process, None
         if process is not None:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=timeout_s)
+                deadline = time.monotonic() + timeout_s
+                while process.poll() is None and not self._drained.is_set():
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
             # Whatever is left of its group: the Python backend's stubs outlive a
             # tritonserver that was killed, holding their memory.
             with contextlib.suppress(ProcessLookupError):

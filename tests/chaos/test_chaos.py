@@ -6,6 +6,7 @@ no shared memory is left behind."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -128,6 +129,51 @@ def test_the_broker_killed(stack: Stack) -> None:
     refused = [o for o in load.outcomes if o.started > killed and o.status != 200]
     assert refused, "requests did need the broker while it was down"
     assert all(o.seconds < 5 for o in refused), refused
+
+
+# gRPC keepalive (services/grpc_server.py): a ping every 5 s, 3 s to answer.
+KEEPALIVE_S = 8.0
+
+
+def test_an_encoder_frozen_moves_its_requests(stack: Stack) -> None:
+    """SIGSTOP keeps its connections up but answers nothing: the image requests
+    on it move to the other encoder (none of their embeddings had landed); none
+    fails, none waits much past keepalive."""
+    pid = stack.pid("services.cli encoder", "--instance-id encoder-0")
+    with Load(stack.url) as load:
+        time.sleep(2)
+        os.kill(pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            time.sleep(25)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _recovered(stack, "encoder-0")
+        _served_after(load, time.monotonic())
+    during = [o for o in load.outcomes if o.ended > frozen]
+    assert any(o.kind == "image" for o in during)
+    assert all(o.status == 200 for o in during), [o for o in during if o.status != 200]
+    slow = [o for o in during if o.seconds > KEEPALIVE_S + 5]
+    assert not slow, slow
+
+
+def test_requests_right_after_a_language_instance_died_go_to_the_other(stack: Stack) -> None:
+    """kill -9 one language instance, then at once a dozen text requests: none
+    fails. One routed to the dead instance (before the broker saw it go) has
+    produced nothing yet, and starts again on the other."""
+    _kill(stack, "services.cli language", "--instance-id language-1")
+
+    def ask(i: int) -> httpx.Response:
+        return httpx.post(
+            stack.url + "/v1/chat/completions",
+            json=chat_body("text", 7_000_000 + i),
+            timeout=BOUND_S,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        replies = list(pool.map(ask, range(12)))
+    assert all(r.status_code == 200 for r in replies), [(r.status_code, r.text) for r in replies]
+    _recovered(stack, "language-1")
 
 
 def test_afterwards_everything_is_whole(stack: Stack) -> None:

@@ -35,3 +35,24 @@ def test_stop_string_across_tokens_is_held_back(tiny_checkpoint: Path) -> None:
     emitted += detok.take(final=True)
     assert detok.stopped
     assert emitted == "the quick "
+
+
+def test_the_final_text_keeps_a_character_the_output_ended_inside_of(
+    tiny_checkpoint: Path,
+) -> None:
+    """Cut inside a multi-byte character, the text equals the tokenizer's decode
+    of all the tokens (Hugging Face's), U+FFFD where the character was cut."""
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    ids = tokenizer("ok 😀")["input_ids"]
+    cuts = [n for n in range(1, len(ids)) if "\ufffd" in tokenizer.decode(ids[:n])]
+    assert cuts, "the emoji should span several tokens"
+    for n in cuts:
+        detok = IncrementalDetokenizer(tokenizer)
+        streamed = ""
+        for token in ids[:n]:
+            detok.push(token)
+            streamed += detok.take(final=False)
+        assert "\ufffd" not in streamed  # never mid-stream
+        streamed += detok.take(final=True)
+        assert streamed == tokenizer.decode(ids[:n], skip_special_tokens=True)
+        assert streamed.endswith("\ufffd")

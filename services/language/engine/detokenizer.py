@@ -3,7 +3,9 @@ stop strings that never leak into the output.
 
 tokenizers' DecodeStream returns nothing until a token completes a
 character. Text that could still turn out to be the start of a stop string is
-held back until it cannot.
+held back until it cannot. When the output ends inside a character, the final
+text is what decoding every token gives, its replacement character included,
+as Hugging Face's `decode` of the same tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stopped = False
+        self._ids: list[int] = []
+        self._pending = False  # the last tokens have not completed a character yet
 
     def push(self, token_id: int, stop: bool = True) -> None:
         """Appends a token's text; with `stop`, ends at a stop string."""
+        self._ids.append(token_id)
         piece = self._stream.step(self._backend, token_id)
+        self._pending = not piece
         if piece:
             self.text += piece
         if stop and self._stop and not self.stopped:
@@ -36,7 +42,13 @@ class IncrementalDetokenizer:
                 self.stopped = True
 
     def take(self, final: bool) -> str:
-        """New text to emit; `final` flushes what was held back."""
+        """New text to emit; `final` flushes what was held back, a character the
+        output ended inside of included."""
+        if final and self._pending and not self.stopped:
+            whole = str(self._backend.decode(self._ids, skip_special_tokens=True))
+            if whole.startswith(self.text):
+                self.text = whole
+            self._pending = False
         end = (
             len(self.text)
             if final or self.stopped

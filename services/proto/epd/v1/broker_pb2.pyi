@@ -181,18 +181,20 @@ class InstanceInfo(_message.Message):
     def __init__(self, registration: _Optional[_Union[Register, _Mapping]] = ..., load: _Optional[_Union[Heartbeat, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "needs_encoder", "language_id", "failed_encoder_id")
+    __slots__ = ("request_id", "model", "needs_encoder", "language_id", "failed_encoder_id", "failed_language_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NEEDS_ENCODER_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     needs_encoder: bool
     language_id: str
     failed_encoder_id: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ...) -> None: ...
+    failed_language_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ..., failed_language_id: _Optional[str] = ...) -> None: ...
 
 class RouteReply(_message.Message):
     __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport")

@@ -1,0 +1,68 @@
+"""A language instance that fails before it produced anything (dead, or not
+reachable: here one the broker lists at an address nobody serves) costs a
+request nothing: it starts again on another instance."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from openai import AsyncOpenAI
+
+from services.gateway.server import GatewayConfig, GatewayServer
+from services.language.engine.config import EngineConfig
+from services.ports import free_port
+from services.wire.messages import Register
+from tests.broker.peers import Peer, attach, language
+from tests.stack import MODEL, start_broker, start_language
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def with_a_ghost(tiny_checkpoint: Path) -> AsyncIterator[tuple[GatewayServer, Peer]]:
+    broker = await start_broker()
+    real = await start_language(
+        tiny_checkpoint, broker, engine=EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20)
+    )
+    listed = language("language-ghost", model=MODEL)
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
+    ghost = await attach(
+        broker,
+        Register(
+            listed.role,
+            listed.instance_id,
+            nobody,
+            listed.host_id,
+            listed.transports,
+            MODEL,
+            listed.pool,
+        ),
+    )
+    gateway = GatewayServer(GatewayConfig(broker=broker.address, port=0))
+    await gateway.start()
+    yield gateway, ghost
+    await gateway.stop()
+    await ghost.link.close()
+    await real.stop()
+    await broker.stop()
+
+
+async def test_requests_routed_to_an_unreachable_instance_start_again_on_another(
+    with_a_ghost: tuple[GatewayServer, Peer], caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway, _ = with_a_ghost
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="-", max_retries=0)
+    with caplog.at_level(logging.INFO):
+        for i in range(4):  # the broker spreads them over both instances
+            reply = await client.chat.completions.create(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": f"hi {i}"}]
+            )
+            assert reply.choices[0].finish_reason in ("stop", "length")
+    retried = [r for r in caplog.records if "failed before its first token" in r.getMessage()]
+    assert retried, "some request was routed to the unreachable instance"
+    served = [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
+    assert [f["status"] for f in served] == [200] * 4
+    languages = {f["language"] for f in served}
+    assert len(languages) == 1 and languages != {"language-ghost"}, languages  # the real one
