@@ -5,9 +5,12 @@
 Starts `epd serve` (two language instances, two encoders, the tiny demo
 checkpoint by default) and keeps `workers` requests in flight, text and image
 alternating, each image new (the encoder's cache never answers). Every
-`fault-every` seconds one component is killed with SIGKILL, in turn: Triton,
-encoder-1, language-1, the broker. encoder-0, language-0 and the gateway are
-never killed, so their memory tells whether anything leaks.
+`fault-every` seconds one component is killed with SIGKILL or frozen (SIGSTOP,
+then SIGCONT after `freeze-seconds`: its connections stay up, nothing
+answers), in turn: Triton killed, encoder-1 frozen, encoder-1 killed,
+language-1 frozen, language-1 killed, the broker frozen, the broker killed,
+Triton frozen. encoder-0, language-0 and the gateway are never touched, so
+their memory tells whether anything leaks.
 
 Prints the requests completed and failed (by status and cause), the latency
 of those that completed (p50/p99), each component's resident memory at the
@@ -40,7 +43,16 @@ from services.ports import free_port_block
 from services.serve import launch
 
 MODEL = "soak"
-FAULTS = ("triton", "encoder-1", "language-1", "broker")
+FAULTS = (
+    ("kill", "triton"),
+    ("freeze", "encoder-1"),
+    ("kill", "encoder-1"),
+    ("freeze", "language-1"),
+    ("kill", "language-1"),
+    ("freeze", "broker"),
+    ("kill", "broker"),
+    ("freeze", "triton"),
+)
 
 
 @dataclass(frozen=True)
@@ -162,6 +174,7 @@ def main() -> None:
     )
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds")
+    parser.add_argument("--freeze-seconds", type=float, default=20.0)
     parser.add_argument("--workers", type=int, default=6, help="requests kept in flight")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--demo-size", choices=("tiny", "small"), default="tiny")
@@ -206,12 +219,16 @@ def main() -> None:
             time.sleep(max(0.0, min(args.fault_every, end - time.monotonic())))
             if time.monotonic() >= end:
                 break
-            target = FAULTS[len(faults) % len(FAULTS)]
+            action, target = FAULTS[len(faults) % len(FAULTS)]
             pid = _pids({target: markers[target]}).get(target)
             if pid is not None:
-                os.kill(pid, signal.SIGKILL)
+                if action == "kill":
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGSTOP)
+                    threading.Timer(args.freeze_seconds, os.kill, (pid, signal.SIGCONT)).start()
                 faults.append(target)
-                print(f"{time.monotonic() - started:6.0f}s  killed {target}", flush=True)
+                print(f"{time.monotonic() - started:6.0f}s  {action} {target}", flush=True)
         rss_end = {name: _rss_mib(pid) for name, pid in _pids(markers).items()}
         load.stop.set()
         for thread in threads:
@@ -248,7 +265,7 @@ def _report(
         print(f"  {count:>6} x {status}  {cause}")
     print("resident memory (MiB), start of the load -> end (restarted ones are new processes):")
     for name in sorted(rss_start):
-        kept = "" if name.removesuffix("-stub") in faults else "   (never killed)"
+        kept = "" if name.removesuffix("-stub") in faults else "   (never touched)"
         print(f"  {name:<12} {rss_start[name]:8.1f} -> {rss_end.get(name, 0.0):8.1f}{kept}")
     time.sleep(20)  # quarantines lapse, restarted components settle
     print("pools at the end:")

@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from services import env, flags, logs
 
@@ -27,7 +27,8 @@ class Service(Protocol):
 
 
 def run_until_signalled(make: Callable[[], Service]) -> int:
-    """Starts a service, runs it until SIGINT/SIGTERM, stops it cleanly."""
+    """Starts a service, runs it until SIGINT/SIGTERM, stops it cleanly, and
+    leaves at once (exit_now)."""
 
     async def main() -> None:
         service = make()
@@ -42,7 +43,19 @@ def run_until_signalled(make: Callable[[], Service]) -> int:
             await service.stop()
 
     asyncio.run(main())
-    return 0
+    exit_now(0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leaves without the interpreter's teardown, once a clean stop has released
+    what the process holds (servers, shared memory, NIXL agents, Triton, child
+    processes): freeing torch's, UCX's and the thread pools' state costs seconds
+    of CPU that a stack stopping all at once on two cores pays in wall time
+    (measured: an idle tiny stack stopped in 3-4.5 s with it, 1.5-2 s without)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _local_device() -> str:
@@ -282,30 +295,36 @@ def _serve(args: argparse.Namespace) -> int:
     gateway = ["--allow-private-urls"] if args.allow_private_urls else []
     if not env.CLUSTER_TOKEN.get():  # one per stack: the children inherit it
         os.environ[env.CLUSTER_TOKEN.name] = secrets.token_urlsafe(24)
-    return run(
-        StackConfig(
-            checkpoint=checkpoint,
-            model_name=name,
-            log_dir=Path(args.log_dir or Path(env.CACHE_DIR.get()) / "logs"),
-            host=args.host,
-            port=args.port,
-            broker_port=args.broker_port,
-            encoder_port=args.encoder_port,
-            language_port=args.language_port,
-            triton_ports=(args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port),
-            num_encoders=args.encoders,
-            num_languages=args.languages,
-            api_key=args.api_key,
-            language_args=tuple(flags.engine_args(args)),
-            dtype=dtype,
-            gateway_args=tuple(gateway),
-            monolithic=args.monolithic,
-            encoder_cpus=args.encoder_cpus,
-            language_cpus=args.language_cpus,
-            encoder_nice=args.encoder_nice,
-            max_restarts=args.max_restarts,
-            restart_window_s=args.restart_window,
-            shutdown_grace_s=args.shutdown_grace,
+    exit_now(
+        run(
+            StackConfig(
+                checkpoint=checkpoint,
+                model_name=name,
+                log_dir=Path(args.log_dir or Path(env.CACHE_DIR.get()) / "logs"),
+                host=args.host,
+                port=args.port,
+                broker_port=args.broker_port,
+                encoder_port=args.encoder_port,
+                language_port=args.language_port,
+                triton_ports=(
+                    args.triton_http_port,
+                    args.triton_grpc_port,
+                    args.triton_metrics_port,
+                ),
+                num_encoders=args.encoders,
+                num_languages=args.languages,
+                api_key=args.api_key,
+                language_args=tuple(flags.engine_args(args)),
+                dtype=dtype,
+                gateway_args=tuple(gateway),
+                monolithic=args.monolithic,
+                encoder_cpus=args.encoder_cpus,
+                language_cpus=args.language_cpus,
+                encoder_nice=args.encoder_nice,
+                max_restarts=args.max_restarts,
+                restart_window_s=args.restart_window,
+                shutdown_grace_s=args.shutdown_grace,
+            )
         )
     )
 

@@ -28,8 +28,7 @@ _SIZES = [
 # up) fails its calls after ~keepalive time + timeout instead of at their deadline.
 # A peer that restarts is reached again within a second of serving (the default
 # reconnect backoff grows to two minutes).
-CHANNEL_OPTIONS = [
-    *_SIZES,
+KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 5000),
     ("grpc.keepalive_timeout_ms", 3000),
     # without it this gRPC never times a ping out: a frozen server held a call
@@ -37,6 +36,10 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+]
+CHANNEL_OPTIONS = [
+    *_SIZES,
+    *KEEPALIVE_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),

@@ -126,6 +126,9 @@ def test_bad_videos_are_400s_and_serving_goes_on(url: str, name: str) -> None:
         )
     assert message in str(caught.value)
     ok = client.chat.completions.create(
-        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "still there?"}]
+        model=MODEL,
+        max_tokens=2,
+        messages=[{"role": "user", "content": "still there?"}],
+        extra_body={"ignore_eos": True},  # sampled: EOS could come first (seen once in CI)
     )
     assert ok.choices[0].finish_reason == "length"

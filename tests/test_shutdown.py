@@ -26,10 +26,10 @@ from tests.test_serve import _our_processes
 MODEL = "demo-tiny"
 SHM_PREFIX = "epdstop_"
 GRACE_S = 2.0
-# An idle tiny stack stops in 3-4.5 s on two cores: seven processes tear down
-# torch and NIXL at once (one alone exits in 0.8 s); stopping them one after
-# another took 8-10 s.
-IDLE_STOP_S = 6.0
+# An idle tiny stack stops in 1.5-2 s on two cores (one after another, the
+# components took 8-10 s; all at once but each tearing its interpreter down,
+# 3-4.5 s: services/cli.py, exit_now).
+IDLE_STOP_S = 3.0
 # `epd serve`'s port flags for two language instances (consecutive ports)
 PORTS = {
     "port": 0,

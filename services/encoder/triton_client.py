@@ -21,6 +21,7 @@ import tritonclient.utils.shared_memory as triton_shm
 from tritonclient.utils import InferenceServerException
 
 from services import env
+from services.grpc_server import KEEPALIVE_OPTIONS
 from services.transfer.shared_memory import SHM_DIR
 
 PIXELS, GRIDS = "pixel_values", "image_grid_thw"
@@ -148,6 +149,9 @@ class VitClient:
             channel_args=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                # a frozen Triton fails its calls in ~8 s, not at their deadline
+                # (the launcher lets Triton take these pings)
+                *KEEPALIVE_OPTIONS,
                 # gRPC's reconnect backoff grows to 120 s: a Triton that comes up
                 # (or back) later than the encoder would be seen seconds late
                 ("grpc.initial_reconnect_backoff_ms", 100),

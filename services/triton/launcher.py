@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 # Where tritonserver says why the model did not load; the cause runs up to the
 # first (escaped) newline of the message, the traceback follows it.
+TRITON_KEEPALIVE_FLAGS = (
+    "--grpc-keepalive-permit-without-calls=true",
+    "--grpc-http2-min-recv-ping-interval-without-data=4000",
+    "--grpc-http2-max-ping-strikes=0",
+)
 # What tritonserver logs, once asked to stop, when no inference is in flight any more.
 _DRAINED = "All models are stopped, unloading models"
 _CAUSE = re.compile(
@@ -186,6 +191,9 @@ class TritonServer:
             # stub (importing torch and model.py) only to ask it for the config:
             # ~3 s of start-up before the model's own stub starts.
             "--disable-auto-complete-config",
+            # The encoders' keepalive pings (services/grpc_server.py): accepted,
+            # so that a frozen Triton is noticed in seconds.
+            *TRITON_KEEPALIVE_FLAGS,
             f"--log-verbose={cfg.log_verbose}",
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             # The backend's stub exchange region grows by this much at a time

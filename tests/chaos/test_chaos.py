@@ -135,6 +135,17 @@ def test_the_broker_killed(stack: Stack) -> None:
 KEEPALIVE_S = 8.0
 
 
+def _frozen(pid: int, seconds: float) -> float:
+    """SIGSTOP for `seconds`, then SIGCONT; when it froze."""
+    os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return frozen
+
+
 def test_an_encoder_frozen_moves_its_requests(stack: Stack) -> None:
     """SIGSTOP keeps its connections up but answers nothing: the image requests
     on it move to the other encoder (none of their embeddings had landed); none
@@ -142,12 +153,7 @@ def test_an_encoder_frozen_moves_its_requests(stack: Stack) -> None:
     pid = stack.pid("services.cli encoder", "--instance-id encoder-0")
     with Load(stack.url) as load:
         time.sleep(2)
-        os.kill(pid, signal.SIGSTOP)
-        frozen = time.monotonic()
-        try:
-            time.sleep(25)
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        frozen = _frozen(pid, 25)
         _recovered(stack, "encoder-0")
         _served_after(load, time.monotonic())
     during = [o for o in load.outcomes if o.ended > frozen]
@@ -155,6 +161,38 @@ def test_an_encoder_frozen_moves_its_requests(stack: Stack) -> None:
     assert all(o.status == 200 for o in during), [o for o in during if o.status != 200]
     slow = [o for o in during if o.seconds > KEEPALIVE_S + 5]
     assert not slow, slow
+
+
+def test_triton_frozen(stack: Stack) -> None:
+    """A frozen Triton answers nothing: image requests end with a clean error
+    within the bound (keepalive notices it in seconds, the encoders report it
+    unavailable), text never notices; thawed, it serves images again."""
+    pid = stack.pid("bin/tritonserver", f"--grpc-port={stack.ports['triton_grpc']}")
+    with Load(stack.url) as load:
+        time.sleep(2)
+        frozen = _frozen(pid, 20)
+        _recovered(stack, "triton")
+        _served_after(load, time.monotonic())
+    during = [o for o in load.outcomes if o.ended > frozen]
+    _assert_failures_are_clean(during)
+    assert all(o.status == 200 for o in during if o.kind == "text")
+    assert any(o.status != 200 for o in during if o.kind == "image"), "images did need Triton"
+
+
+def test_the_broker_frozen(stack: Stack) -> None:
+    """A frozen broker answers nothing: new requests get a clean error within
+    Route's deadline, transfers that needed it end within keepalive; thawed,
+    every instance attaches again and everything is served."""
+    pid = stack.pid("services.cli broker", f"--port {stack.ports['broker']}")
+    with Load(stack.url) as load:
+        time.sleep(2)
+        frozen = _frozen(pid, 15)
+        _recovered(stack, "broker")
+        _served_after(load, time.monotonic())
+    _assert_failures_are_clean(load.outcomes)
+    refused = [o for o in load.outcomes if o.started > frozen + 1 and o.status != 200]
+    assert refused, "requests did need the broker while it was frozen"
+    assert all(o.seconds < KEEPALIVE_S + 2 for o in refused), refused
 
 
 def test_requests_right_after_a_language_instance_died_go_to_the_other(stack: Stack) -> None:
