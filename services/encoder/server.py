@@ -16,7 +16,7 @@ from services.encoder.send_buffer import SendBuffer
 from services.encoder.sender_driver import SenderDriver
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
-from services.instance import EXPIRE_INTERVAL_S, InstanceServer
+from services.instance import InstanceServer
 from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
@@ -64,6 +64,8 @@ class EncoderServer(InstanceServer):
         # pinned where CUDA IPC copies from it, so that the host-to-GPU copy is one DMA
         pin = Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available()
         self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout, pin=pin))
+        buffer = self.buffer
+        self.metrics.send_buffer_bytes.set_function(lambda: buffer.bytes_used)
         self.sender = self.driver = SenderDriver(
             self.buffer,
             self.to_broker,
@@ -104,10 +106,7 @@ class EncoderServer(InstanceServer):
         await self._check_triton()  # registers unavailable while Triton is not ready
 
     def periodic(self) -> list[tuple[float, Callable[[], Awaitable[None]]]]:
-        return [(EXPIRE_INTERVAL_S, self._gauge), (self.config.triton_check_s, self._check_triton)]
-
-    async def _gauge(self) -> None:
-        self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
+        return [(self.config.triton_check_s, self._check_triton)]
 
     async def _check_triton(self) -> None:
         """Health follows Triton: NOT_SERVING (and unavailable to the broker's

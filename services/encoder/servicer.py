@@ -93,7 +93,6 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         finally:
             self.pending -= 1
             self.metrics.in_flight.dec()
-            self.metrics.send_buffer_bytes.set(self.buffer.bytes_used)
         self.metrics.requests.labels("ok").inc()
         return reply
 

@@ -132,6 +132,16 @@ def responses(output: RequestOutput, media_tokens: int) -> list[GenerateResponse
     return out
 
 
+def _resolved(sampling: SamplingParams, remaining: int) -> SamplingParams:
+    """What proto3 leaves implicit, made explicit for the engine: no max_tokens
+    means up to the context, and asking for top_logprobs asks for logprobs."""
+    return replace(
+        sampling,
+        max_tokens=sampling.max_tokens or max(1, remaining),
+        logprobs=sampling.logprobs or sampling.top_logprobs > 0,
+    )
+
+
 class Frontend:
     def __init__(
         self,
@@ -164,20 +174,18 @@ class Frontend:
                 raise ValueError("a request has messages or a prompt, not both")
             chat: ChatMessages = []
             hints: tuple[int, ...] = ()
+            known = True
             args = (request.prompt, list(request.prompt_token_ids))
             prompt = await self._tokenize(completion_prompt, *args)
         else:
             chat, hints = chat_messages(request.messages)
             check_hints(hints, self.max_media_tokens, self.engine.max_model_len)
-            known = all(h > 0 for h in hints)
+            known = all(h > 0 for h in hints)  # else the prompt's length waits for the grids
             prompt = await self._tokenize(build_prompt, chat, hints if known else [1] * len(hints))
-        remaining = self.engine.max_model_len - len(prompt.token_ids)
-        sampling = request.sampling
-        if not sampling.max_tokens:
-            sampling = replace(sampling, max_tokens=max(1, remaining))
+        sampling = _resolved(request.sampling, self.engine.max_model_len - len(prompt.token_ids))
         self.engine.check_sampling(sampling)
         grammar = await self.engine.compile_grammar(sampling)
-        if all(h > 0 for h in hints):
+        if known:
             self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
         return Rendered(request.request_id, chat, hints, prompt, sampling, grammar)
 

@@ -76,10 +76,6 @@ class SamplingParams:
                 raise ValueError(f"logit_bias {token}: {bias} must be in [-100, 100]")
 
     @property
-    def wants_logprobs(self) -> bool:
-        return self.logprobs or self.top_logprobs > 0
-
-    @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 

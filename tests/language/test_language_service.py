@@ -143,6 +143,24 @@ async def test_generate_equals_hf(
     assert complete.image_tokens == sum(hints_for(tiny_checkpoint, images))
 
 
+async def test_top_logprobs_alone_asks_for_logprobs(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer], tiny_checkpoint: Path
+) -> None:
+    """proto3 has no unset bool: top_logprobs > 0 with logprobs left false still
+    returns each token's logprob and its alternatives (as OpenAI's legacy form)."""
+    responses = await generate(
+        stack,
+        tiny_checkpoint,
+        "top-logprobs-alone",
+        "Hello",
+        [],
+        common_pb2.SamplingParams(max_tokens=3, top_logprobs=2, ignore_eos=True),
+    )
+    logprobs = [lp for r in responses if r.HasField("chunk") for lp in r.chunk.logprobs]
+    assert len(logprobs) == 3
+    assert all(len(lp.top) == 2 for lp in logprobs)
+
+
 async def test_eight_concurrent_mixed_requests_on_a_small_kv_cache(
     stack: tuple[BrokerServer, EncoderServer, LanguageServer], tiny_checkpoint: Path
 ) -> None:
