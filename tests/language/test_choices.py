@@ -210,8 +210,8 @@ def test_copy_on_write_copies_the_page_in_every_layer(tiny_checkpoint: Path) -> 
     blocks = KVBlockManager(config)
     parent = Request("p", list(range(6)), SamplingParams(), torch.zeros(3, 6))
     assert blocks.allocate_slots(parent, 6)  # pages for tokens 0-3 and 4-5
-    for layer in cache.layers:
-        layer[parent.block_table] = torch.randn_like(layer[parent.block_table])
+    for half in (t for layer in cache.layers for t in layer):
+        half[parent.block_table] = torch.randn_like(half[parent.block_table])
     parent.num_computed_tokens = 6
     child = parent.choice(1)
     blocks.share(parent, child)
@@ -222,8 +222,8 @@ def test_copy_on_write_copies_the_page_in_every_layer(tiny_checkpoint: Path) -> 
     assert child.block_table[0] == first and child.block_table[1] != second
     assert blocks.take_copies() == [(second, child.block_table[1])]
     cache.copy_pages([(second, child.block_table[1])])
-    for layer in cache.layers:
-        assert torch.equal(layer[child.block_table[1]], layer[second])
+    for half in (t for layer in cache.layers for t in layer):
+        assert torch.equal(half[child.block_table[1]], half[second])
     assert blocks.allocate_slots(parent, 1)  # the parent alone holds its page now: no copy
     assert parent.block_table == [first, second] and not blocks.take_copies()
     blocks.free(child)

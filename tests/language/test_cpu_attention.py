@@ -64,12 +64,12 @@ def test_paged_kernel_equals_gathered_sdpa(
         return torch.randn(*shape, generator=generator).to(dtype)
 
     q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
-    prefix = randn(pages, 2, page, kv_heads, dim)
+    prefix = randn(2, pages, page, kv_heads, dim)  # keys, values
     outputs, caches = [], []
     for backend in (TorchAttention(dim**-0.5), TorchAttention(dim**-0.5, kernel)):
         cache = prefix.clone()
         backend.plan(meta)
-        outputs.append(backend.forward(q, k, v, cache))
+        outputs.append(backend.forward(q, k, v, (cache[0], cache[1])))
         caches.append(cache)
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
     # bfloat16: both compute in float32 and round once; one bfloat16 step apart at most
@@ -81,13 +81,16 @@ def test_a_decode_reads_only_its_own_pages(kernel: cpu_kernels.Kernel) -> None:
     """NaN in every page but the sequence's: none reaches its output."""
     page, kv_heads, dim = 16, 2, 64
     meta = paged_metadata([1], [40], page, torch.device("cpu"), seed=3)
-    cache = torch.full((NUM_PAGES, 2, page, kv_heads, dim), float("nan"))
+    cache = torch.full((2, NUM_PAGES, page, kv_heads, dim), float("nan"))  # keys, values
     for p in meta.block_tables[0]:
-        cache[p] = torch.randn(2, page, kv_heads, dim)
+        cache[:, p] = torch.randn(2, page, kv_heads, dim)
     attention = TorchAttention(dim**-0.5, kernel)
     attention.plan(meta)
     out = attention.forward(
-        torch.randn(1, 4, dim), torch.randn(1, kv_heads, dim), torch.randn(1, kv_heads, dim), cache
+        torch.randn(1, 4, dim),
+        torch.randn(1, kv_heads, dim),
+        torch.randn(1, kv_heads, dim),
+        (cache[0], cache[1]),
     )
     assert torch.isfinite(out).all()
 

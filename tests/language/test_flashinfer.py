@@ -36,14 +36,14 @@ def _check_step(
         return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
 
     q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
-    prefix = randn(NUM_PAGES, 2, page, kv_heads, dim)
+    prefix = randn(2, NUM_PAGES, page, kv_heads, dim)  # keys, values
     reference = TorchAttention(dim**-0.5)
     cache_ref = prefix.clone()
     reference.plan(meta)
-    expected = reference.forward(q, k, v, cache_ref)
+    expected = reference.forward(q, k, v, (cache_ref[0], cache_ref[1]))
     cache = prefix.clone()
     flash.plan(meta)
-    got = flash.forward(q, k, v, cache)
+    got = flash.forward(q, k, v, (cache[0], cache[1]))
     torch.testing.assert_close(cache, cache_ref)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)

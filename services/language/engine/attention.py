@@ -18,6 +18,10 @@ import torch.nn.functional as F
 
 from services.language.engine.cpu_kernels import KERNEL_DTYPES, Kernel
 
+# One layer's cache: its keys and its values, each [pages, page_size, kv_heads, head_dim]
+# (FlashInfer's NHD layout as a (keys, values) pair).
+KVLayer = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -41,32 +45,28 @@ class AttentionBackend(Protocol):
     def plan(self, meta: AttentionMetadata) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVLayer
     ) -> torch.Tensor:
         """q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads, dim]; appends k/v to cache."""
         ...
 
 
-def write_kv(
-    cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-) -> None:
-    """Appends k/v [T, kv_heads, dim] at their slots, as rows of the cache seen as
-    [pages * 2 * page_size, kv_heads * dim] (index_copy_ of whole rows: several
-    times faster on CPU than assigning through advanced indexing)."""
-    page_size = meta.page_size
-    pages = torch.div(meta.slot_mapping, page_size, rounding_mode="floor")
-    keys = pages * page_size + meta.slot_mapping  # (page * 2 + 0) * page_size + offset
-    rows = cache.view(-1, k.shape[1] * k.shape[2])
-    rows.index_copy_(0, keys, k.reshape(keys.numel(), -1))
-    rows.index_copy_(0, keys + page_size, v.reshape(keys.numel(), -1))
+def write_kv(cache: KVLayer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Appends k/v [T, kv_heads, dim] at their slots, as rows of the keys and the
+    values seen as [pages * page_size, kv_heads * dim] (index_copy_ of whole rows:
+    several times faster on CPU than assigning through advanced indexing)."""
+    slots = meta.slot_mapping
+    for half, new in zip(cache, (k, v), strict=True):
+        half.view(-1, new.shape[1] * new.shape[2]).index_copy_(
+            0, slots, new.reshape(len(slots), -1)
+        )
 
 
-def gather_pages(cache: torch.Tensor, kv: int, pages: torch.Tensor) -> torch.Tensor:
-    """Keys (kv 0) or values (kv 1) of these pages, in order: [pages * page_size,
+def gather_pages(half: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The keys or the values (`half`) of these pages, in order: [pages * page_size,
     kv_heads, dim]. One index_select of whole pages, several times faster on CPU
     than advanced indexing."""
-    halves = cache.view(cache.shape[0] * 2, -1)  # page p's keys: row 2p, values: 2p + 1
-    return halves.index_select(0, pages * 2 + kv).view(-1, *cache.shape[3:])
+    return half.index_select(0, pages).view(-1, *half.shape[2:])
 
 
 class TorchAttention:
@@ -107,12 +107,12 @@ class TorchAttention:
             )[:, None, None, :]
 
     @staticmethod
-    def _gather(cache: torch.Tensor, kv: int, pages: torch.Tensor, length: int) -> torch.Tensor:
+    def _gather(half: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
         """[1, kv_heads, length, dim] of one sequence."""
-        return gather_pages(cache, kv, pages)[:length].transpose(0, 1)[None]
+        return gather_pages(half, pages)[:length].transpose(0, 1)[None]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVLayer
     ) -> torch.Tensor:
         meta = self.meta
         assert meta is not None, "plan() first"
@@ -122,8 +122,8 @@ class TorchAttention:
         for i in range(meta.num_prefills):
             s, e, length = starts[i], starts[i + 1], meta.seq_lens[i]
             n = e - s
-            keys = self._gather(cache, 0, self._prefill_pages[i], length)
-            values = self._gather(cache, 1, self._prefill_pages[i], length)
+            keys = self._gather(cache[0], self._prefill_pages[i], length)
+            values = self._gather(cache[1], self._prefill_pages[i], length)
             # [1, heads, n, dim]: SDPA's fused CPU kernel takes 4-D inputs only (3-D ones
             # fall back to the unfused math path, ~2.5x slower)
             query = q[s:e].transpose(0, 1)[None]
@@ -148,21 +148,24 @@ class TorchAttention:
                 out[d0:] = self._decode_gathered(q[d0:], cache)
         return out
 
-    def _decode_paged(self, out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor) -> None:
+    def _decode_paged(self, out: torch.Tensor, q: torch.Tensor, cache: KVLayer) -> None:
         """The compiled kernel, reading the pages where they lie: out [decodes, heads, dim]."""
         assert self.decode_kernel is not None and self._decode_pages is not None
         assert self._decode_lens is not None and self.meta is not None
-        assert q.dtype == cache.dtype in KERNEL_DTYPES and cache.is_contiguous()
+        keys, values = cache
+        assert q.dtype == keys.dtype in KERNEL_DTYPES
+        assert keys.is_contiguous() and values.is_contiguous()
         num, max_pages = self._decode_pages.shape
         failed = self.decode_kernel(
             out.data_ptr(),
             q.data_ptr(),
-            cache.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
             self._decode_pages.data_ptr(),
             self._decode_lens.data_ptr(),
             num,
             q.shape[1],
-            cache.shape[3],
+            keys.shape[2],
             q.shape[2],
             self.meta.page_size,
             max_pages,
@@ -173,14 +176,14 @@ class TorchAttention:
         if failed:
             raise MemoryError("paged decode attention: no memory for its scores")
 
-    def _decode_gathered(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    def _decode_gathered(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
         """Each sequence's pages copied out, then one padded SDPA: [decodes, heads, dim]."""
         assert self._decode_pages is not None and self.meta is not None
         num, max_pages = self._decode_pages.shape
         pages = self._decode_pages.flatten()
-        shape = (num, max_pages * self.meta.page_size, *cache.shape[3:])
-        keys = gather_pages(cache, 0, pages).view(shape)
-        values = gather_pages(cache, 1, pages).view(shape)
+        shape = (num, max_pages * self.meta.page_size, *cache[0].shape[2:])
+        keys = gather_pages(cache[0], pages).view(shape)
+        values = gather_pages(cache[1], pages).view(shape)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [decodes, heads, 1, dim]
             keys.transpose(1, 2),
@@ -308,7 +311,7 @@ class FlashInferAttention:
             )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVLayer
     ) -> torch.Tensor:
         meta = self.meta
         assert meta is not None, "plan() first"

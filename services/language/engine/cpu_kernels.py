@@ -119,7 +119,7 @@ def paged_decode_attention() -> Kernel | None:
         return None
     kernel = library.paged_decode_attention
     kernel.restype = _int
-    kernel.argtypes = [_ptr] * 5 + [_i64] * 6 + [_f32] + [_int] * 2
+    kernel.argtypes = [_ptr] * 6 + [_i64] * 6 + [_f32] + [_int] * 2
     return kernel
 
 

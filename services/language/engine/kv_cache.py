@@ -1,9 +1,16 @@
 """The paged KV cache and its block manager.
 
-Per layer one tensor [num_pages, 2, page_size, kv_heads, head_dim] (FlashInfer's
-NHD layout: index 0 keys, 1 values). Token i of a request lives in page
-block_table[i // page_size], slot i % page_size; its flat slot is
+Per layer its keys and its values, each [num_pages, page_size, kv_heads,
+head_dim] (FlashInfer's NHD layout, as a pair). Token i of a request lives in
+page block_table[i // page_size], slot i % page_size; its flat slot is
 page * page_size + slot.
+
+The keys and values of every layer are the planes (k0, v0, k1, v1, ...) of a
+pool whose blocks are the pages (services/transfer/embedding_pool.py): a
+prefill instance hands a request's pages to a decode instance over the same
+transports, and the same transfer machines, as an encoder's embeddings; a
+decode instance's cache lives where those transports reach it (shared memory,
+NIXL-registered, CUDA IPC).
 
 The choices of an n > 1 request share their prompt's pages (reference
 counted). A page is copied on write: before a request writes into a page it
@@ -13,13 +20,18 @@ partly filled page, at each choice's first decode step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from services.language.engine.attention import KVLayer
 from services.language.engine.request import Request
 from services.model.spec import TextSpec
 from services.transfer.allocator import BlockAllocator
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.layout import PoolLayout
+from services.wire.messages import Plane
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,27 +58,54 @@ class KVCacheConfig:
         return self.num_pages * self.page_size
 
 
+def kv_planes(spec: TextSpec) -> tuple[Plane, ...]:
+    """Each layer's keys and values, one token row [kv_heads * head_dim] each."""
+    width = spec.num_kv_heads * spec.head_dim
+    return tuple(Plane(f"{half}{i}", width) for i in range(spec.num_layers) for half in "kv")
+
+
+# Where the cache's pool lives: plain device memory unless the instance says otherwise.
+KVMemory = Callable[[PoolLayout, torch.device], EmbeddingPool]
+
+
+def device_memory(layout: PoolLayout, device: torch.device) -> EmbeddingPool:
+    if device.type == "cuda":
+        return EmbeddingPool.on_cuda(layout, device)
+    return EmbeddingPool.in_host_memory(layout)
+
+
 class KVCache:
     def __init__(
-        self, spec: TextSpec, config: KVCacheConfig, device: torch.device, spare_pages: int = 0
+        self,
+        spec: TextSpec,
+        config: KVCacheConfig,
+        device: torch.device,
+        spare_pages: int = 0,
+        memory: KVMemory = device_memory,
     ) -> None:
         """`spare_pages` past config.num_pages, which the block manager never hands
         out (the sink page CUDA graphs' padding rows write to)."""
         self.config = config
         pages = config.num_pages + spare_pages
-        shape = (pages, 2, config.page_size, spec.num_kv_heads, spec.head_dim)
-        self.layers = [
-            torch.zeros(shape, dtype=config.dtype, device=device) for _ in range(spec.num_layers)
-        ]
+        layout = PoolLayout(pages, config.page_size, kv_planes(spec), config.dtype)
+        self.pool = memory(layout, device)
+        shape = (pages, config.page_size, spec.num_kv_heads, spec.head_dim)
+        planes = [t.view(shape) for t in self.pool.tensors]
+        self.layers: list[KVLayer] = list(zip(planes[0::2], planes[1::2], strict=True))
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copies page src to page dst in every layer, for each (src, dst)."""
         if not copies:
             return
-        pairs = torch.tensor(copies, device=self.layers[0].device)
+        pairs = torch.tensor(copies, device=self.layers[0][0].device)
         src, dst = pairs[:, 0], pairs[:, 1]
-        for layer in self.layers:
-            layer[dst] = layer[src]
+        for keys, values in self.layers:
+            keys[dst] = keys[src]
+            values[dst] = values[src]
+
+    def close(self) -> None:
+        self.layers = []
+        self.pool.close()
 
 
 class KVBlockManager:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine.attention import AttentionBackend
+from services.language.engine.attention import AttentionBackend, KVLayer
 from services.language.engine.cpu_kernels import FusedOps
 from services.model.spec import MoeSpec, TextSpec
 
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: torch.Tensor,
+        cache: KVLayer,
         attention: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -212,7 +212,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: torch.Tensor,
+        cache: KVLayer,
         attention: AttentionBackend,
     ) -> torch.Tensor:
         x, h = self.post_attention_layernorm.add(
@@ -288,7 +288,7 @@ class LanguageModel(nn.Module):
         embeds: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        caches: list[torch.Tensor],
+        caches: list[KVLayer],
         attention: AttentionBackend,
         deepstack: Deepstack | None = None,
     ) -> torch.Tensor:

@@ -5,7 +5,7 @@
  * rereads the whole context, every layer of every step).
  *
  *   q, out        [num_seqs][num_heads][head_dim]
- *   cache         [pages][2][page_size][num_kv_heads][head_dim]  (0 keys, 1 values)
+ *   keys, values  [pages][page_size][num_kv_heads][head_dim]  one layer's cache
  *   block_tables  [num_seqs][max_pages]  each sequence's pages, in order
  *   seq_lens      [num_seqs]             its keys, the new token's included
  *
@@ -68,16 +68,17 @@ struct shape {
 
 /* One sequence: q and out [num_heads][head_dim] in float32; scores
  * [num_heads][len] and row [num_kv_heads * head_dim] are the task's scratch. */
-static void attend(float *out, const float *q, const void *cache, const int64_t *pages,
-                   int64_t len, const struct shape *sh, float *scores, float *row) {
+static void attend(float *out, const float *q, const void *keys, const void *values,
+                   const int64_t *pages, int64_t len, const struct shape *sh, float *scores,
+                   float *row) {
     const int64_t group = sh->num_heads / sh->num_kv_heads; /* query heads per KV head */
     const int64_t dim = sh->head_dim, width = sh->num_kv_heads * dim; /* a token's row */
-    const int64_t page_stride = 2 * sh->page_size * width;            /* keys, then values */
+    const int64_t page_stride = sh->page_size * width;
 
     for (int64_t t = 0, p = 0; t < len; p++) {
         int64_t at = pages[p] * page_stride;
         for (int64_t end = t + sh->page_size < len ? t + sh->page_size : len; t < end; t++) {
-            const float *k = as_float(cache, at, width, sh->bf16, row);
+            const float *k = as_float(keys, at, width, sh->bf16, row);
             at += width;
             for (int64_t h = 0; h < sh->num_heads; h++) /* head h reads KV head h / group */
                 scores[h * len + t] = dot(q + h * dim, k + h / group * dim, dim);
@@ -97,9 +98,9 @@ static void attend(float *out, const float *q, const void *cache, const int64_t 
     }
     for (int64_t i = 0; i < sh->num_heads * dim; i++) out[i] = 0.0f;
     for (int64_t t = 0, p = 0; t < len; p++) {
-        int64_t at = pages[p] * page_stride + sh->page_size * width;
+        int64_t at = pages[p] * page_stride;
         for (int64_t end = t + sh->page_size < len ? t + sh->page_size : len; t < end; t++) {
-            const float *v = as_float(cache, at, width, sh->bf16, row);
+            const float *v = as_float(values, at, width, sh->bf16, row);
             at += width;
             for (int64_t h = 0; h < sh->num_heads; h++)
                 axpy(out + h * dim, scores[h * len + t], v + h / group * dim, dim);
@@ -109,9 +110,9 @@ static void attend(float *out, const float *q, const void *cache, const int64_t 
         for (int64_t i = 0; i < dim; i++) out[h * dim + i] /= sums[h];
 }
 
-/* q, out and cache are all float32 (bf16 = 0) or all bfloat16 (bf16 = 1).
+/* q, out, keys and values are all float32 (bf16 = 0) or all bfloat16 (bf16 = 1).
  * Returns 0, or -1 when a task could not get its scratch memory. */
-int paged_decode_attention(void *out, const void *q, const void *cache,
+int paged_decode_attention(void *out, const void *q, const void *keys, const void *values,
                            const int64_t *block_tables, const int64_t *seq_lens,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t page_size, int64_t max_pages, float scale,
@@ -131,7 +132,8 @@ int paged_decode_attention(void *out, const void *q, const void *cache,
         float *qf = row + num_kv_heads * head_dim, *of = qf + size;
         const float *query = as_float(q, s * size, size, bf16, qf);
         float *output = bf16 ? of : (float *)out + s * size;
-        attend(output, query, cache, block_tables + s * max_pages, seq_lens[s], &sh, scores, row);
+        attend(output, query, keys, values, block_tables + s * max_pages, seq_lens[s], &sh,
+               scores, row);
         if (bf16)
             for (int64_t i = 0; i < size; i++) ((uint16_t *)out)[s * size + i] = float_to_bf16(of[i]);
         free(scratch);
