@@ -7,11 +7,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.language.engine.engine import LLMEngine, RequestFailedError, RequestOutput, StepStats
+from services.language.engine.engine import (
+    FirstToken,
+    LLMEngine,
+    RequestFailedError,
+    RequestOutput,
+    StepStats,
+)
 from services.language.engine.request import Request
 from services.wire.request import SamplingParams
 
@@ -24,7 +30,18 @@ class _Add:
 
 
 @dataclass(frozen=True, slots=True)
+class _AddPrefilled:
+    request: Request
+    firsts: tuple[FirstToken, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
     request_id: str
 
 
@@ -46,7 +63,9 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self._on_step = on_step
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _AddPrefilled | _Abort | _Release] = (
+            queue.SimpleQueue()
+        )
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,22 +161,35 @@ class AsyncEngine:
                         self.engine.add_request(request)
                     except ValueError as exc:
                         replies.append((request.request_id, exc))
+                case _AddPrefilled(request, firsts):
+                    try:
+                        outputs = self.engine.add_prefilled(request, firsts)
+                    except ValueError as exc:
+                        replies.append((request.request_id, exc))
+                    else:
+                        replies += [(request.request_id, output) for output in outputs]
                 case _Abort(request_id):
                     outputs = self.engine.abort_request(request_id)
                     replies += [(request_id, output) for output in outputs]
+                case _Release(request_id):
+                    self.engine.release(request_id)
         if drained:  # a step publishes its own
             self.load = self.engine.load()
         self._send(replies)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: Request, firsts: Sequence[FirstToken] = ()
+    ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, its choices interleaved, until every choice
-        finishes; leaving early aborts it."""
+        finishes (or, hold_kv, is prefilled: then `release` its pages); leaving
+        early aborts it. With `firsts`, a request another instance prefilled
+        (LLMEngine.add_prefilled)."""
         self.engine.check(request)
         if request.request_id in self._queues:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
-        self._inbox.put(_Add(request))
+        self._inbox.put(_AddPrefilled(request, tuple(firsts)) if firsts else _Add(request))
         self._wake.set()
         going = request.sampling.n
         try:
@@ -176,4 +208,9 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def release(self, request_id: str) -> None:
+        """Frees the pages a prefilled (hold_kv) request kept."""
+        self._inbox.put(_Release(request_id))
         self._wake.set()

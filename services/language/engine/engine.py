@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,13 @@ from services.language.engine.config import (
 from services.language.engine.cpu_kernels import fused_ops, linear_kernel, paged_decode_attention
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
-from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
+from services.language.engine.kv_cache import (
+    KVBlockManager,
+    KVCache,
+    KVCacheConfig,
+    KVMemory,
+    device_memory,
+)
 from services.language.engine.linear import pack_linears, use_linear_kernel
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import fuse_experts
@@ -44,6 +51,24 @@ class TokenLogprob:
     top: list[tuple[int, str, float]]
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """A choice's first token, sampled by the instance that prefilled the prompt,
+    and its generator's state after it (a seeded choice goes on where it was)."""
+
+    sample: Sample
+    generator_state: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A hold_kv request's choice after its first token: the pages holding its
+    prompt's KV (kept until `release`) and that token."""
+
+    pages: tuple[int, ...]
+    first: FirstToken
+
+
 class RequestFailedError(RuntimeError):
     """The engine ended this one request with an error (the others go on)."""
 
@@ -59,10 +84,11 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None  # set on the last output of a request that failed
     index: int = 0  # the choice, for n > 1
+    prefilled: Prefilled | None = None  # the last output of a hold_kv request's choice
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.prefilled is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +122,7 @@ class LLMEngine:
         tokenizer: Any,
         config: EngineConfig,
         vision: VisionTower | None = None,
+        kv_memory: KVMemory = device_memory,
     ) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
@@ -119,7 +146,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model,
-            KVCache(spec.text, kv_config, device, spare_pages=int(graphs)),
+            KVCache(spec.text, kv_config, device, spare_pages=int(graphs), memory=kv_memory),
             attention,
             device,
             config.dtype,
@@ -131,6 +158,7 @@ class LLMEngine:
         self.sampler = Sampler(set(spec.eos_token_ids))
         self.grammars = Grammars(tokenizer, spec)
         self.requests: dict[str, list[Request]] = {}  # each request's choices
+        self.held: dict[str, list[Request]] = {}  # PREFILLED choices, until `release`
         self.detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
         self.vision = vision
@@ -196,6 +224,11 @@ class LLMEngine:
         self.check_sampling(request.sampling)
 
     def add_request(self, request: Request) -> None:
+        self._register(request)
+        self.scheduler.add(request)
+
+    def _register(self, request: Request) -> None:
+        """Its choices, and a detokenizer each."""
         self.check(request)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -205,7 +238,37 @@ class LLMEngine:
             self.detokenizers[request.request_id, choice.index] = IncrementalDetokenizer(
                 self.tokenizer, request.sampling.stop
             )
-        self.scheduler.add(request)
+
+    def add_prefilled(self, request: Request, firsts: Sequence[FirstToken]) -> list[RequestOutput]:
+        """A request another instance prefilled: its block table holds the
+        prompt's KV, and each choice's first token was sampled there. The first
+        tokens go out now (a choice may end with its first); decoding goes on
+        from the next step, every choice sharing the prompt's pages."""
+        self._register(request)
+        choices, request.forks = self.requests[request.request_id], []
+        if len(firsts) != len(choices):
+            raise ValueError(f"{len(firsts)} first tokens for {len(choices)} choices")
+        outputs, now = [], time.monotonic()
+        for choice, first in zip(choices, firsts, strict=True):
+            if choice is not request:
+                self.blocks.share(request, choice)
+            choice.num_computed_tokens = request.num_prompt_tokens
+            if first.generator_state is not None and choice.generator is not None:
+                choice.generator.set_state(
+                    torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8)
+                )
+            self.scheduler.add(choice)
+        for choice, first in zip(choices, firsts, strict=True):
+            try:
+                outputs.append(self._advance(choice, first.sample, now, [], []))
+            except Exception as exc:  # the first token breaks its grammar
+                return [self._fail(choice, str(exc))]
+        return outputs
+
+    def release(self, request_id: str) -> None:
+        """Frees the pages of a request's PREFILLED choices."""
+        for choice in self.held.pop(request_id, []):
+            self.blocks.free(choice)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """The final outputs of the request's choices that were still going."""
@@ -249,14 +312,23 @@ class LLMEngine:
         if self.vision is not None:
             self.vision.encode_pending(self.scheduler.waiting)
         batch = ModelRunner.order(self.scheduler.schedule())
+        lost = [
+            self._fail(
+                r,
+                "KV pages ran out on this decode instance, and a request whose "
+                "images were prefilled elsewhere cannot be recomputed here",
+            )
+            for r in self.scheduler.take_lost()
+        ]
         if not batch:
-            return [], self._stats([], [], [])
+            return lost, self._stats([], [], [])
         self.runner.kv_cache.copy_pages(self.blocks.take_copies())
         logits = self.runner.execute(batch)
         batch, logits = self._fork(batch, logits)
         sampling = [s.request for s in batch if s.samples]
         samples = self.sampler.sample(logits, sampling)
-        return self.postprocess(batch, samples)
+        outputs, stats = self.postprocess(batch, samples)
+        return lost + outputs, stats
 
     def _fork(
         self, batch: list[Scheduled], logits: torch.Tensor
@@ -316,6 +388,10 @@ class LLMEngine:
         detok = self.detokenizers[request.request_id, request.index]
         # Stop strings count only from min_tokens on (stop tokens are masked until then).
         detok.push(sample.token_id, stop=request.num_output_tokens >= request.sampling.min_tokens)
+        if request.hold_kv:  # prefilled: the decode instance goes on (and checks the stops)
+            self.scheduler.hold(request)
+            self.held.setdefault(request.request_id, []).append(request)
+            return self._output(request, [sample.token_id], [sample], final=True)
         status = self._stop_status(request, sample.token_id, detok)
         if status is not None:
             self.scheduler.finish(request, status)
@@ -376,6 +452,11 @@ class LLMEngine:
             if s.logprob is not None
         ]
         text = detok.take(final)
+        prefilled = None
+        if request.status is RequestStatus.PREFILLED:
+            state = request.generator.get_state() if request.generator is not None else None
+            first = FirstToken(samples[0], None if state is None else state.numpy().tobytes())
+            prefilled = Prefilled(tuple(request.block_table), first)
         if final:
             del self.detokenizers[key]
             if all(choice.is_finished for choice in self.requests[request.request_id]):
@@ -389,6 +470,7 @@ class LLMEngine:
             request.num_prompt_tokens,
             request.num_output_tokens,
             index=request.index,
+            prefilled=prefilled,
         )
 
     def _stats(self, batch: list[Scheduled], ttfts: list[float], tpots: list[float]) -> StepStats:

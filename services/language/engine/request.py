@@ -26,6 +26,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    # Done here, its pages kept: a prefill instance's request after its first
+    # token, until its KV pages have gone to the decode instance.
+    PREFILLED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -69,6 +72,11 @@ class Request:
     # forked yet (they start from its prefilled prompt: Request.fork).
     index: int = 0
     forks: list[Request] = field(default_factory=list)
+    # E/P/D. On a prefill instance: stop after the first token and keep the pages
+    # (RequestStatus.PREFILLED). On a decode instance, a request whose KV came from
+    # one: with images or videos it cannot be recomputed (no embeddings here).
+    hold_kv: bool = False
+    recomputable: bool = True
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
@@ -94,6 +102,8 @@ class Request:
             arrival_time=self.arrival_time,
             grammar=self.grammar,
             index=index,
+            hold_kv=self.hold_kv,
+            recomputable=self.recomputable,
         )
 
     @property
@@ -182,3 +192,34 @@ def new_request(
         media_grids=tuple(grids),
         grammar=grammar,
     )
+
+
+def prefilled_request(
+    request_id: str,
+    token_ids: list[int],
+    sampling: SamplingParams,
+    spec: ModelSpec,
+    mrope_delta: int,
+    pages: Sequence[int],
+    grammar: Any = None,
+) -> Request:
+    """A decode instance's request whose prompt a prefill instance computed: its
+    KV is in `pages`, and decode positions follow from the prompt's M-RoPE delta.
+    A text prompt can be recomputed here if it is preempted (its positions are
+    the text's); one with images or videos cannot (their embeddings are not here)."""
+    pads = {spec.image_token_id, spec.video_token_id}
+    media = any(token in pads for token in token_ids)
+    positions = torch.zeros(3, 0, dtype=torch.long)
+    if not media:
+        positions, _ = mrope_positions(token_ids, spec.image_token_id, (), 1)
+    request = Request(
+        request_id,
+        list(token_ids),
+        sampling,
+        positions,
+        mrope_delta,
+        grammar=grammar,
+        recomputable=not media,
+    )
+    request.block_table = list(pages)
+    return request

@@ -10,6 +10,10 @@ so the oldest one always makes progress: no deadlock however small the pool.
 
 An n > 1 request holds n of the max_num_seqs seats from its admission on: its
 other choices join the running batch when its prompt is prefilled.
+
+A request that cannot be recomputed (a decode instance's, whose images were
+encoded and prefilled elsewhere) is not preempted but ended: it goes to
+`lost`, for the engine to fail.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.lost: list[Request] = []  # ended where they would have been preempted
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -63,6 +68,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, request: Request) -> None:
+        if not request.recomputable:
+            self.blocks.free(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.lost.append(request)
+            return
         self.blocks.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -119,6 +129,15 @@ class Scheduler:
         choice.num_computed_tokens = parent.num_computed_tokens + num_tokens
         choice.status = RequestStatus.RUNNING
         self.running.append(choice)
+
+    def hold(self, request: Request) -> None:
+        """Takes a running request out of the batch with its pages (PREFILLED)."""
+        self.running.remove(request)
+        request.status = RequestStatus.PREFILLED
+
+    def take_lost(self) -> list[Request]:
+        lost, self.lost = self.lost, []
+        return lost
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Removes a request wherever it is and frees its pages."""
