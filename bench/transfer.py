@@ -38,7 +38,6 @@ from services.bench.stats import percentile
 from services.broker.client import BrokerLink
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
-from services.encoder.sender_driver import SenderDriver
 from services.grpc_server import channel
 from services.model.demo import cached_demo_checkpoint
 from services.ports import free_port
@@ -51,6 +50,7 @@ from services.proto import (
 )
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
+from services.transfer.sender_driver import SenderDriver
 from services.transfer.transports.base import Part, Writer
 from services.transfer.transports.grpc_stream import GrpcWriter
 from services.transfer.transports.nixl import NixlWriter
@@ -190,7 +190,7 @@ class EncoderSide:
         image = ImageEmbedding((torch.randn(tokens, HIDDEN),), grid)
         held = await self.buffer.hold(request_id, [image], 30)
         started = time.perf_counter()
-        await self.sender.start(request_id, peer, held, [grid])
+        await self.sender.start(peer, self.buffer.meta(held, peer.instance_id, [grid]))
         elapsed = time.perf_counter() - started
         with contextlib.suppress(grpc.aio.AioRpcError):
             await reading  # INVALID_ARGUMENT once the embeddings are in (see above)

@@ -61,4 +61,5 @@ def test_every_service_is_generated() -> None:
         "resume",
         "abort",
         "released",
+        "kv_meta",
     }

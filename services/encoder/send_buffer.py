@@ -8,25 +8,17 @@ deadline.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from services.encoder.cache import ImageEmbedding
 from services.transfer.block_pool import BlockPool
 from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.sender_driver import Held
 from services.transfer.state import PoolExhaustedError
+from services.wire.messages import EmbeddingMeta, MediaGrid
 
 
 class SendBufferFullError(RuntimeError):
     """No room for the embeddings within the wait allowed."""
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """A request's embeddings in the send buffer."""
-
-    request_id: str
-    blocks: list[int]
-    num_tokens: int
 
 
 class SendBuffer:
@@ -72,6 +64,19 @@ class SendBuffer:
             start += image.num_tokens
         held = self._held[request_id] = Held(request_id, blocks, num_tokens)
         return held
+
+    def meta(self, held: Held, language_id: str, grids: Sequence[MediaGrid]) -> EmbeddingMeta:
+        """What the transfer of the held embeddings announces (its transport is the
+        sender driver's to fill in)."""
+        layout = self.pool.layout
+        return EmbeddingMeta(
+            request_id=held.request_id,
+            language_instance_id=language_id,
+            total_tokens=held.num_tokens,
+            grids=tuple(grids),
+            planes=layout.planes,
+            dtype=layout.dtype,
+        )
 
     def held(self, request_id: str) -> Held:
         return self._held[request_id]

@@ -13,7 +13,6 @@ from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import EncodePipeline
 from services.encoder.preprocess import Preprocessor
 from services.encoder.send_buffer import SendBuffer
-from services.encoder.sender_driver import SenderDriver
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
 from services.instance import InstanceServer
@@ -21,6 +20,7 @@ from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
+from services.transfer.sender_driver import SenderDriver
 from services.transfer.transports.cuda_ipc import cuda_ipc_available
 from services.transfer.transports.ends import writers
 from services.wire.messages import Heartbeat, Register

@@ -12,11 +12,11 @@ from services.encoder.images import BadImageError
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Encoded, EncodePipeline
 from services.encoder.send_buffer import SendBuffer, SendBufferFullError
-from services.encoder.sender import Failure
-from services.encoder.sender_driver import SenderDriver, TransferError, UnknownPeerError
 from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.transfer.embedding_pool import tensor_bytes
+from services.transfer.sender import Failure
+from services.transfer.sender_driver import SenderDriver, TransferError, UnknownPeerError
 from services.wire.convert import dtype_to_proto, to_proto
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             return reply
         held = await self.buffer.hold(request.request_id, encoded.images, self.buffer_wait_s)
         try:
-            done = self.sender.start(request.request_id, peer, held, encoded.grids)
+            done = self.sender.start(peer, self.buffer.meta(held, peer.instance_id, encoded.grids))
         except BaseException:
             self.buffer.release(request.request_id)
             raise

@@ -10,8 +10,8 @@ import torch
 
 from services.instance import InstanceConfig
 from services.language.engine.config import EngineConfig
-from services.language.receiver import DEFAULT_ALLOCATE_TOKENS
 from services.ports import LANGUAGE_PORT
+from services.transfer.receiver import DEFAULT_ALLOCATE_TOKENS
 from services.wire.messages import Role
 from services.wire.transport import TRANSFER_TIMEOUT_S
 

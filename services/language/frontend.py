@@ -29,9 +29,9 @@ import torch
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.engine import RequestOutput
 from services.language.engine.request import Request, new_request
-from services.language.receiver_driver import ReceiverDriver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import ChatMessages, Prompt, build_prompt, completion_prompt
+from services.transfer.receiver_driver import ReceiverDriver
 from services.wire.messages import MediaGrid
 from services.wire.request import (
     ChatMessage,

@@ -13,7 +13,6 @@ from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.engine import LLMEngine
 from services.language.frontend import Frontend
 from services.language.metrics import LanguageMetrics
-from services.language.receiver_driver import ReceiverDriver
 from services.language.servicer import LanguageServicer
 from services.model.checkpoint import load_language_weights
 from services.model.processor import ImageTokenRule
@@ -21,6 +20,7 @@ from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.layout import PoolLayout, embedding_planes
+from services.transfer.receiver_driver import ReceiverDriver
 from services.transfer.transports.ends import receive_side
 from services.wire.messages import (
     Heartbeat,

@@ -15,8 +15,8 @@ import grpc
 from services.language.engine.engine import RequestFailedError
 from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
-from services.language.receiver_driver import ReceiverDriver
 from services.proto import language_pb2, language_pb2_grpc
+from services.transfer.receiver_driver import ReceiverDriver
 from services.transfer.state import PoolExhaustedError, TransferFailedError
 from services.wire.convert import from_proto, to_proto
 from services.wire.request import GenerateComplete, GenerateRequest

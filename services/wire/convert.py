@@ -44,6 +44,7 @@ _DATACLASSES: dict[str, type] = {
 }
 _ENUMS: dict[str, type[enum.Enum]] = {
     "Role": messages.Role,
+    "LanguageRole": messages.LanguageRole,
     "Transport": Transport,
     "FinishReason": request.FinishReason,
 }

@@ -24,6 +24,32 @@ class Role(enum.IntEnum):
     LANGUAGE = common_pb2.ROLE_LANGUAGE
 
 
+class LanguageRole(enum.IntEnum):
+    """What a language instance does with a request: both steps, or one of E/P/D's."""
+
+    BOTH = common_pb2.LANGUAGE_ROLE_BOTH
+    PREFILL = common_pb2.LANGUAGE_ROLE_PREFILL
+    DECODE = common_pb2.LANGUAGE_ROLE_DECODE
+
+    @property
+    def takes_requests(self) -> bool:
+        """Requests start here (an encoder's embeddings come here): not a decode instance."""
+        return self is not LanguageRole.DECODE
+
+
+# A request's KV transfer (E/P/D: prefill to decode instance) goes by this id,
+# beside the embedding transfer (encoder to prefill instance) of the same request.
+KV_TRANSFER_SUFFIX = "/kv"
+
+
+def kv_transfer_id(request_id: str) -> str:
+    return request_id + KV_TRANSFER_SUFFIX
+
+
+def is_kv_transfer(transfer_id: str) -> bool:
+    return transfer_id.endswith(KV_TRANSFER_SUFFIX)
+
+
 @dataclass(frozen=True, slots=True)
 class MediaGrid:
     """An image's or a video's patch grid (temporal, height, width) before the
@@ -96,7 +122,8 @@ E = TypeVar("E", ShmPool, NixlPool, CudaIpcPool, GrpcPool)
 
 @dataclass(frozen=True, slots=True)
 class PoolDescriptor:
-    """A language instance's receive pool and how to reach it (None: not offered)."""
+    """A language instance's receive pool (a decode instance's: its KV cache) and
+    how to reach it (None: not offered)."""
 
     num_blocks: int
     block_size: int
@@ -147,6 +174,7 @@ class Register:
     transports: tuple[Transport, ...]
     model: str
     pool: PoolDescriptor | None = None
+    language_role: LanguageRole = LanguageRole.BOTH
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -172,6 +200,62 @@ class EmbeddingMeta:
     dtype: torch.dtype
     encoder_instance_id: str = ""
     transport: Transport = Transport.GRPC
+
+    @property
+    def sender_id(self) -> str:
+        return self.encoder_instance_id
+
+    @property
+    def target_id(self) -> str:
+        return self.language_instance_id
+
+    def relayed_from(self, sender_id: str) -> EmbeddingMeta:
+        return replace(self, encoder_instance_id=sender_id)
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """A choice's first token, sampled by the prefill instance (E/P/D)."""
+
+    token_id: int
+    logprob: float | None = None
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    generator_state: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class KvMeta:
+    """P -> D: a request's prompt is prefilled; its KV pages are ready to go.
+    As a transfer it is an EmbeddingMeta's twin: planes of tokens, the prefill
+    instance as the sender and the decode instance as the receiver."""
+
+    request_id: str  # the transfer's: kv_transfer_id(the request's)
+    decode_instance_id: str
+    total_tokens: int
+    planes: tuple[Plane, ...]
+    dtype: torch.dtype
+    page_size: int
+    prompt_token_ids: tuple[int, ...]
+    first_tokens: tuple[FirstToken, ...]
+    mrope_delta: int = 0
+    prefill_instance_id: str = ""
+    transport: Transport = Transport.GRPC
+
+    @property
+    def sender_id(self) -> str:
+        return self.prefill_instance_id
+
+    @property
+    def target_id(self) -> str:
+        return self.decode_instance_id
+
+    def relayed_from(self, sender_id: str) -> KvMeta:
+        return replace(self, prefill_instance_id=sender_id)
+
+
+# What a transfer's sender announces first.
+TransferMeta = EmbeddingMeta | KvMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +325,20 @@ class InstanceJoined:
 
 # What an instance sends on its Attach stream, and what the broker sends back.
 PeerMessage = (
-    Register | Heartbeat | EmbeddingMeta | Prealloc | TransferDone | Resume | Abort | Released
+    Register
+    | Heartbeat
+    | EmbeddingMeta
+    | KvMeta
+    | Prealloc
+    | TransferDone
+    | Resume
+    | Abort
+    | Released
 )
 BrokerMessage = (
     Registered
     | EmbeddingMeta
+    | KvMeta
     | Prealloc
     | TransferDone
     | Resume

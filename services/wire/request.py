@@ -129,6 +129,10 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt: str = ""
     prompt_token_ids: tuple[int, ...] = ()
+    # E/P/D: to a prefill instance, where the KV pages go; to a decode instance,
+    # which prefill instance sends them.
+    decode_instance_id: str = ""
+    prefill_instance_id: str = ""
 
     @property
     def is_completion(self) -> bool:
@@ -138,6 +142,11 @@ class GenerateRequest:
     def media(self) -> list[MediaPart]:
         """The images and videos, in prompt order."""
         return [p for m in self.messages for p in m.content if not isinstance(p, str)]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReply:
+    num_prompt_tokens: int
 
 
 # -- the response stream -------------------------------------------------------

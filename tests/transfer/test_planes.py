@@ -25,12 +25,12 @@ from services.broker.client import BrokerLink
 from services.broker.server import BrokerServer
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
-from services.encoder.sender_driver import SenderDriver
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.model.spec import load_spec
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
+from services.transfer.sender_driver import SenderDriver
 from services.transfer.transports.base import Writer
 from services.transfer.transports.ends import writers
 from services.wire.messages import EmbeddingMeta, Heartbeat, MediaGrid, Register, Role
@@ -148,7 +148,7 @@ async def _send(
     broker.broker.rendezvous.route(request_id, encoder_id, language.instance_id)
     await language.receiver.expect(request_id, 0)
     held = await sender.buffer.hold(request_id, [ImageEmbedding(planes, grid)], 5)
-    await sender.start(request_id, peer, held, [grid])
+    await sender.start(peer, sender.buffer.meta(held, peer.instance_id, [grid]))
     return await language.receiver.wait(request_id)
 
 

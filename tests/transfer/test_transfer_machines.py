@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.broker.rendezvous import Rendezvous
-from services.encoder import sender as tx
-from services.language import receiver as rx
+from services.transfer import receiver as rx
+from services.transfer import sender as tx
 from services.transfer.allocator import BlockAllocator
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.state import TransferState

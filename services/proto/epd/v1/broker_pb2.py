@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/broker.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"\xbe\x01\n\x08Register\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.epd.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12%\n\ntransports\x18\x05 \x03(\x0e\x32\x11.epd.v1.Transport\x12$\n\x04pool\x18\x06 \x01(\x0b\x32\x16.epd.v1.PoolDescriptor\x12\r\n\x05model\x18\x07 \x01(\t\"K\n\tHeartbeat\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x13\n\x0bunavailable\x18\x03 \x01(\x08\"\x85\x02\n\rEmbeddingMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14language_instance_id\x18\x02 \x01(\t\x12\x1b\n\x13\x65ncoder_instance_id\x18\x03 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\x12 \n\x05grids\x18\x05 \x03(\x0b\x32\x11.epd.v1.MediaGrid\x12\x1c\n\x05\x64type\x18\x07 \x01(\x0e\x32\r.epd.v1.DType\x12$\n\ttransport\x18\t \x01(\x0e\x32\x11.epd.v1.Transport\x12\x1d\n\x06planes\x18\n \x03(\x0b\x32\r.epd.v1.PlaneJ\x04\x08\x06\x10\x07J\x04\x08\x08\x10\t\"i\n\x08Prealloc\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x18\n\x10\x61llocated_tokens\x18\x03 \x01(\r\x12\x1c\n\x14language_instance_id\x18\x04 \x01(\t\"s\n\x0cTransferDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsent_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12$\n\ttransport\x18\x04 \x01(\x0e\x32\x11.epd.v1.Transport\"^\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x13\n\x0bsent_tokens\x18\x03 \x01(\r\x12\x18\n\x10\x61llocated_tokens\x18\x04 \x01(\r\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\x08Released\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"?\n\nRegistered\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"8\n\x0eInstanceJoined\x12&\n\x08instance\x18\x01 \x01(\x0b\x32\x14.epd.v1.InstanceInfo\"4\n\x08PeerLost\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"\xc7\x02\n\x0bPeerMessage\x12$\n\x08register\x18\x01 \x01(\x0b\x32\x10.epd.v1.RegisterH\x00\x12&\n\theartbeat\x18\x02 \x01(\x0b\x32\x11.epd.v1.HeartbeatH\x00\x12%\n\x04meta\x18\x03 \x01(\x0b\x32\x15.epd.v1.EmbeddingMetaH\x00\x12$\n\x08prealloc\x18\x04 \x01(\x0b\x32\x10.epd.v1.PreallocH\x00\x12-\n\rtransfer_done\x18\x05 \x01(\x0b\x32\x14.epd.v1.TransferDoneH\x00\x12 \n\x06resume\x18\x06 \x01(\x0b\x32\x0e.epd.v1.ResumeH\x00\x12\x1e\n\x05\x61\x62ort\x18\x07 \x01(\x0b\x32\r.epd.v1.AbortH\x00\x12$\n\x08released\x18\x08 \x01(\x0b\x32\x10.epd.v1.ReleasedH\x00\x42\x06\n\x04kind\"\xff\x02\n\rBrokerMessage\x12(\n\nregistered\x18\x01 \x01(\x0b\x32\x12.epd.v1.RegisteredH\x00\x12%\n\x04meta\x18\x02 \x01(\x0b\x32\x15.epd.v1.EmbeddingMetaH\x00\x12$\n\x08prealloc\x18\x03 \x01(\x0b\x32\x10.epd.v1.PreallocH\x00\x12-\n\rtransfer_done\x18\x04 \x01(\x0b\x32\x14.epd.v1.TransferDoneH\x00\x12 \n\x06resume\x18\x05 \x01(\x0b\x32\x0e.epd.v1.ResumeH\x00\x12\x1e\n\x05\x61\x62ort\x18\x06 \x01(\x0b\x32\r.epd.v1.AbortH\x00\x12%\n\tpeer_lost\x18\x07 \x01(\x0b\x32\x10.epd.v1.PeerLostH\x00\x12\x31\n\x0finstance_joined\x18\x08 \x01(\x0b\x32\x16.epd.v1.InstanceJoinedH\x00\x12$\n\x08released\x18\t \x01(\x0b\x32\x10.epd.v1.ReleasedH\x00\x42\x06\n\x04kind\"x\n\x0cInstanceInfo\x12&\n\x0cregistration\x18\x01 \x01(\x0b\x32\x10.epd.v1.Register\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.epd.v1.Heartbeat\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\"\x94\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rneeds_encoder\x18\x03 \x01(\x08\x12\x13\n\x0blanguage_id\x18\x04 \x01(\t\x12\x19\n\x11\x66\x61iled_encoder_id\x18\x05 \x01(\t\x12\x1a\n\x12\x66\x61iled_language_id\x18\x06 \x01(\t\"\x8e\x01\n\nRouteReply\x12\x12\n\nencoder_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65ncoder_address\x18\x02 \x01(\t\x12\x13\n\x0blanguage_id\x18\x03 \x01(\t\x12\x18\n\x10language_address\x18\x04 \x01(\t\x12$\n\ttransport\x18\x05 \x01(\x0e\x32\x11.epd.v1.Transport\"2\n\x14ListInstancesRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.epd.v1.Role\"=\n\x12ListInstancesReply\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.epd.v1.InstanceInfo\",\n\x16\x44\x65scribeRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xa6\x03\n\x12RequestDescription\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x05phase\x18\x02 \x01(\x0e\x32 .epd.v1.RequestDescription.Phase\x12\x12\n\nencoder_id\x18\x03 \x01(\t\x12\x13\n\x0blanguage_id\x18\x04 \x01(\t\x12\x10\n\x08has_meta\x18\x05 \x01(\x08\x12\x14\n\x0chas_prealloc\x18\x06 \x01(\x08\x12\x13\n\x0bsent_tokens\x18\x07 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x08 \x01(\r\x12\x13\n\x0bnum_resumes\x18\t \x01(\r\x12\x14\n\x0c\x61\x62ort_reason\x18\n \x01(\t\x12\r\n\x05\x61ge_s\x18\x0b \x01(\x01\x12\x15\n\rnum_failovers\x18\x0c \x01(\r\"~\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPHASE_ROUTED\x10\x01\x12\x11\n\rPHASE_WAITING\x10\x02\x12\x16\n\x12PHASE_TRANSFERRING\x10\x03\x12\x0e\n\nPHASE_DONE\x10\x04\x12\x11\n\rPHASE_ABORTED\x10\x05\x32\x8f\x02\n\x06\x42roker\x12\x38\n\x06\x41ttach\x12\x13.epd.v1.PeerMessage\x1a\x15.epd.v1.BrokerMessage(\x01\x30\x01\x12\x31\n\x05Route\x12\x14.epd.v1.RouteRequest\x1a\x12.epd.v1.RouteReply\x12I\n\rListInstances\x12\x1c.epd.v1.ListInstancesRequest\x1a\x1a.epd.v1.ListInstancesReply\x12M\n\x0f\x44\x65scribeRequest\x12\x1e.epd.v1.DescribeRequestRequest\x1a\x1a.epd.v1.RequestDescriptionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/broker.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"\xeb\x01\n\x08Register\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.epd.v1.Role\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12%\n\ntransports\x18\x05 \x03(\x0e\x32\x11.epd.v1.Transport\x12$\n\x04pool\x18\x06 \x01(\x0b\x32\x16.epd.v1.PoolDescriptor\x12\r\n\x05model\x18\x07 \x01(\t\x12+\n\rlanguage_role\x18\x08 \x01(\x0e\x32\x14.epd.v1.LanguageRole\"K\n\tHeartbeat\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x13\n\x0bunavailable\x18\x03 \x01(\x08\"\x85\x02\n\rEmbeddingMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1c\n\x14language_instance_id\x18\x02 \x01(\t\x12\x1b\n\x13\x65ncoder_instance_id\x18\x03 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\x12 \n\x05grids\x18\x05 \x03(\x0b\x32\x11.epd.v1.MediaGrid\x12\x1c\n\x05\x64type\x18\x07 \x01(\x0e\x32\r.epd.v1.DType\x12$\n\ttransport\x18\t \x01(\x0e\x32\x11.epd.v1.Transport\x12\x1d\n\x06planes\x18\n \x03(\x0b\x32\r.epd.v1.PlaneJ\x04\x08\x06\x10\x07J\x04\x08\x08\x10\t\"\xba\x02\n\x06KvMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x03 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\x12\x1d\n\x06planes\x18\x05 \x03(\x0b\x32\r.epd.v1.Plane\x12\x1c\n\x05\x64type\x18\x06 \x01(\x0e\x32\r.epd.v1.DType\x12$\n\ttransport\x18\x07 \x01(\x0e\x32\x11.epd.v1.Transport\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x13\n\x0bmrope_delta\x18\n \x01(\x03\x12(\n\x0c\x66irst_tokens\x18\x0b \x03(\x0b\x32\x12.epd.v1.FirstToken\"\x80\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x17\n\x0fgenerator_state\x18\x05 \x01(\x0c\x42\n\n\x08_logprob\"i\n\x08Prealloc\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x18\n\x10\x61llocated_tokens\x18\x03 \x01(\r\x12\x1c\n\x14language_instance_id\x18\x04 \x01(\t\"s\n\x0cTransferDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsent_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12$\n\ttransport\x18\x04 \x01(\x0e\x32\x11.epd.v1.Transport\"^\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x13\n\x0bsent_tokens\x18\x03 \x01(\r\x12\x18\n\x10\x61llocated_tokens\x18\x04 \x01(\r\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\x08Released\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"?\n\nRegistered\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"8\n\x0eInstanceJoined\x12&\n\x08instance\x18\x01 \x01(\x0b\x32\x14.epd.v1.InstanceInfo\"4\n\x08PeerLost\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\"\xea\x02\n\x0bPeerMessage\x12$\n\x08register\x18\x01 \x01(\x0b\x32\x10.epd.v1.RegisterH\x00\x12&\n\theartbeat\x18\x02 \x01(\x0b\x32\x11.epd.v1.HeartbeatH\x00\x12%\n\x04meta\x18\x03 \x01(\x0b\x32\x15.epd.v1.EmbeddingMetaH\x00\x12$\n\x08prealloc\x18\x04 \x01(\x0b\x32\x10.epd.v1.PreallocH\x00\x12-\n\rtransfer_done\x18\x05 \x01(\x0b\x32\x14.epd.v1.TransferDoneH\x00\x12 \n\x06resume\x18\x06 \x01(\x0b\x32\x0e.epd.v1.ResumeH\x00\x12\x1e\n\x05\x61\x62ort\x18\x07 \x01(\x0b\x32\r.epd.v1.AbortH\x00\x12$\n\x08released\x18\x08 \x01(\x0b\x32\x10.epd.v1.ReleasedH\x00\x12!\n\x07kv_meta\x18\t \x01(\x0b\x32\x0e.epd.v1.KvMetaH\x00\x42\x06\n\x04kind\"\xa2\x03\n\rBrokerMessage\x12(\n\nregistered\x18\x01 \x01(\x0b\x32\x12.epd.v1.RegisteredH\x00\x12%\n\x04meta\x18\x02 \x01(\x0b\x32\x15.epd.v1.EmbeddingMetaH\x00\x12$\n\x08prealloc\x18\x03 \x01(\x0b\x32\x10.epd.v1.PreallocH\x00\x12-\n\rtransfer_done\x18\x04 \x01(\x0b\x32\x14.epd.v1.TransferDoneH\x00\x12 \n\x06resume\x18\x05 \x01(\x0b\x32\x0e.epd.v1.ResumeH\x00\x12\x1e\n\x05\x61\x62ort\x18\x06 \x01(\x0b\x32\r.epd.v1.AbortH\x00\x12%\n\tpeer_lost\x18\x07 \x01(\x0b\x32\x10.epd.v1.PeerLostH\x00\x12\x31\n\x0finstance_joined\x18\x08 \x01(\x0b\x32\x16.epd.v1.InstanceJoinedH\x00\x12$\n\x08released\x18\t \x01(\x0b\x32\x10.epd.v1.ReleasedH\x00\x12!\n\x07kv_meta\x18\n \x01(\x0b\x32\x0e.epd.v1.KvMetaH\x00\x42\x06\n\x04kind\"x\n\x0cInstanceInfo\x12&\n\x0cregistration\x18\x01 \x01(\x0b\x32\x10.epd.v1.Register\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.epd.v1.Heartbeat\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\"\x94\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rneeds_encoder\x18\x03 \x01(\x08\x12\x13\n\x0blanguage_id\x18\x04 \x01(\t\x12\x19\n\x11\x66\x61iled_encoder_id\x18\x05 \x01(\t\x12\x1a\n\x12\x66\x61iled_language_id\x18\x06 \x01(\t\"\xb9\x01\n\nRouteReply\x12\x12\n\nencoder_id\x18\x01 \x01(\t\x12\x17\n\x0f\x65ncoder_address\x18\x02 \x01(\t\x12\x13\n\x0blanguage_id\x18\x03 \x01(\t\x12\x18\n\x10language_address\x18\x04 \x01(\t\x12$\n\ttransport\x18\x05 \x01(\x0e\x32\x11.epd.v1.Transport\x12\x11\n\tdecode_id\x18\x06 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x07 \x01(\t\"2\n\x14ListInstancesRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.epd.v1.Role\"=\n\x12ListInstancesReply\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.epd.v1.InstanceInfo\",\n\x16\x44\x65scribeRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xa6\x03\n\x12RequestDescription\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x05phase\x18\x02 \x01(\x0e\x32 .epd.v1.RequestDescription.Phase\x12\x12\n\nencoder_id\x18\x03 \x01(\t\x12\x13\n\x0blanguage_id\x18\x04 \x01(\t\x12\x10\n\x08has_meta\x18\x05 \x01(\x08\x12\x14\n\x0chas_prealloc\x18\x06 \x01(\x08\x12\x13\n\x0bsent_tokens\x18\x07 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x08 \x01(\r\x12\x13\n\x0bnum_resumes\x18\t \x01(\r\x12\x14\n\x0c\x61\x62ort_reason\x18\n \x01(\t\x12\r\n\x05\x61ge_s\x18\x0b \x01(\x01\x12\x15\n\rnum_failovers\x18\x0c \x01(\r\"~\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x10\n\x0cPHASE_ROUTED\x10\x01\x12\x11\n\rPHASE_WAITING\x10\x02\x12\x16\n\x12PHASE_TRANSFERRING\x10\x03\x12\x0e\n\nPHASE_DONE\x10\x04\x12\x11\n\rPHASE_ABORTED\x10\x05\x32\x8f\x02\n\x06\x42roker\x12\x38\n\x06\x41ttach\x12\x13.epd.v1.PeerMessage\x1a\x15.epd.v1.BrokerMessage(\x01\x30\x01\x12\x31\n\x05Route\x12\x14.epd.v1.RouteRequest\x1a\x12.epd.v1.RouteReply\x12I\n\rListInstances\x12\x1c.epd.v1.ListInstancesRequest\x1a\x1a.epd.v1.ListInstancesReply\x12M\n\x0f\x44\x65scribeRequest\x12\x1e.epd.v1.DescribeRequestRequest\x1a\x1a.epd.v1.RequestDescriptionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,47 +33,51 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.broker_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTER']._serialized_start=53
-  _globals['_REGISTER']._serialized_end=243
-  _globals['_HEARTBEAT']._serialized_start=245
-  _globals['_HEARTBEAT']._serialized_end=320
-  _globals['_EMBEDDINGMETA']._serialized_start=323
-  _globals['_EMBEDDINGMETA']._serialized_end=584
-  _globals['_PREALLOC']._serialized_start=586
-  _globals['_PREALLOC']._serialized_end=691
-  _globals['_TRANSFERDONE']._serialized_start=693
-  _globals['_TRANSFERDONE']._serialized_end=808
-  _globals['_RESUME']._serialized_start=810
-  _globals['_RESUME']._serialized_end=904
-  _globals['_ABORT']._serialized_start=906
-  _globals['_ABORT']._serialized_end=949
-  _globals['_RELEASED']._serialized_start=951
-  _globals['_RELEASED']._serialized_end=981
-  _globals['_REGISTERED']._serialized_start=983
-  _globals['_REGISTERED']._serialized_end=1046
-  _globals['_INSTANCEJOINED']._serialized_start=1048
-  _globals['_INSTANCEJOINED']._serialized_end=1104
-  _globals['_PEERLOST']._serialized_start=1106
-  _globals['_PEERLOST']._serialized_end=1158
-  _globals['_PEERMESSAGE']._serialized_start=1161
-  _globals['_PEERMESSAGE']._serialized_end=1488
-  _globals['_BROKERMESSAGE']._serialized_start=1491
-  _globals['_BROKERMESSAGE']._serialized_end=1874
-  _globals['_INSTANCEINFO']._serialized_start=1876
-  _globals['_INSTANCEINFO']._serialized_end=1996
-  _globals['_ROUTEREQUEST']._serialized_start=1999
-  _globals['_ROUTEREQUEST']._serialized_end=2147
-  _globals['_ROUTEREPLY']._serialized_start=2150
-  _globals['_ROUTEREPLY']._serialized_end=2292
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=2294
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=2344
-  _globals['_LISTINSTANCESREPLY']._serialized_start=2346
-  _globals['_LISTINSTANCESREPLY']._serialized_end=2407
-  _globals['_DESCRIBEREQUESTREQUEST']._serialized_start=2409
-  _globals['_DESCRIBEREQUESTREQUEST']._serialized_end=2453
-  _globals['_REQUESTDESCRIPTION']._serialized_start=2456
-  _globals['_REQUESTDESCRIPTION']._serialized_end=2878
-  _globals['_REQUESTDESCRIPTION_PHASE']._serialized_start=2752
-  _globals['_REQUESTDESCRIPTION_PHASE']._serialized_end=2878
-  _globals['_BROKER']._serialized_start=2881
-  _globals['_BROKER']._serialized_end=3152
+  _globals['_REGISTER']._serialized_end=288
+  _globals['_HEARTBEAT']._serialized_start=290
+  _globals['_HEARTBEAT']._serialized_end=365
+  _globals['_EMBEDDINGMETA']._serialized_start=368
+  _globals['_EMBEDDINGMETA']._serialized_end=629
+  _globals['_KVMETA']._serialized_start=632
+  _globals['_KVMETA']._serialized_end=946
+  _globals['_FIRSTTOKEN']._serialized_start=949
+  _globals['_FIRSTTOKEN']._serialized_end=1077
+  _globals['_PREALLOC']._serialized_start=1079
+  _globals['_PREALLOC']._serialized_end=1184
+  _globals['_TRANSFERDONE']._serialized_start=1186
+  _globals['_TRANSFERDONE']._serialized_end=1301
+  _globals['_RESUME']._serialized_start=1303
+  _globals['_RESUME']._serialized_end=1397
+  _globals['_ABORT']._serialized_start=1399
+  _globals['_ABORT']._serialized_end=1442
+  _globals['_RELEASED']._serialized_start=1444
+  _globals['_RELEASED']._serialized_end=1474
+  _globals['_REGISTERED']._serialized_start=1476
+  _globals['_REGISTERED']._serialized_end=1539
+  _globals['_INSTANCEJOINED']._serialized_start=1541
+  _globals['_INSTANCEJOINED']._serialized_end=1597
+  _globals['_PEERLOST']._serialized_start=1599
+  _globals['_PEERLOST']._serialized_end=1651
+  _globals['_PEERMESSAGE']._serialized_start=1654
+  _globals['_PEERMESSAGE']._serialized_end=2016
+  _globals['_BROKERMESSAGE']._serialized_start=2019
+  _globals['_BROKERMESSAGE']._serialized_end=2437
+  _globals['_INSTANCEINFO']._serialized_start=2439
+  _globals['_INSTANCEINFO']._serialized_end=2559
+  _globals['_ROUTEREQUEST']._serialized_start=2562
+  _globals['_ROUTEREQUEST']._serialized_end=2710
+  _globals['_ROUTEREPLY']._serialized_start=2713
+  _globals['_ROUTEREPLY']._serialized_end=2898
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=2900
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=2950
+  _globals['_LISTINSTANCESREPLY']._serialized_start=2952
+  _globals['_LISTINSTANCESREPLY']._serialized_end=3013
+  _globals['_DESCRIBEREQUESTREQUEST']._serialized_start=3015
+  _globals['_DESCRIBEREQUESTREQUEST']._serialized_end=3059
+  _globals['_REQUESTDESCRIPTION']._serialized_start=3062
+  _globals['_REQUESTDESCRIPTION']._serialized_end=3484
+  _globals['_REQUESTDESCRIPTION_PHASE']._serialized_start=3358
+  _globals['_REQUESTDESCRIPTION_PHASE']._serialized_end=3484
+  _globals['_BROKER']._serialized_start=3487
+  _globals['_BROKER']._serialized_end=3758
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Register(_message.Message):
-    __slots__ = ("role", "instance_id", "grpc_address", "host_id", "transports", "pool", "model")
+    __slots__ = ("role", "instance_id", "grpc_address", "host_id", "transports", "pool", "model", "language_role")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class Register(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_ROLE_FIELD_NUMBER: _ClassVar[int]
     role: _common_pb2.Role
     instance_id: str
     grpc_address: str
@@ -24,7 +25,8 @@ class Register(_message.Message):
     transports: _containers.RepeatedScalarFieldContainer[_common_pb2.Transport]
     pool: _common_pb2.PoolDescriptor
     model: str
-    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., instance_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., pool: _Optional[_Union[_common_pb2.PoolDescriptor, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    language_role: _common_pb2.LanguageRole
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., instance_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., pool: _Optional[_Union[_common_pb2.PoolDescriptor, _Mapping]] = ..., model: _Optional[str] = ..., language_role: _Optional[_Union[_common_pb2.LanguageRole, str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("num_requests", "free_blocks", "unavailable")
@@ -55,6 +57,46 @@ class EmbeddingMeta(_message.Message):
     transport: _common_pb2.Transport
     planes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Plane]
     def __init__(self, request_id: _Optional[str] = ..., language_instance_id: _Optional[str] = ..., encoder_instance_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., grids: _Optional[_Iterable[_Union[_common_pb2.MediaGrid, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ...) -> None: ...
+
+class KvMeta(_message.Message):
+    __slots__ = ("request_id", "decode_instance_id", "prefill_instance_id", "total_tokens", "planes", "dtype", "transport", "page_size", "prompt_token_ids", "mrope_delta", "first_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    decode_instance_id: str
+    prefill_instance_id: str
+    total_tokens: int
+    planes: _containers.RepeatedCompositeFieldContainer[_common_pb2.Plane]
+    dtype: _common_pb2.DType
+    transport: _common_pb2.Transport
+    page_size: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    mrope_delta: int
+    first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
+    def __init__(self, request_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., total_tokens: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[_common_pb2.Plane, _Mapping]]] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., page_size: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mrope_delta: _Optional[int] = ..., first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs", "generator_state")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    generator_state: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., generator_state: _Optional[bytes] = ...) -> None: ...
 
 class Prealloc(_message.Message):
     __slots__ = ("request_id", "block_ids", "allocated_tokens", "language_instance_id")
@@ -129,7 +171,7 @@ class PeerLost(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "meta", "prealloc", "transfer_done", "resume", "abort", "released")
+    __slots__ = ("register", "heartbeat", "meta", "prealloc", "transfer_done", "resume", "abort", "released", "kv_meta")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +180,7 @@ class PeerMessage(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KV_META_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     meta: EmbeddingMeta
@@ -146,10 +189,11 @@ class PeerMessage(_message.Message):
     resume: Resume
     abort: Abort
     released: Released
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ...) -> None: ...
+    kv_meta: KvMeta
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ..., kv_meta: _Optional[_Union[KvMeta, _Mapping]] = ...) -> None: ...
 
 class BrokerMessage(_message.Message):
-    __slots__ = ("registered", "meta", "prealloc", "transfer_done", "resume", "abort", "peer_lost", "instance_joined", "released")
+    __slots__ = ("registered", "meta", "prealloc", "transfer_done", "resume", "abort", "peer_lost", "instance_joined", "released", "kv_meta")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     PREALLOC_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +203,7 @@ class BrokerMessage(_message.Message):
     PEER_LOST_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_JOINED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KV_META_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     meta: EmbeddingMeta
     prealloc: Prealloc
@@ -168,7 +213,8 @@ class BrokerMessage(_message.Message):
     peer_lost: PeerLost
     instance_joined: InstanceJoined
     released: Released
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., instance_joined: _Optional[_Union[InstanceJoined, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ...) -> None: ...
+    kv_meta: KvMeta
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., instance_joined: _Optional[_Union[InstanceJoined, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ..., kv_meta: _Optional[_Union[KvMeta, _Mapping]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
     __slots__ = ("registration", "load", "seconds_since_heartbeat")
@@ -197,18 +243,22 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ..., failed_language_id: _Optional[str] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport")
+    __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport", "decode_id", "decode_address")
     ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     encoder_id: str
     encoder_address: str
     language_id: str
     language_address: str
     transport: _common_pb2.Transport
-    def __init__(self, encoder_id: _Optional[str] = ..., encoder_address: _Optional[str] = ..., language_id: _Optional[str] = ..., language_address: _Optional[str] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ...) -> None: ...
+    decode_id: str
+    decode_address: str
+    def __init__(self, encoder_id: _Optional[str] = ..., encoder_address: _Optional[str] = ..., language_id: _Optional[str] = ..., language_address: _Optional[str] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ("role",)

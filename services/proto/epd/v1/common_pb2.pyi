@@ -13,6 +13,13 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_ENCODER: _ClassVar[Role]
     ROLE_LANGUAGE: _ClassVar[Role]
 
+class LanguageRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANGUAGE_ROLE_UNSPECIFIED: _ClassVar[LanguageRole]
+    LANGUAGE_ROLE_BOTH: _ClassVar[LanguageRole]
+    LANGUAGE_ROLE_PREFILL: _ClassVar[LanguageRole]
+    LANGUAGE_ROLE_DECODE: _ClassVar[LanguageRole]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -30,6 +37,10 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ROLE_UNSPECIFIED: Role
 ROLE_ENCODER: Role
 ROLE_LANGUAGE: Role
+LANGUAGE_ROLE_UNSPECIFIED: LanguageRole
+LANGUAGE_ROLE_BOTH: LanguageRole
+LANGUAGE_ROLE_PREFILL: LanguageRole
+LANGUAGE_ROLE_DECODE: LanguageRole
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType

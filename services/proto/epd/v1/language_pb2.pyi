@@ -50,18 +50,28 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "prompt", "prompt_token_ids")
+    __slots__ = ("request_id", "messages", "sampling", "prompt", "prompt_token_ids", "decode_instance_id", "prefill_instance_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _common_pb2.SamplingParams
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    decode_instance_id: str
+    prefill_instance_id: str
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("num_prompt_tokens",)
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_prompt_tokens: int
+    def __init__(self, num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")

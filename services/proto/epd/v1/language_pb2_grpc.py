@@ -39,6 +39,11 @@ class LanguageStub:
                 request_serializer=epd_dot_v1_dot_language__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_language__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/epd.v1.Language/Prefill',
+                request_serializer=epd_dot_v1_dot_language__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_language__pb2.PrefillReply.FromString,
+                _registered_method=True)
         self.PushEmbeddings = channel.stream_unary(
                 '/epd.v1.Language/PushEmbeddings',
                 request_serializer=epd_dot_v1_dot_language__pb2.EmbeddingChunk.SerializeToString,
@@ -56,6 +61,16 @@ class LanguageServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefill(self, request, context):
+        """E/P/D, on a prefill instance: prefills the prompt (its embeddings arrive as
+        for Generate), samples each choice's first token and writes the KV pages
+        into those the decode instance allocated; answers once they are there. The
+        decode instance's Generate streams every token, the first included.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -80,6 +95,11 @@ def add_LanguageServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=epd_dot_v1_dot_language__pb2.GenerateRequest.FromString,
                     response_serializer=epd_dot_v1_dot_language__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=epd_dot_v1_dot_language__pb2.GenerateRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_language__pb2.PrefillReply.SerializeToString,
             ),
             'PushEmbeddings': grpc.stream_unary_rpc_method_handler(
                     servicer.PushEmbeddings,
@@ -119,6 +139,33 @@ class Language:
             '/epd.v1.Language/Generate',
             epd_dot_v1_dot_language__pb2.GenerateRequest.SerializeToString,
             epd_dot_v1_dot_language__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Language/Prefill',
+            epd_dot_v1_dot_language__pb2.GenerateRequest.SerializeToString,
+            epd_dot_v1_dot_language__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,

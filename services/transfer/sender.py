@@ -1,9 +1,10 @@
-"""Sender: the encoder side of each embedding transfer, as a pure state
-machine. Events come in as method calls; each returns the actions for the
-driver (sender_driver.py) to take, in order. No I/O, no asyncio, an injected
-clock: tests drive it through any interleaving.
+"""Sender: the sending side of each transfer (an encoder's embeddings; in
+E/P/D also a prefill instance's KV pages), as a pure state machine. Events
+come in as method calls; each returns the actions for the driver
+(sender_driver.py) to take, in order. No I/O, no asyncio, an injected clock:
+tests drive it through any interleaving.
 
-    start(meta)                -> send EmbeddingMeta                       WAITING_FOR_INPUT
+    start(meta)                -> send the meta (EmbeddingMeta, KvMeta)    WAITING_FOR_INPUT
     Prealloc / Resume(blocks)  -> Write min(remaining, allocated) tokens   TRANSFERRING
     written                    -> send TransferDone(sent, total)
         sent == total          -> Succeed, Free the send buffer            SUCCESS
@@ -26,12 +27,12 @@ from dataclasses import dataclass
 from services.transfer.state import TransferState
 from services.wire.messages import (
     Abort,
-    EmbeddingMeta,
     PeerLost,
     Prealloc,
     Released,
     Resume,
     TransferDone,
+    TransferMeta,
 )
 from services.wire.transport import TRANSFER_TIMEOUT_S, Transport
 
@@ -39,15 +40,15 @@ from services.wire.transport import TRANSFER_TIMEOUT_S, Transport
 class Failure(enum.Enum):
     """Why a transfer failed, which tells the caller what to do about it."""
 
-    ABORTED = "aborted"  # the language side or the broker gave up on it: nothing to retry here
+    ABORTED = "aborted"  # the receiver or the broker gave up on it: nothing to retry here
     TIMED_OUT = "timed out"  # no preallocation or resume in time
     WRITE_FAILED = "write failed"
-    UNAVAILABLE = "unavailable"  # this encoder cannot finish it (broker gone, shutting down)
+    UNAVAILABLE = "unavailable"  # this sender cannot finish it (broker gone, shutting down)
 
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    message: EmbeddingMeta | TransferDone | Abort | Released
+    message: TransferMeta | TransferDone | Abort | Released
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +110,13 @@ class Sender:
 
     # -- the caller's events -------------------------------------------------
 
-    def start(self, meta: EmbeddingMeta) -> list[Action]:
-        """Announces a request's embeddings (already in the send buffer)."""
+    def start(self, meta: TransferMeta) -> list[Action]:
+        """Announces a request's data (already where the writes read it)."""
         request_id = meta.request_id
         if request_id in self.transfers or request_id in self.closing:
             raise ValueError(f"request {request_id!r} is already being sent")
         self.transfers[request_id] = Outbound(
-            request_id, meta.language_instance_id, meta.transport, meta.total_tokens, self._clock()
+            request_id, meta.target_id, meta.transport, meta.total_tokens, self._clock()
         )
         return [Send(meta)]
 
@@ -216,7 +217,7 @@ class Sender:
     def close(self) -> list[Action]:
         actions: list[Action] = []
         for request_id in list(self.transfers):
-            reason = "encoder shutting down"
+            reason = "the sender is shutting down"
             actions += self._fail(request_id, Failure.UNAVAILABLE, reason, notify=True)
         return actions
 

@@ -1,11 +1,12 @@
-"""Receiver: the language side of each embedding transfer, as a pure state
+"""Receiver: the receiving side of each transfer (a language instance's
+embeddings; in E/P/D also a decode instance's KV pages), as a pure state
 machine. Events come in as method calls; each returns the actions for the
 driver (receiver_driver.py) to take, in order. No I/O, no asyncio, an
 injected clock: tests drive it through any interleaving.
 
     expect(hint)     -> Allocate(hint or default tokens)
     allocated        -> Prealloc (first part) / Resume (later ones)          WAITING_FOR_INPUT
-    EmbeddingMeta    -> remember the grids and the total
+    the meta         -> remember it (EmbeddingMeta: the grids; KvMeta: the prompt)
     gRPC chunk       -> count it into the current part                      TRANSFERRING
     TransferDone     -> Confirm: the part is in memory (NIXL: its notification)
     arrived(sent < total)  -> Stage the part, Free its blocks, Allocate the rest
@@ -18,10 +19,16 @@ injected clock: tests drive it through any interleaving.
 A request only ever holds one part's blocks, so a small pool slows large
 requests down (more resumes) but never deadlocks them.
 
+A receiver that `keeps_blocks` (a decode instance's, whose blocks are KV pages
+the request goes on decoding in) stages nothing: each part's blocks are kept,
+and `take` hands them all over (Keep), less those the last part did not need.
+
 Blocks of a request that ends while an encoder may still be writing them
 (it was given them, and the part's TransferDone has not come) are quarantined:
 they are freed when the encoder says Released, when it is lost, or after
 `quarantine_s`, never while a write can still land.
+
+"Encoder" here is whoever sends: an encoder, or in E/P/D a prefill instance.
 """
 
 from __future__ import annotations
@@ -38,12 +45,12 @@ from services.transfer.state import (
 )
 from services.wire.messages import (
     Abort,
-    EmbeddingMeta,
     PeerLost,
     Prealloc,
     Released,
     Resume,
     TransferDone,
+    TransferMeta,
 )
 from services.wire.transport import TRANSFER_TIMEOUT_S, Transport
 
@@ -89,9 +96,17 @@ class Confirm:
 
 
 @dataclass(frozen=True, slots=True)
+class Keep:
+    """Every block of a finished request, in token order, is the caller's now."""
+
+    request_id: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Succeed:
     request_id: str
-    meta: EmbeddingMeta
+    meta: TransferMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +125,7 @@ class Forget:
     request_id: str
 
 
-Action = Send | Allocate | Free | Stage | Confirm | Succeed | Fail | Forget
+Action = Send | Allocate | Free | Stage | Keep | Confirm | Succeed | Fail | Forget
 
 
 @dataclass(slots=True)
@@ -122,7 +137,8 @@ class Inbound:
     part_start: int = 0  # tokens that arrived before the current part
     allocated_tokens: int = 0
     received_in_part: int = 0  # gRPC chunks written into the current part
-    meta: EmbeddingMeta | None = None
+    meta: TransferMeta | None = None
+    kept: list[int] = field(default_factory=list)  # earlier parts' blocks (keeps_blocks)
     num_parts: int = 0
     num_failovers: int = 0
     confirming: bool = False  # a TransferDone is being confirmed
@@ -135,7 +151,8 @@ class Inbound:
 
     @property
     def encoder_id(self) -> str:
-        return self.meta.encoder_instance_id if self.meta is not None else ""
+        """The sender's id (an encoder's, or in E/P/D a prefill instance's)."""
+        return self.meta.sender_id if self.meta is not None else ""
 
 
 @dataclass(slots=True)
@@ -156,8 +173,10 @@ class Receiver:
         quarantine_s: float = 15.0,
         polled: frozenset[Transport] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
+        keeps_blocks: bool = False,
     ) -> None:
         self.layout = layout
+        self.keeps_blocks = keeps_blocks
         self.default_allocate_tokens = default_allocate_tokens
         self.timeout_s = timeout_s
         self.quarantine_s = quarantine_s
@@ -232,7 +251,11 @@ class Receiver:
         assert inbound.state is TransferState.SUCCESS and inbound.meta is not None
         count = inbound.meta.total_tokens - inbound.part_start
         blocks = tuple(inbound.blocks)
-        return [Stage(request_id, blocks, count), Free(blocks)]
+        if not self.keeps_blocks:
+            return [Stage(request_id, blocks, count), Free(blocks)]
+        need = -(-count // self.layout.block_size)
+        unused = [Free(blocks[need:])] if blocks[need:] else []
+        return [Keep(request_id, (*inbound.kept, *blocks[:need])), *unused]
 
     def release(self, request_id: str, reason: str) -> list[Action]:
         """The request ends here, whatever its state (the encoder is told)."""
@@ -256,6 +279,9 @@ class Receiver:
         inbound.part_start = sent_tokens
         inbound.state = TransferState.TRANSFERRING  # between parts: waiting for blocks
         remaining = inbound.meta.total_tokens - sent_tokens
+        if self.keeps_blocks:  # every block of the part is full: the next part starts a block
+            inbound.kept += blocks
+            return [Allocate(request_id, remaining)]
         return [Stage(request_id, blocks, count), Free(blocks), Allocate(request_id, remaining)]
 
     def arrival_failed(self, request_id: str, reason: str) -> list[Action]:
@@ -270,7 +296,7 @@ class Receiver:
 
     # -- the broker's messages -------------------------------------------------
 
-    def on_meta(self, meta: EmbeddingMeta) -> list[Action]:
+    def on_meta(self, meta: TransferMeta) -> list[Action]:
         inbound = self.transfers.get(meta.request_id)
         if inbound is None:
             reason = "the language instance does not know this request"
@@ -379,6 +405,9 @@ class Receiver:
             TransferState.TRANSFERRING,
         )
         inbound.state = TransferState.FAILED
+        if inbound.kept:  # confirmed parts: nothing writes into them any more
+            actions.append(Free(tuple(inbound.kept)))
+            inbound.kept = []
         blocks, inbound.blocks = inbound.blocks, []
         if writable and blocks:  # an encoder was given them: a write may still land
             held = self.quarantine.setdefault(

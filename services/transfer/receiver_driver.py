@@ -3,21 +3,28 @@
 It feeds the machine the broker's messages, the caller's calls, gRPC chunks
 and the clock, and carries out the actions the machine returns: messages on
 the broker stream, blocks from and back to the receive pool (waiting for
-them without holding the broker's read loop), parts copied out of the pool,
-arrivals confirmed by the transport's receive end (NIXL: the write's
-notification), and each request's future resolved.
+them without holding the broker's read loop), parts copied out of the pool
+(or, a decode instance's KV pages, kept for the request), arrivals confirmed
+by the transport's receive end (NIXL: the write's notification), and each
+request's future resolved.
+
+Blocks come from a `ReceiveBlocks`: the pool's own allocator, a part at a time
+(PartBlocks, embeddings); or a decode instance's KV cache, whose pages its
+engine hands out, all of a part or none.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from services.broker.client import BrokerUnavailableError
-from services.language.receiver import (
+from services.transfer.block_pool import BlockPool
+from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
+from services.transfer.receiver import (
     DEFAULT_ALLOCATE_TOKENS,
     Action,
     Allocate,
@@ -26,14 +33,13 @@ from services.language.receiver import (
     Forget,
     Free,
     Inbound,
+    Keep,
     Quarantined,
     Receiver,
     Send,
     Stage,
     Succeed,
 )
-from services.transfer.block_pool import BlockPool
-from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
 from services.transfer.state import (
     PoolExhaustedError,
     TransferFailedError,
@@ -44,15 +50,44 @@ from services.wire.messages import (
     Abort,
     BrokerMessage,
     EmbeddingMeta,
+    KvMeta,
     PeerLost,
     Prealloc,
     Released,
     Resume,
     TransferDone,
+    TransferMeta,
 )
 from services.wire.transport import TRANSFER_TIMEOUT_S, Transport
 
 Planes = list[torch.Tensor]  # a request's tokens, [tokens, width] per plane of the pool
+
+
+class ReceiveBlocks(Protocol):
+    @property
+    def keeps_blocks(self) -> bool:
+        """A request keeps its blocks once its data arrived (KV pages) instead of
+        having each part copied out and its blocks freed (embeddings)."""
+
+    async def allocate(self, num_tokens: int, wait_s: float) -> list[int]:
+        """Blocks for a part of up to num_tokens; PoolExhaustedError after wait_s."""
+
+    def free(self, blocks: list[int]) -> None: ...
+
+
+class PartBlocks:
+    """A part at a time from the pool's own allocator: what is free, up to the rest."""
+
+    keeps_blocks = False
+
+    def __init__(self, pool: EmbeddingPool) -> None:
+        self.blocks = BlockPool(pool.allocator)
+
+    async def allocate(self, num_tokens: int, wait_s: float) -> list[int]:
+        return await self.blocks.allocate_up_to(num_tokens, wait_s)
+
+    def free(self, blocks: list[int]) -> None:
+        self.blocks.free(blocks)
 
 
 class ReceiverDriver:
@@ -66,23 +101,26 @@ class ReceiverDriver:
         on_finished: Callable[[TransferState], None] = lambda state: None,
         pool_wait_s: float = 5.0,
         quarantine_s: float = 15.0,
+        blocks: ReceiveBlocks | None = None,
     ) -> None:
         self.pool = pool
-        self.blocks = BlockPool(pool.allocator)
+        self.blocks = blocks if blocks is not None else PartBlocks(pool)
         self.machine = Receiver(
             pool.layout,
             default_allocate_tokens,
             timeout_s,
             quarantine_s,
             polled=frozenset(t for t, end in ends.items() if end.polled),
+            keeps_blocks=self.blocks.keeps_blocks,
         )
         self.timeout_s = timeout_s
         self.pool_wait_s = pool_wait_s
         self.ends = dict(ends)
         self._to_broker = send  # BrokerUnavailableError when not attached
         self._on_finished = on_finished
-        self._done: dict[str, asyncio.Future[EmbeddingMeta]] = {}
+        self._done: dict[str, asyncio.Future[TransferMeta]] = {}
         self._staged: dict[str, list[Planes]] = {}
+        self._kept: dict[str, list[int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -114,7 +152,7 @@ class ReceiverDriver:
         if done.done() and done.exception() is not None:
             raise done.exception()  # type: ignore[misc]
 
-    async def wait(self, request_id: str) -> EmbeddingMeta:
+    async def wait(self, request_id: str) -> TransferMeta:
         """The metadata, once every token has arrived; TransferFailedError otherwise."""
         done = self._done.get(request_id)
         if done is None:
@@ -134,6 +172,13 @@ class ReceiverDriver:
             plane.name: tensor
             for plane, tensor in zip(self.pool.layout.planes, planes, strict=True)
         }
+
+    def take_blocks(self, request_id: str) -> list[int]:
+        """A finished request's blocks (keeps_blocks), in token order: the
+        caller's to free from now on."""
+        self._run(self.machine.take(request_id))
+        self._done.pop(request_id, None)
+        return self._kept.pop(request_id)
 
     def release(self, request_id: str, reason: str) -> None:
         """Ends a request's transfer, whatever its state; its blocks go back (or
@@ -170,7 +215,7 @@ class ReceiverDriver:
 
     async def on_message(self, message: BrokerMessage) -> None:
         match message:
-            case EmbeddingMeta(request_id):
+            case EmbeddingMeta(request_id) | KvMeta(request_id):
                 self._run(self.machine.on_meta(message))
                 end = self.ends.get(message.transport)
                 if end is not None and request_id in self.machine.transfers:
@@ -209,6 +254,8 @@ class ReceiverDriver:
                 case Stage(request_id, blocks, num_tokens):
                     part = self.pool.read(list(blocks), 0, num_tokens)
                     self._staged.setdefault(request_id, []).append(part)
+                case Keep(request_id, blocks):
+                    self._kept[request_id] = list(blocks)
                 case Confirm(request_id, transport, _, sent_tokens):
                     end = self.ends.get(transport)
                     if end is not None and not end.polled:  # in the pool before TransferDone
@@ -233,7 +280,7 @@ class ReceiverDriver:
             if not isinstance(action.message, Abort):  # a Prealloc or Resume is lost
                 self._run(self.machine.broker_unavailable(action.message.request_id))
 
-    def _resolve(self, request_id: str, outcome: EmbeddingMeta | TransferFailedError) -> None:
+    def _resolve(self, request_id: str, outcome: TransferMeta | TransferFailedError) -> None:
         done = self._done.get(request_id)
         if done is None or done.done():
             return
@@ -245,9 +292,10 @@ class ReceiverDriver:
 
     async def _allocate(self, action: Allocate) -> None:
         try:
-            blocks = await self.blocks.allocate_up_to(action.num_tokens, self.pool_wait_s)
+            blocks = await self.blocks.allocate(action.num_tokens, self.pool_wait_s)
         except PoolExhaustedError:
-            reason = f"no free embedding blocks within {self.pool_wait_s:g}s"
+            kind = "KV pages" if self.blocks.keeps_blocks else "embedding blocks"
+            reason = f"no free {kind} within {self.pool_wait_s:g}s"
             self._run(self.machine.allocation_failed(action.request_id, reason))
             return
         self._run(self.machine.allocated(action.request_id, blocks))

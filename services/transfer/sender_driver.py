@@ -1,24 +1,28 @@
 """SenderDriver: runs the Sender state machine against the real world.
 
-It keeps the language instances the broker announced (InstanceJoined) and
-the transport to each, feeds the machine the broker's messages, the caller's
+It keeps the instances the broker announced (InstanceJoined) and the
+transport to each, feeds the machine the broker's messages, the caller's
 calls and the clock, and carries out the actions it returns: messages on the
 broker stream, writes through the transport's writer (each in a task of its
-own, never holding the broker's read loop), the send buffer freed, and each
-request's future resolved, so Encode answers once its embeddings landed (or
-says why they did not).
+own, never holding the broker's read loop), the source's blocks let go, and
+each request's future resolved, so Encode (a prefill instance's Prefill)
+answers once its data landed (or says why it did not).
+
+The source is where the writes read: an encoder's send buffer, a prefill
+instance's KV cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from services.broker.client import BrokerUnavailableError
-from services.encoder.send_buffer import Held, SendBuffer
-from services.encoder.sender import (
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.sender import (
     Action,
     Fail,
     Failure,
@@ -34,23 +38,43 @@ from services.transfer.transports.base import Part, Writer
 from services.wire.messages import (
     Abort,
     BrokerMessage,
-    EmbeddingMeta,
     InstanceJoined,
-    MediaGrid,
     PeerLost,
     Prealloc,
     Register,
     Released,
     Resume,
     TransferDone,
+    TransferMeta,
 )
 from services.wire.transport import TRANSFER_TIMEOUT_S, Transport, choose_transport
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A request's data in the source: its tokens from the start of these blocks."""
+
+    request_id: str
+    blocks: list[int]
+    num_tokens: int
+
+
+class Source(Protocol):
+    """Where a sender's writes read: the pool, and each request's blocks in it."""
+
+    @property
+    def pool(self) -> EmbeddingPool: ...
+
+    def held(self, request_id: str) -> Held: ...
+
+    def release(self, request_id: str) -> None:
+        """No write reads the request's blocks any more."""
+
+
 class UnknownPeerError(LookupError):
-    """The target language instance is not (or no longer) registered."""
+    """The target instance is not (or no longer) registered."""
 
 
 class TransferError(RuntimeError):
@@ -62,8 +86,8 @@ class TransferError(RuntimeError):
 class SenderDriver:
     def __init__(
         self,
-        buffer: SendBuffer,
-        send: Callable[[EmbeddingMeta | TransferDone | Abort | Released], None],
+        buffer: Source,
+        send: Callable[[TransferMeta | TransferDone | Abort | Released], None],
         writers: Mapping[Transport, Writer],
         host_id: str,
         timeout_s: float = TRANSFER_TIMEOUT_S,
@@ -102,7 +126,7 @@ class SenderDriver:
         return choose_transport(ours, self.host_id, peer.pool.transports, peer.host_id)
 
     async def peer(self, instance_id: str, wait_s: float = 2.0) -> Register:
-        """The language instance's registration; waits briefly for a just-joined one."""
+        """The receiving instance's registration; waits briefly for a just-joined one."""
         async with self._peer_joined:
             try:
                 await asyncio.wait_for(
@@ -110,33 +134,22 @@ class SenderDriver:
                 )
             except TimeoutError:
                 raise UnknownPeerError(
-                    f"language instance {instance_id!r} is not registered with the broker"
+                    f"instance {instance_id!r} is not registered with the broker"
                 ) from None
         return self.peers[instance_id]
 
     # -- the servicer's calls ----------------------------------------------------
 
-    def start(
-        self, request_id: str, peer: Register, held: Held, grids: Sequence[MediaGrid]
-    ) -> asyncio.Future[None]:
-        """Announces the embeddings held in the send buffer (which this transfer
-        frees); the future resolves when they landed, or fails with TransferError."""
+    def start(self, peer: Register, meta: TransferMeta) -> asyncio.Future[None]:
+        """Announces the request's data held in the source (which this transfer
+        lets go), over the best transport to the peer (filled into the meta); the
+        future resolves when the data landed, or fails with TransferError."""
         transport = self.transport_to(peer)
         if transport is None:
             raise UnknownPeerError(f"no transport in common with {peer.instance_id}")
-        layout = self.buffer.pool.layout
-        meta = EmbeddingMeta(
-            request_id=request_id,
-            language_instance_id=peer.instance_id,
-            total_tokens=held.num_tokens,
-            grids=tuple(grids),
-            planes=layout.planes,
-            dtype=layout.dtype,
-            transport=transport,
-        )
-        actions = self.machine.start(meta)
-        done = self._done[request_id] = asyncio.get_running_loop().create_future()
-        self._targets[request_id] = peer
+        actions = self.machine.start(replace(meta, transport=transport))
+        done = self._done[meta.request_id] = asyncio.get_running_loop().create_future()
+        self._targets[meta.request_id] = peer
         self._run(actions)
         return done
 
@@ -203,7 +216,7 @@ class SenderDriver:
         except BrokerUnavailableError:
             # A lost Abort or Released is harmless (the broker times the request
             # out, the quarantine expires); a lost meta or TransferDone ends it.
-            if isinstance(message, (EmbeddingMeta, TransferDone)):
+            if isinstance(message, TransferMeta | TransferDone):
                 self._run(self.machine.broker_unavailable(message.request_id))
 
     def _resolve(self, request_id: str, state: TransferState, error: TransferError | None) -> None:
