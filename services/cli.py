@@ -179,6 +179,7 @@ def _encoder(args: argparse.Namespace) -> int:
 def _language(args: argparse.Namespace) -> int:
     from services.language.config import LanguageConfig
     from services.language.server import LanguageServer
+    from services.wire.messages import LanguageRole
 
     config = LanguageConfig(
         checkpoint=Path(args.checkpoint),
@@ -190,6 +191,7 @@ def _language(args: argparse.Namespace) -> int:
         pool_wait_s=args.pool_wait,
         quarantine_s=args.quarantine,
         engine=_engine_config(args),
+        role=LanguageRole[args.role.upper()],
     )
     return run_until_signalled(lambda: LanguageServer(config))
 

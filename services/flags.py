@@ -299,7 +299,16 @@ def encoder(p: argparse.ArgumentParser) -> None:
 def language(p: argparse.ArgumentParser) -> None:
     from services.language.config import LanguageConfig
 
+    from services.wire.messages import LanguageRole
+
     add_instance(p, LanguageConfig)
+    p.add_argument(
+        "--role",
+        choices=[r.name.lower() for r in LanguageRole],
+        default="both",
+        help="E/P/D: prefill hands each request's KV pages to a decode instance after its "
+        "first token; decode takes them from one; both does both steps (default)",
+    )
     add_engine(p)
     add_dtype(p, "model dtype (and the embeddings')")
     field_option(p, LanguageConfig, "embedding_pool_tokens")

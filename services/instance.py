@@ -27,6 +27,7 @@ from services.grpc_server import GrpcServer
 from services.wire.messages import (
     BrokerMessage,
     Heartbeat,
+    LanguageRole,
     PeerMessage,
     PoolDescriptor,
     Register,
@@ -77,6 +78,7 @@ class InstanceConfig:
         transports: tuple[Transport, ...],
         model: str,
         pool: PoolDescriptor | None = None,
+        language_role: LanguageRole = LanguageRole.BOTH,
     ) -> Register:
         return Register(
             role=self.role,
@@ -86,6 +88,7 @@ class InstanceConfig:
             transports=transports,
             model=model,
             pool=pool,
+            language_role=language_role,
         )
 
 

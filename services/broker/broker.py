@@ -16,6 +16,8 @@ from services.wire.messages import (
     EmbeddingMeta,
     Heartbeat,
     InstanceJoined,
+    KvMeta,
+    LanguageRole,
     PeerLost,
     PeerMessage,
     Prealloc,
@@ -25,6 +27,7 @@ from services.wire.messages import (
     Resume,
     Role,
     TransferDone,
+    kv_transfer_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,20 +58,36 @@ class Broker:
         for role in Role:
             self.metrics.instances.labels(role.name.lower()).set(len(self.registry.sessions(role)))
 
+    def _senders(self) -> list[Session]:
+        """Instances that write into language instances' pools: the encoders, and
+        the prefill instances (into decode instances' KV caches)."""
+        return [
+            s
+            for s in self.registry.sessions()
+            if s.registration.role is Role.ENCODER
+            or s.registration.language_role is LanguageRole.PREFILL
+        ]
+
     def join(self, registration: Register) -> Session:
+        """Registers the instance; each sender hears of every language instance."""
         session = self.registry.add(registration)
         session.outbox.put_nowait(Registered(registration.instance_id, self.heartbeat_interval_s))
         now = session.last_heartbeat
-        if registration.role is Role.ENCODER:
+        senders = self._senders()
+        if session in senders:
             for language in self.registry.sessions(Role.LANGUAGE):
-                session.outbox.put_nowait(InstanceJoined(language.info(now)))
-        else:
-            for encoder in self.registry.sessions(Role.ENCODER):
-                encoder.outbox.put_nowait(InstanceJoined(session.info(now)))
+                if language is not session:
+                    session.outbox.put_nowait(InstanceJoined(language.info(now)))
+        if registration.role is Role.LANGUAGE:
+            for sender in senders:
+                if sender is not session:
+                    sender.outbox.put_nowait(InstanceJoined(session.info(now)))
         self._update_gauges()
         logger.info(
             "%s %s joined from %s",
-            registration.role.name.lower(),
+            registration.role.name.lower()
+            if registration.role is Role.ENCODER
+            else f"{registration.language_role.name.lower()} language instance",
             registration.instance_id,
             registration.grpc_address,
         )
@@ -82,14 +101,13 @@ class Broker:
         self.metrics.aborts.labels("peer_lost").inc(
             sum(len(m.request_ids) for _, m in lost if isinstance(m, PeerLost))
         )
-        # Every instance of the other role hears of it: encoders drop what they keep
-        # for a lost language instance (shm mappings, NIXL peers); language instances
-        # release the blocks they quarantined for a lost encoder's writes.
+        # Every other instance hears of it: senders drop what they keep for a lost
+        # receiver (shm mappings, NIXL peers); receivers release the blocks they
+        # quarantined for a lost sender's writes.
         told = {target for target, message in lost if isinstance(message, PeerLost)}
-        other = Role.ENCODER if session.registration.role is Role.LANGUAGE else Role.LANGUAGE
         lost += [
             (peer.instance_id, PeerLost(session.instance_id, ()))
-            for peer in self.registry.sessions(other)
+            for peer in self.registry.sessions()
             if peer.instance_id not in told
         ]
         self._deliver(lost)
@@ -103,8 +121,8 @@ class Broker:
         if isinstance(message, Heartbeat):
             self.registry.heartbeat(session, message)
             return
-        if isinstance(message, EmbeddingMeta):
-            target = message.language_instance_id
+        if isinstance(message, EmbeddingMeta | KvMeta):
+            target = message.target_id
             if self.registry.get(target) is None:
                 reason = f"language instance {target!r} is not registered"
                 deliveries = [(sender, Abort(message.request_id, reason))]
@@ -133,14 +151,17 @@ class Broker:
         failed_encoder_id: str = "",
         failed_language_id: str = "",
     ) -> RouteChoice:
-        """A language instance and, for images, an encoder. With failed_encoder_id the
-        request fails over: it stays on language_id and gets another encoder
-        (NoRouteError if none; FailoverError if it cannot move). With
-        failed_language_id (a retry under a new request id) another language
-        instance than that one."""
+        """A language instance and, for images, an encoder; E/P/D: a prefill
+        instance and a decode instance. With failed_encoder_id the request fails
+        over: it stays on language_id and gets another encoder (NoRouteError if
+        none; FailoverError if it cannot move). With failed_language_id (a retry
+        under a new request id) other language instances than that one."""
         choice = self.registry.route(
             model, needs_encoder, language_id, failed_encoder_id, failed_language_id
         )
+        if request_id and choice.decode is not None:
+            kv = kv_transfer_id(request_id)
+            self.rendezvous.route(kv, choice.language.instance_id, choice.decode.instance_id)
         if not request_id or choice.encoder is None:
             return choice
         encoder_id, language = choice.encoder.instance_id, choice.language.instance_id

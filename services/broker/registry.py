@@ -7,7 +7,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.wire.messages import BrokerMessage, Heartbeat, InstanceInfo, Register, Role
+from services.wire.messages import (
+    BrokerMessage,
+    Heartbeat,
+    InstanceInfo,
+    LanguageRole,
+    Register,
+    Role,
+)
 from services.wire.transport import Transport, choose_transport
 
 
@@ -36,9 +43,10 @@ class Session:
 
 @dataclass(frozen=True, slots=True)
 class RouteChoice:
-    language: Session
+    language: Session  # where the request starts (E/P/D: the prefill instance)
     encoder: Session | None
     transport: Transport | None
+    decode: Session | None = None  # E/P/D: takes the request from the prefill instance
 
 
 class DuplicateInstanceError(ValueError):
@@ -49,10 +57,11 @@ class NoRouteError(LookupError):
     """No instance (or no compatible pair) can take the request."""
 
 
-def pair_transport(encoder: Register, language: Register) -> Transport | None:
-    assert language.pool is not None
+def pair_transport(sender: Register, receiver: Register) -> Transport | None:
+    """How the sender (an encoder; a prefill instance) writes into the receiver's pool."""
+    assert receiver.pool is not None
     return choose_transport(
-        encoder.transports, encoder.host_id, language.pool.transports, language.host_id
+        sender.transports, sender.host_id, receiver.pool.transports, receiver.host_id
     )
 
 
@@ -101,40 +110,64 @@ class Registry:
         exclude_encoder: str = "",
         exclude_language: str = "",
     ) -> RouteChoice:
-        """The least-loaded language instance (or the pinned one) and, for images,
-        the least-loaded available encoder that shares a transport with it."""
+        """The least-loaded language instance that takes requests (or the pinned
+        one) and, for images, the least-loaded available encoder that shares a
+        transport with it. A prefill instance comes with the least-loaded decode
+        instance it shares a transport with (none when pinned: an encoder
+        failover keeps the request where it is). `exclude_language` is left out
+        of both."""
         languages = [
             s
-            for s in self.sessions(Role.LANGUAGE)
-            if (not model or s.registration.model == model)
+            for s in self._serving(Role.LANGUAGE, model, exclude_language)
+            if s.registration.language_role.takes_requests
             and (not language_id or s.instance_id == language_id)
-            and s.instance_id != exclude_language
         ]
         if not languages:
             if language_id:
                 raise NoRouteError(f"language instance {language_id!r} is not registered")
             raise NoRouteError(f"no language instance serves model {model!r}")
         encoders = [
-            s
-            for s in self.sessions(Role.ENCODER)
-            if (not model or s.registration.model == model)
-            and not s.load.unavailable
-            and s.instance_id != exclude_encoder
+            s for s in self._serving(Role.ENCODER, model, exclude_encoder) if not s.load.unavailable
         ]
+        no_decode = False
         for language in sorted(languages, key=lambda s: s.score):
-            if not needs_encoder:
-                language.routed_since_heartbeat += 1
-                return RouteChoice(language, None, None)
+            decode = None
+            if language.registration.language_role is LanguageRole.PREFILL and not language_id:
+                decode = self._decode_for(language, model, exclude_language)
+                if decode is None:
+                    no_decode = True
+                    continue
             paired = [
                 (e, t)
                 for e in sorted(encoders, key=lambda s: s.score)
                 if (t := pair_transport(e.registration, language.registration)) is not None
             ]
-            if paired:
-                encoder, transport = paired[0]
-                language.routed_since_heartbeat += 1
-                encoder.routed_since_heartbeat += 1
-                return RouteChoice(language, encoder, transport)
+            if needs_encoder and not paired:
+                continue
+            encoder, transport = paired[0] if needs_encoder else (None, None)
+            for chosen in (language, encoder, decode):
+                if chosen is not None:
+                    chosen.routed_since_heartbeat += 1
+            return RouteChoice(language, encoder, transport, decode)
+        if no_decode:
+            raise NoRouteError(f"no decode instance of model {model!r} shares a transport")
         if not encoders:
             raise NoRouteError(f"no available encoder instance serves model {model!r}")
         raise NoRouteError("no encoder shares a transport with any language instance")
+
+    def _serving(self, role: Role, model: str, exclude: str) -> list[Session]:
+        return [
+            s
+            for s in self.sessions(role)
+            if (not model or s.registration.model == model) and s.instance_id != exclude
+        ]
+
+    def _decode_for(self, prefill: Session, model: str, exclude: str) -> Session | None:
+        """The least-loaded decode instance the prefill instance can write KV pages into."""
+        decodes = [
+            s
+            for s in self._serving(Role.LANGUAGE, model, exclude)
+            if s.registration.language_role is LanguageRole.DECODE
+            and pair_transport(prefill.registration, s.registration) is not None
+        ]
+        return min(decodes, key=lambda s: s.score, default=None)

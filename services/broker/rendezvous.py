@@ -9,6 +9,11 @@ messages between the pair. Pure logic: every handler returns the deliveries
 Unmatched halves expire after `ttl_s`; an aborted request keeps a tombstone
 so that a late half is answered with Abort instead of waiting forever.
 
+E/P/D: a request's KV transfer (its id is the request's + "/kv") pairs the
+prefill instance's KvMeta with the decode instance's Prealloc the same way,
+the prefill instance in the encoder's place and the decode instance in the
+language instance's; it never fails over (no other instance holds its KV).
+
 Failover: while none of a request's embeddings has landed (no TransferDone,
 no Resume), its encoder can be replaced, because it died (on_instance_lost)
 or the gateway asked for another (reroute). The encoder's meta is dropped,
@@ -27,12 +32,13 @@ from services.proto import broker_pb2
 from services.wire.messages import (
     Abort,
     BrokerMessage,
-    EmbeddingMeta,
     PeerLost,
     Prealloc,
     Released,
     Resume,
     TransferDone,
+    TransferMeta,
+    is_kv_transfer,
 )
 from services.wire.transport import TRANSFER_TIMEOUT_S
 
@@ -68,7 +74,7 @@ class Pairing:
     phase: Phase = Phase.ROUTED
     encoder_id: str = ""
     language_id: str = ""
-    meta: EmbeddingMeta | None = None
+    meta: TransferMeta | None = None
     prealloc: Prealloc | None = None
     sent_tokens: int = 0
     total_tokens: int = 0
@@ -81,8 +87,14 @@ class Pairing:
 
     @property
     def can_fail_over(self) -> bool:
-        """No part has landed: another encoder can write the whole request again."""
-        return not self.phase.is_finished and self.sent_tokens == 0 and self.num_resumes == 0
+        """No part has landed: another encoder can write the whole request again
+        (a KV transfer: never, its KV is on its prefill instance alone)."""
+        return (
+            not self.phase.is_finished
+            and self.sent_tokens == 0
+            and self.num_resumes == 0
+            and not is_kv_transfer(self.request_id)
+        )
 
 
 class Rendezvous:
@@ -185,7 +197,7 @@ class Rendezvous:
             (pairing.encoder_id, pairing.prealloc),
         ]
 
-    def on_meta(self, encoder_id: str, meta: EmbeddingMeta) -> list[Delivery]:
+    def on_meta(self, encoder_id: str, meta: TransferMeta) -> list[Delivery]:
         """Only from the encoder the request was routed to: any other is told no."""
         pairing = self._pairings.get(meta.request_id)
         if pairing is None or not pairing.encoder_id:
@@ -199,15 +211,14 @@ class Rendezvous:
             return [(encoder_id, Abort(meta.request_id, pairing.abort_reason))]
         if pairing.meta is not None or pairing.phase.is_finished:
             return [(encoder_id, Abort(meta.request_id, "duplicate embedding metadata"))]
-        if pairing.language_id and pairing.language_id != meta.language_instance_id:
+        if pairing.language_id and pairing.language_id != meta.target_id:
             return self._abort(
                 pairing,
-                f"metadata targets {meta.language_instance_id}, "
-                f"but the request is on {pairing.language_id}",
+                f"metadata targets {meta.target_id}, but the request is on {pairing.language_id}",
                 (encoder_id, pairing.language_id),
             )
-        pairing.language_id = meta.language_instance_id
-        pairing.meta = replace(meta, encoder_instance_id=encoder_id)
+        pairing.language_id = meta.target_id
+        pairing.meta = meta.relayed_from(encoder_id)
         if pairing.prealloc is None:
             pairing.phase = Phase.WAITING
             return []

@@ -100,6 +100,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                     transport=common_pb2.Transport.Name(choice.transport),
                 )
             )
+        if choice.decode is not None:
+            reply.decode_id = choice.decode.instance_id
+            reply.decode_address = choice.decode.registration.grpc_address
         return reply
 
     async def ListInstances(

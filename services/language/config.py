@@ -12,7 +12,7 @@ from services.instance import InstanceConfig
 from services.language.engine.config import EngineConfig
 from services.ports import LANGUAGE_PORT
 from services.transfer.receiver import DEFAULT_ALLOCATE_TOKENS
-from services.wire.messages import Role
+from services.wire.messages import LanguageRole, Role
 from services.wire.transport import TRANSFER_TIMEOUT_S
 
 
@@ -35,6 +35,8 @@ class LanguageConfig:
     # it says Released, or this long: more than the encoders' write timeout.
     quarantine_s: float = 15.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # E/P/D: prefill and decode as their own instances (both: one does both)
+    role: LanguageRole = LanguageRole.BOTH
 
     def __post_init__(self) -> None:
         if self.embedding_pool_tokens < self.embedding_block_size:

@@ -14,11 +14,15 @@
 
 The servicer runs them in that order (`generate`); the monolithic baseline
 runs the same steps with pixels its own engine encodes in place of `receive`.
+In E/P/D a prefill instance runs them up to the first token and hands the KV
+pages to the decode instance (`prefill`); the decode instance renders the
+request for its sampling, receives the pages and streams (`decode`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -28,11 +32,12 @@ import torch
 
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.engine import RequestOutput
-from services.language.engine.request import Request, new_request
+from services.language.engine.request import Request, new_request, prefilled_request
+from services.language.kv_handoff import KVHandoff, KVObserver, first_token, wire_first_tokens
 from services.model.spec import ModelSpec
 from services.model.tokenizer import ChatMessages, Prompt, build_prompt, completion_prompt
 from services.transfer.receiver_driver import ReceiverDriver
-from services.wire.messages import MediaGrid
+from services.wire.messages import KvMeta, MediaGrid, kv_transfer_id
 from services.wire.request import (
     ChatMessage,
     GenerateChunk,
@@ -40,6 +45,7 @@ from services.wire.request import (
     GenerateRequest,
     GenerateResponse,
     ImagePart,
+    PrefillReply,
     SamplingParams,
     TokenLogprob,
     TopLogprob,
@@ -150,12 +156,18 @@ class Frontend:
         spec: ModelSpec,
         receiver: ReceiverDriver | None = None,
         max_media_tokens: int | None = None,
+        kv: KVHandoff | None = None,
+        on_kv_received: KVObserver = lambda transport, tokens, seconds: None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.spec = spec
-        self.receiver = receiver  # None: media come as pixels (the monolithic baseline)
+        # None: media come as pixels (the monolithic baseline); a decode instance's
+        # receives KV pages
+        self.receiver = receiver
         self.max_media_tokens = max_media_tokens
+        self.kv = kv  # a prefill instance's
+        self._on_kv_received = on_kv_received
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
@@ -167,6 +179,86 @@ class Frontend:
             rendered = await self.rebuild(rendered, media.grids)
         async for response in self.stream(rendered, self.engine_request(rendered, media)):
             yield response
+
+    async def prefill(self, request: GenerateRequest) -> PrefillReply:
+        """E/P/D, on a prefill instance: the path of `generate` up to each choice's
+        first token, then the prompt's KV pages into those the decode instance
+        allocated; returns once they are there (the pages are free again)."""
+        assert self.kv is not None, "a prefill instance's frontend hands KV pages over"
+        peer = await self.kv.sender.peer(request.decode_instance_id)
+        rendered = await self.render(request)
+        media = Media()
+        if rendered.hints:
+            media = await self.receive(rendered)
+            rendered = await self.rebuild(rendered, media.grids)
+        engine_request = self.engine_request(rendered, media)
+        engine_request.hold_kv = True
+        transfer = kv_transfer_id(request.request_id)
+        handed_over = False
+        try:
+            outputs = [output async for output in self.engine.generate(engine_request)]
+            assert outputs[0].prefilled is not None
+            prompt = engine_request.num_prompt_tokens
+            held = self.kv.source.hold(transfer, outputs[0].prefilled.pages, prompt)
+            layout = self.kv.source.pool.layout
+            meta = KvMeta(
+                transfer,
+                peer.instance_id,
+                held.num_tokens,
+                layout.planes,
+                layout.dtype,
+                layout.block_size,
+                tuple(engine_request.prompt_token_ids),
+                wire_first_tokens(outputs),
+                engine_request.mrope_delta,
+            )
+            started = time.perf_counter()
+            done = self.kv.sender.start(peer, meta)
+            handed_over = True  # the transfer lets the pages go when no write reads them
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                self.kv.sender.abort(transfer, "the prefill caller went away")
+                raise
+            transport = self.kv.sender.transport_to(peer)
+            if transport is not None:
+                self.kv.on_sent(transport, prompt, time.perf_counter() - started)
+            return PrefillReply(prompt)
+        finally:
+            if not handed_over:
+                self.kv.source.release(transfer)
+
+    async def decode(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
+        """E/P/D, on a decode instance: pages preallocated for the prompt's KV,
+        which the prefill instance writes, then the request admitted with them and
+        every token streamed (each choice's first, sampled there, included)."""
+        assert self.receiver is not None and self.receiver.blocks.keeps_blocks
+        rendered = await self.render(request)  # the sampling, the grammar, a size hint
+        transfer = kv_transfer_id(request.request_id)
+        started = time.perf_counter()
+        try:
+            await self.receiver.expect(transfer, len(rendered.prompt.token_ids))
+            meta = await self.receiver.wait(transfer)
+            pages = self.receiver.take_blocks(transfer)
+        finally:
+            self.receiver.release(transfer, "the request ended before its KV pages arrived")
+        assert isinstance(meta, KvMeta)
+        self._on_kv_received(meta.transport, meta.total_tokens, time.perf_counter() - started)
+        engine_request = prefilled_request(
+            request.request_id,
+            list(meta.prompt_token_ids),
+            rendered.sampling,
+            self.spec,
+            meta.mrope_delta,
+            pages,
+            rendered.grammar,
+        )
+        firsts = [first_token(first) for first in meta.first_tokens]
+        pads = {self.spec.image_token_id, self.spec.video_token_id}
+        media_tokens = sum(token in pads for token in meta.prompt_token_ids)
+        async for output in self.engine.generate(engine_request, firsts):
+            for response in responses(output, media_tokens):
+                yield response
 
     async def render(self, request: GenerateRequest) -> Rendered:
         if request.is_completion:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.language.engine.engine import StepStats
+from services.wire.transport import Transport
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STEP_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
@@ -65,6 +66,27 @@ class LanguageMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        # E/P/D: a prefill instance counts what it sent, a decode instance what it received
+        self.kv_transfer_pages = Counter(
+            "epd_kv_transfer_pages",
+            "KV pages handed over (prefill instances: sent; decode instances: received)",
+            ["direction", "transport"],
+            registry=registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            "epd_kv_transfer_bytes",
+            "KV bytes handed over",
+            ["direction", "transport"],
+            registry=registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "epd_kv_transfer_seconds",
+            "Seconds per KV hand-off (sent: from the meta to the last write landing; "
+            "received: from preallocating to the last part confirmed)",
+            ["direction", "transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.step_seconds = Histogram(
             "epd_language_step_seconds",
             "Engine steps by kind: decode (one token for each sequence) or prefill "
@@ -93,6 +115,14 @@ class LanguageMetrics:
         self.kv_pages_shared.set_function(kv_pages_shared)
         self.embedding_blocks_used.set_function(embedding_blocks_used)
         self.embedding_blocks_quarantined.set_function(embedding_blocks_quarantined)
+
+    def kv_transferred(
+        self, direction: str, transport: Transport, pages: int, num_bytes: int, seconds: float
+    ) -> None:
+        name = transport.name.lower()
+        self.kv_transfer_pages.labels(direction, name).inc(pages)
+        self.kv_transfer_bytes.labels(direction, name).inc(num_bytes)
+        self.kv_transfer_seconds.labels(direction, name).observe(seconds)
 
     def on_step(self, stats: StepStats, seconds: float) -> None:
         """Called from the engine thread after every step, with how long it took."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -11,7 +12,9 @@ from services.instance import InstanceServer
 from services.language.config import LanguageConfig
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.engine import LLMEngine
+from services.language.engine.kv_cache import device_memory
 from services.language.frontend import Frontend
+from services.language.kv_handoff import KVHandoff, KVPages, KVSource, LanguageDrivers
 from services.language.metrics import LanguageMetrics
 from services.language.servicer import LanguageServicer
 from services.model.checkpoint import load_language_weights
@@ -19,45 +22,91 @@ from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.proto import language_pb2, language_pb2_grpc
+from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.receiver_driver import ReceiverDriver
-from services.transfer.transports.ends import receive_side
-from services.wire.messages import (
-    Heartbeat,
-    PoolDescriptor,
-    Register,
-)
+from services.transfer.sender_driver import SenderDriver
+from services.transfer.transports.base import ReceiveEnd
+from services.transfer.transports.ends import receive_side, writers
+from services.wire.messages import Heartbeat, LanguageRole, PoolDescriptor, Register
+from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
 
 
 class LanguageServer(InstanceServer):
+    """A language instance in its role: `both` receives embeddings into its
+    embedding pool and generates; `prefill` does the same up to the first
+    token, then hands the KV pages over (a KV sender reading its KV cache);
+    `decode` receives KV pages straight into its KV cache, which lives where
+    the transports reach it, and generates from there."""
+
     def __init__(self, config: LanguageConfig) -> None:
         super().__init__(config.instance)
         self.config = config
+        self.role = config.role
         self.spec = load_spec(config.checkpoint)
         self.tokenizer = load_tokenizer(config.checkpoint)
         registry = CollectorRegistry()
         self.metrics = LanguageMetrics(registry)
         weights = load_language_weights(config.checkpoint, self.spec, config.dtype)
-        self.engine = AsyncEngine(
-            LLMEngine(self.spec, weights, self.tokenizer, config.engine), self.metrics.on_step
+        self.ends: dict[Transport, ReceiveEnd] = {}
+        kv_memory = self._kv_receive_side if self.role is LanguageRole.DECODE else device_memory
+        llm = LLMEngine(self.spec, weights, self.tokenizer, config.engine, kv_memory=kv_memory)
+        self.engine = AsyncEngine(llm, self.metrics.on_step)
+        if self.role is LanguageRole.DECODE:
+            self.pool = llm.runner.kv_cache.pool
+        else:
+            self.pool, self.ends = self._embedding_receive_side()
+        self.receiver = self._receiver()
+        kv = self._kv_handoff(llm) if self.role is LanguageRole.PREFILL else None
+        self.driver = LanguageDrivers(self.receiver, kv.sender if kv is not None else None)
+        self.frontend = Frontend(
+            self.engine,
+            self.tokenizer,
+            self.spec,
+            self.receiver,
+            ImageTokenRule.from_checkpoint(config.checkpoint).max_tokens,
+            kv,
+            on_kv_received=partial(self._kv_observed, "received"),
         )
-        self.pool, self.ends = receive_side(
-            PoolLayout(
-                num_blocks=config.embedding_pool_tokens // config.embedding_block_size,
-                block_size=config.embedding_block_size,
-                planes=embedding_planes(
-                    self.spec.text.hidden_size, self.spec.vision.deepstack_levels
-                ),
-                dtype=config.dtype,
-            ),
-            torch.device(config.engine.device),
-            config.instance.transports,
-            config.instance.instance_id,
-            lambda: self.grpc.address,
+        self._observe()
+        servicer = LanguageServicer(
+            self.frontend, self.receiver, self.metrics, config.max_active_requests, self.role
         )
-        self.receiver = self.driver = ReceiverDriver(
+        self.grpc = config.instance.server(
+            language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,
+            lambda server: language_pb2_grpc.add_LanguageServicer_to_server(servicer, server),
+            registry,
+        )
+
+    def _embedding_receive_side(self) -> tuple[EmbeddingPool, dict[Transport, ReceiveEnd]]:
+        config = self.config
+        layout = PoolLayout(
+            num_blocks=config.embedding_pool_tokens // config.embedding_block_size,
+            block_size=config.embedding_block_size,
+            planes=embedding_planes(self.spec.text.hidden_size, self.spec.vision.deepstack_levels),
+            dtype=config.dtype,
+        )
+        return self._receive_side(layout, torch.device(config.engine.device))
+
+    def _kv_receive_side(self, layout: PoolLayout, device: torch.device) -> EmbeddingPool:
+        """A decode instance's KV cache: its engine builds it here, where the
+        transports reach it."""
+        pool, self.ends = self._receive_side(layout, device)
+        return pool
+
+    def _receive_side(
+        self, layout: PoolLayout, device: torch.device
+    ) -> tuple[EmbeddingPool, dict[Transport, ReceiveEnd]]:
+        instance = self.config.instance
+        return receive_side(
+            layout, device, instance.transports, instance.instance_id, lambda: self.grpc.address
+        )
+
+    def _receiver(self) -> ReceiverDriver:
+        config = self.config
+        return ReceiverDriver(
             self.pool,
             self.to_broker,
             self.ends,
@@ -66,37 +115,50 @@ class LanguageServer(InstanceServer):
             on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
             pool_wait_s=config.pool_wait_s,
             quarantine_s=config.quarantine_s,
+            blocks=KVPages(self.engine) if self.role is LanguageRole.DECODE else None,
         )
-        self.frontend = Frontend(
-            self.engine,
-            self.tokenizer,
-            self.spec,
-            self.receiver,
-            ImageTokenRule.from_checkpoint(config.checkpoint).max_tokens,
+
+    def _kv_handoff(self, llm: LLMEngine) -> KVHandoff:
+        """A prefill instance's KV sender, its writes reading the KV cache."""
+        config, instance = self.config, self.config.instance
+        kv = llm.runner.kv_cache.pool
+        source = KVSource(kv, self.engine)
+        sender = SenderDriver(
+            source,
+            self.to_broker,
+            writers(instance.transports, instance.instance_id, kv, config.transfer_timeout_s, "kv"),
+            instance.host_id,
+            config.transfer_timeout_s,
         )
-        self._observe()
-        servicer = LanguageServicer(
-            self.frontend, self.receiver, self.metrics, config.max_active_requests
-        )
-        self.grpc = config.instance.server(
-            language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,
-            lambda server: language_pb2_grpc.add_LanguageServicer_to_server(servicer, server),
-            registry,
+        return KVHandoff(sender, source, partial(self._kv_observed, "sent"))
+
+    def _kv_observed(
+        self, direction: str, transport: Transport, tokens: int, seconds: float
+    ) -> None:
+        layout = self.engine.engine.runner.kv_cache.pool.layout
+        pages = -(-tokens // layout.block_size)
+        self.metrics.kv_transferred(
+            direction, transport, pages, tokens * layout.token_bytes, seconds
         )
 
     def _observe(self) -> None:
-        """The gauges read at each scrape: the engine's load, the receive pool."""
-        engine, pool, receiver = self.engine, self.pool, self.receiver
+        """The gauges read at each scrape: the engine's load, the receive pool (a
+        decode instance has no embedding pool: its KV pages, quarantined ones
+        included, count as KV pages used)."""
+        engine, receiver = self.engine, self.receiver
+        embeddings = self.pool if self.role is not LanguageRole.DECODE else None
         self.metrics.kv_pages_total.set(engine.num_kv_pages)
-        self.metrics.embedding_blocks_total.set(pool.layout.num_blocks)
+        self.metrics.embedding_blocks_total.set(embeddings.layout.num_blocks if embeddings else 0)
         self.metrics.observe(
             running=lambda: engine.load.running,
             waiting=lambda: engine.load.waiting,
             receiving=lambda: len(receiver.transfers),
             kv_pages_used=lambda: engine.load.kv_pages_used,
             kv_pages_shared=lambda: engine.load.kv_pages_shared,
-            embedding_blocks_used=lambda: pool.allocator.num_used_blocks,
-            embedding_blocks_quarantined=lambda: receiver.num_quarantined_blocks,
+            embedding_blocks_used=lambda: embeddings.allocator.num_used_blocks if embeddings else 0,
+            embedding_blocks_quarantined=lambda: (
+                receiver.num_quarantined_blocks if embeddings else 0
+            ),
         )
 
     def registration(self) -> Register:
@@ -105,13 +167,17 @@ class LanguageServer(InstanceServer):
             layout.num_blocks, layout.block_size, layout.planes, layout.dtype
         ).reached_by(end.endpoint() for end in self.ends.values())
         return self.config.instance.registration(
-            self.grpc.address, pool.transports, self.config.model_name, pool
+            self.grpc.address, pool.transports, self.config.model_name, pool, self.role
         )
 
     def load(self) -> Heartbeat:
+        if self.role is LanguageRole.DECODE:  # its pool is the KV cache, its engine's pages
+            free = self.engine.num_kv_pages - self.engine.load.kv_pages_used
+        else:
+            free = self.pool.allocator.num_free_blocks
         return Heartbeat(
             num_requests=self.engine.num_requests + len(self.receiver.transfers),
-            free_blocks=self.pool.allocator.num_free_blocks,
+            free_blocks=free,
         )
 
     async def start(self) -> None:

@@ -1,8 +1,10 @@
 """The Language gRPC servicer: protobuf at the edge, errors as gRPC statuses.
 
 Generate converts its request to the wire dataclasses and runs it through the
-frontend (services/language/frontend.py); PushEmbeddings is the gRPC data
-plane; Abort ends a request wherever it is.
+frontend (services/language/frontend.py); in E/P/D a prefill instance serves
+Prefill and a decode instance Generate with the prefill instance named.
+PushEmbeddings is the gRPC data plane (embeddings, or a decode instance's KV
+pages); Abort ends a request wherever it is.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.receiver_driver import ReceiverDriver
+from services.transfer.sender_driver import TransferError, UnknownPeerError
 from services.transfer.state import PoolExhaustedError, TransferFailedError
 from services.wire.convert import from_proto, to_proto
+from services.wire.messages import LanguageRole, kv_transfer_id
 from services.wire.request import GenerateComplete, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
-# What ends a Generate early, and its status and message prefix: first match.
+# What ends a Generate or Prefill early, and its status and message prefix
+# ("{what}": what the instance receives, image embeddings or KV pages): first match.
 _STATUS = (
-    (PoolExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED, "image embeddings: "),
-    (TransferFailedError, grpc.StatusCode.UNAVAILABLE, "image embeddings: "),
+    (PoolExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED, "{what}: "),
+    (TransferFailedError, grpc.StatusCode.UNAVAILABLE, "{what}: "),
+    (UnknownPeerError, grpc.StatusCode.UNAVAILABLE, "KV pages: "),
+    (TransferError, grpc.StatusCode.UNAVAILABLE, "KV pages: "),
     (MediaMismatchError, grpc.StatusCode.FAILED_PRECONDITION, ""),
     (RequestFailedError, grpc.StatusCode.INTERNAL, "generation failed: "),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT, ""),
@@ -40,8 +47,10 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         receiver: ReceiverDriver,
         metrics: LanguageMetrics,
         max_active_requests: int = 256,
+        role: LanguageRole = LanguageRole.BOTH,
     ) -> None:
         self.frontend = frontend
+        self.role = role
         self.engine = frontend.engine
         self.receiver = receiver
         self.metrics = metrics
@@ -53,6 +62,57 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
     async def Generate(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[language_pb2.GenerateResponse]:
+        await self._admit(request, context)
+        if self.role is LanguageRole.PREFILL:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this is a prefill instance: call Prefill, naming the decode instance",
+            )
+        decoding = bool(request.prefill_instance_id)
+        if decoding != (self.role is LanguageRole.DECODE):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a decode instance takes a request from the prefill instance it names "
+                "(prefill_instance_id); another instance takes none",
+            )
+        self._active.add(request.request_id)
+        try:
+            typed = from_proto(GenerateRequest, request)
+            stream = self.frontend.decode(typed) if decoding else self.frontend.generate(typed)
+            async for response in stream:
+                if isinstance(response.kind, GenerateComplete):
+                    self.metrics.requests.labels(response.kind.finish_reason).inc()
+                yield to_proto(response)
+        except Exception as exc:
+            await self._fail(exc, request.request_id, "generate", context)
+            raise
+        finally:
+            self._active.discard(request.request_id)
+
+    async def Prefill(
+        self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> language_pb2.PrefillReply:
+        await self._admit(request, context)
+        if self.role is not LanguageRole.PREFILL or not request.decode_instance_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "Prefill is a prefill instance's, for a request naming its decode instance "
+                f"(decode_instance_id); this is a {self.role.name.lower()} instance",
+            )
+        self._active.add(request.request_id)
+        try:
+            reply = await self.frontend.prefill(from_proto(GenerateRequest, request))
+            return to_proto(reply)
+        except Exception as exc:
+            await self._fail(exc, request.request_id, "prefill", context)
+            raise
+        finally:
+            self._active.discard(request.request_id)
+
+    async def _admit(
+        self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Aborts the call unless the request has an id of its own and there is room."""
         request_id = request.request_id
         if not request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
@@ -68,25 +128,19 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 f"this language instance has {len(self._active)} requests in flight, "
                 "its limit; retry later",
             )
-        self._active.add(request_id)
-        try:
-            typed = from_proto(GenerateRequest, request)
-            async for response in self.frontend.generate(typed):
-                if isinstance(response.kind, GenerateComplete):
-                    self.metrics.requests.labels(response.kind.finish_reason).inc()
-                yield to_proto(response)
-        except Exception as exc:
-            for kind, code, prefix in _STATUS:
-                if isinstance(exc, kind):
-                    if kind is RequestFailedError:
-                        self.metrics.requests.labels("error").inc()
-                    logger.warning(
-                        "%s: generate failed (%s): %s%s", request_id, code.name, prefix, exc
-                    )
-                    await context.abort(code, f"{prefix}{exc}")
-            raise
-        finally:
-            self._active.discard(request_id)
+
+    async def _fail(
+        self, exc: Exception, request_id: str, call: str, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Aborts the call with the status of what ended it, if it is one of ours."""
+        what = "KV pages" if self.role is LanguageRole.DECODE else "image embeddings"
+        for kind, code, prefix in _STATUS:
+            if isinstance(exc, kind):
+                if kind is RequestFailedError:
+                    self.metrics.requests.labels("error").inc()
+                message = f"{prefix.format(what=what)}{exc}"
+                logger.warning("%s: %s failed (%s): %s", request_id, call, code.name, message)
+                await context.abort(code, message)
 
     async def PushEmbeddings(
         self,
@@ -114,8 +168,11 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         self, request: language_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> language_pb2.AbortReply:
         reason = request.reason or "aborted by the caller"
-        receiving = request.request_id in self.receiver.transfers
-        self.receiver.release(request.request_id, reason)
-        generating = self.engine.has_request(request.request_id)
-        self.engine.abort(request.request_id)
+        request_id = request.request_id
+        transfers = (request_id, kv_transfer_id(request_id))  # a decode instance's: the KV
+        receiving = any(t in self.receiver.transfers for t in transfers)
+        for transfer in transfers:
+            self.receiver.release(transfer, reason)
+        generating = self.engine.has_request(request_id)
+        self.engine.abort(request_id)
         return language_pb2.AbortReply(found=receiving or generating)

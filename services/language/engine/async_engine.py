@@ -19,9 +19,15 @@ from services.language.engine.engine import (
     StepStats,
 )
 from services.language.engine.request import Request
+from services.transfer.state import PoolExhaustedError
 from services.wire.request import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def _give(future: asyncio.Future[list[int]], pages: list[int]) -> None:
+    if not future.done():  # else the caller gave up, and its _Unreserve frees them
+        future.set_result(pages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +51,35 @@ class _Release:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Reservation:
+    """KV pages for num_tokens, for a decode instance's incoming transfer: given
+    (pages) by the engine thread when free, or given up by the caller (gone)."""
+
+    num_tokens: int
+    future: asyncio.Future[list[int]]
+    pages: list[int] | None = None
+    gone: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Reserve:
+    reservation: _Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class _Unreserve:
+    reservation: _Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class _FreePages:
+    pages: tuple[int, ...]
+
+
+_Message = _Add | _AddPrefilled | _Abort | _Release | _Reserve | _Unreserve | _FreePages
+
+
 class AsyncEngine:
     """Runs LLMEngine.step() on a dedicated thread for asyncio callers.
 
@@ -63,9 +98,8 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self._on_step = on_step
-        self._inbox: queue.SimpleQueue[_Add | _AddPrefilled | _Abort | _Release] = (
-            queue.SimpleQueue()
-        )
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._reservations: list[_Reservation] = []  # waiting for free pages, in order
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,6 +168,7 @@ class AsyncEngine:
             started = time.perf_counter()
             try:
                 outputs, stats = self.engine.step()
+                self._reserve()
             except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
                 logger.exception("engine step failed")
                 failed = list(self.engine.requests)
@@ -173,6 +208,15 @@ class AsyncEngine:
                     replies += [(request_id, output) for output in outputs]
                 case _Release(request_id):
                     self.engine.release(request_id)
+                case _Reserve(reservation):
+                    self._reservations.append(reservation)
+                case _Unreserve(reservation):
+                    reservation.gone = True
+                    if reservation.pages is not None:  # given as the caller gave up
+                        self.engine.blocks.allocator.free(reservation.pages)
+                case _FreePages(pages):
+                    self.engine.blocks.allocator.free(list(pages))
+        self._reserve()
         if drained:  # a step publishes its own
             self.load = self.engine.load()
         self._send(replies)
@@ -183,10 +227,15 @@ class AsyncEngine:
         """Outputs of one request, its choices interleaved, until every choice
         finishes (or, hold_kv, is prefilled: then `release` its pages); leaving
         early aborts it. With `firsts`, a request another instance prefilled
-        (LLMEngine.add_prefilled)."""
-        self.engine.check(request)
-        if request.request_id in self._queues:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        (LLMEngine.add_prefilled), whose pages are freed if it is refused."""
+        try:
+            self.engine.check(request)
+            if request.request_id in self._queues:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+        except ValueError:
+            if firsts:
+                self.free_pages(request.block_table)
+            raise
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
         self._inbox.put(_AddPrefilled(request, tuple(firsts)) if firsts else _Add(request))
@@ -205,6 +254,47 @@ class AsyncEngine:
             del self._queues[request.request_id]
             if going:
                 self.abort(request.request_id)
+
+    def _reserve(self) -> None:
+        """Gives free pages to the reservations at the head of the line."""
+        while self._reservations:
+            reservation = self._reservations[0]
+            if reservation.gone:
+                self._reservations.pop(0)
+                continue
+            pages = self.engine.blocks.allocator.allocate(reservation.num_tokens)
+            if pages is None:
+                return
+            self._reservations.pop(0)
+            reservation.pages = pages
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_give, reservation.future, pages)
+
+    async def reserve_pages(self, num_tokens: int, wait_s: float) -> list[int]:
+        """KV pages for num_tokens, out of any request's hands (a decode instance
+        receives a request's KV into them); PoolExhaustedError if they are not
+        free within wait_s. Give them back with `free_pages`, or as a request's
+        block table."""
+        if self.engine.blocks.allocator.blocks_for(num_tokens) > self.num_kv_pages:
+            raise PoolExhaustedError(f"{num_tokens} tokens exceed the whole KV cache")
+        reservation = _Reservation(num_tokens, asyncio.get_running_loop().create_future())
+        self._inbox.put(_Reserve(reservation))
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(reservation.future), wait_s)
+        except BaseException as exc:
+            self._inbox.put(_Unreserve(reservation))  # frees them if they came meanwhile
+            self._wake.set()
+            if isinstance(exc, TimeoutError):
+                raise PoolExhaustedError(
+                    f"no KV pages for {num_tokens} tokens within {wait_s:g}s"
+                ) from None
+            raise
+
+    def free_pages(self, pages: list[int]) -> None:
+        if pages:
+            self._inbox.put(_FreePages(tuple(pages)))
+            self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

@@ -243,8 +243,13 @@ class LLMEngine:
         """A request another instance prefilled: its block table holds the
         prompt's KV, and each choice's first token was sampled there. The first
         tokens go out now (a choice may end with its first); decoding goes on
-        from the next step, every choice sharing the prompt's pages."""
-        self._register(request)
+        from the next step, every choice sharing the prompt's pages. Refused
+        (ValueError), its pages are freed."""
+        try:
+            self._register(request)
+        except ValueError:
+            self.blocks.allocator.free(request.block_table)
+            raise
         choices, request.forks = self.requests[request.request_id], []
         if len(firsts) != len(choices):
             raise ValueError(f"{len(firsts)} first tokens for {len(choices)} choices")

@@ -43,8 +43,9 @@ def receive_side(
     instance_id: str,
     address: Callable[[], str],
 ) -> tuple[EmbeddingPool, dict[Transport, ReceiveEnd]]:
-    """The receive pool, in memory the transports can reach (CUDA IPC: exported
-    device memory; shm: shared memory), and a receive end per transport."""
+    """The receive pool (a decode instance's: its KV cache), in memory the
+    transports can reach (CUDA IPC: exported device memory; shm: shared memory),
+    and a receive end per transport."""
     usable = [t for t in transports if _available(t, device)]
     for transport in set(transports) - set(usable):
         _skipped(transport)
@@ -68,9 +69,14 @@ def receive_side(
 
 
 def writers(
-    transports: Sequence[Transport], instance_id: str, source: EmbeddingPool, timeout_s: float
+    transports: Sequence[Transport],
+    instance_id: str,
+    source: EmbeddingPool,
+    timeout_s: float,
+    what: str = "",
 ) -> dict[Transport, Writer]:
-    """A writer per transport, reading from the send buffer `source`."""
+    """A writer per transport, reading from `source` (an encoder's send buffer; a
+    prefill instance's KV cache, `what` "kv": its NIXL agent is named for it)."""
     out: dict[Transport, Writer] = {}
     for transport in transports:
         if transport is Transport.SHM:
@@ -78,7 +84,8 @@ def writers(
         elif transport is Transport.GRPC:
             out[transport] = GrpcWriter(instance_id, timeout_s)
         elif transport is Transport.NIXL and nixl_available():
-            out[transport] = NixlWriter(instance_id, source, timeout_s)
+            agent = f"epd-{instance_id}-{what}" if what else ""
+            out[transport] = NixlWriter(instance_id, source, timeout_s, agent)
         elif transport is Transport.CUDA_IPC and cuda_ipc_available():
             out[transport] = CudaIpcWriter()
         else:

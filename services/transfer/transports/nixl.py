@@ -219,9 +219,13 @@ class NixlReceiver:
 class NixlWriter:
     transport = Transport.NIXL
 
-    def __init__(self, instance_id: str, source: EmbeddingPool, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, instance_id: str, source: EmbeddingPool, timeout_s: float = 60.0, agent: str = ""
+    ) -> None:
+        """`agent`: the agent's name (default epd-<instance id>; a prefill instance's
+        KV writer is another agent than its embedding receiver)."""
         self.instance_id = instance_id
-        self.agent = NixlAgent(f"epd-{instance_id}", source.tensors)
+        self.agent = NixlAgent(agent or f"epd-{instance_id}", source.tensors)
         self.timeout_s = timeout_s
         self._peers: dict[str, str] = {}
 

@@ -1,0 +1,135 @@
+"""E/P/D over gRPC: a prefill and a decode instance attached to a real broker,
+the KV pages crossing over each transport; the decode instance streams what an
+instance that does both does, token for token, and both give their pages back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from services.broker.server import BrokerServer
+from services.language.server import LanguageServer
+from services.proto import broker_pb2, common_pb2, language_pb2
+from services.wire.messages import LanguageRole
+from services.wire.transport import Transport
+from tests.stack import broker_stub, language_stub, start_broker, start_language
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TRANSPORTS = [Transport.SHM, Transport.NIXL, Transport.GRPC]
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def both(tiny_checkpoint: Path) -> AsyncIterator[LanguageServer]:
+    server = await start_language(tiny_checkpoint)
+    yield server
+    await server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session", params=TRANSPORTS, ids=lambda t: t.name.lower())
+async def epd(
+    request: pytest.FixtureRequest, tiny_checkpoint: Path
+) -> AsyncIterator[tuple[BrokerServer, LanguageServer, LanguageServer]]:
+    transport: Transport = request.param
+    if transport is Transport.NIXL:
+        pytest.importorskip("nixl_cu12")
+    broker = await start_broker()
+    prefill = await start_language(
+        tiny_checkpoint, broker, role=LanguageRole.PREFILL, transports=(transport,)
+    )
+    decode = await start_language(
+        tiny_checkpoint, broker, role=LanguageRole.DECODE, transports=(transport,)
+    )
+    try:
+        yield broker, prefill, decode
+    finally:
+        for server in (decode, prefill, broker):
+            await server.stop()
+
+
+def text_request(request_id: str, text: str, **sampling: object) -> language_pb2.GenerateRequest:
+    return language_pb2.GenerateRequest(
+        request_id=request_id,
+        messages=[
+            language_pb2.ChatMessage(role="user", content=[language_pb2.ContentPart(text=text)])
+        ],
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+
+
+async def collect(call: grpc.aio.UnaryStreamCall) -> tuple[list[int], str, str]:
+    tokens: list[int] = []
+    text, finish = "", ""
+    async for response in call:
+        if response.HasField("chunk"):
+            tokens += response.chunk.token_ids
+            text += response.chunk.text
+        elif response.HasField("complete"):
+            finish = language_pb2.FinishReason.Name(response.complete.finish_reason)
+    return tokens, text, finish
+
+
+async def through_epd(
+    epd: tuple[BrokerServer, LanguageServer, LanguageServer],
+    request: language_pb2.GenerateRequest,
+) -> tuple[list[int], str, str]:
+    broker, prefill, decode = epd
+    route = await broker_stub(broker).Route(
+        broker_pb2.RouteRequest(request_id=request.request_id, model="demo-tiny")
+    )
+    assert (route.language_id, route.decode_id) == (prefill.instance_id, decode.instance_id)
+    to_prefill = language_pb2.GenerateRequest()
+    to_prefill.CopyFrom(request)
+    to_prefill.decode_instance_id = route.decode_id
+    to_decode = language_pb2.GenerateRequest()
+    to_decode.CopyFrom(request)
+    to_decode.prefill_instance_id = route.language_id
+    stream = language_stub(decode).Generate(to_decode, timeout=60)
+    reply, out = await asyncio.gather(
+        language_stub(prefill).Prefill(to_prefill, timeout=60), collect(stream)
+    )
+    assert reply.num_prompt_tokens > 0
+    return out
+
+
+async def wait_idle(*servers: LanguageServer) -> None:
+    """Every KV page and receive block back (the engines free them on their thread)."""
+    for _ in range(100):
+        if all(
+            s.engine.load.kv_pages_used == 0 and not s.receiver.transfers for s in servers
+        ) and not any(s.receiver.quarantine for s in servers):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError([(s.engine.load, dict(s.receiver.transfers)) for s in servers])
+
+
+async def test_decode_streams_what_one_instance_generates(
+    epd: tuple[BrokerServer, LanguageServer, LanguageServer], both: LanguageServer
+) -> None:
+    for i, (text, sampling) in enumerate(
+        [
+            ("Tell me a story about a cat", {"max_tokens": 24, "ignore_eos": True}),
+            ("Hi", {"max_tokens": 1}),
+            (
+                "Count",
+                {"max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 2, "ignore_eos": True},
+            ),
+        ]
+    ):
+        expected = await collect(
+            language_stub(both).Generate(text_request(f"a{i}", text, **sampling))
+        )
+        got = await through_epd(epd, text_request(f"b{i}", text, **sampling))
+        assert got == expected, text
+    await wait_idle(epd[1], epd[2])
+    _, prefill, decode = epd
+    transport = prefill.config.instance.transports[0].name.lower()
+    for server, direction in ((prefill, "sent"), (decode, "received")):
+        pages = server.metrics.kv_transfer_pages.labels(direction, transport)._value.get()
+        handoffs = server.metrics.kv_transfer_seconds.labels(direction, transport)._sum.get()
+        assert pages >= 3 and handoffs > 0, (direction, transport)
