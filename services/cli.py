@@ -292,6 +292,10 @@ def _serve(args: argparse.Namespace) -> int:
         )
         checkpoint = cached_demo_checkpoint(args.demo_size)
         name = args.model_name or f"demo-{args.demo_size}"
+    if (args.prefill or args.decode) and args.languages is not None:
+        raise SystemExit("epd serve: --prefill/--decode and --languages are mutually exclusive")
+    if (args.prefill > 0) != (args.decode > 0):
+        raise SystemExit("epd serve: E/P/D needs --prefill N and --decode M, both at least 1")
     dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
     print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
     gateway = ["--allow-private-urls"] if args.allow_private_urls else []
@@ -314,9 +318,18 @@ def _serve(args: argparse.Namespace) -> int:
                     args.triton_metrics_port,
                 ),
                 num_encoders=args.encoders,
-                num_languages=args.languages,
+                num_languages=args.languages or flags.default(StackConfig, "num_languages"),
+                num_prefill=args.prefill,
+                num_decode=args.decode,
                 api_key=args.api_key,
-                language_args=tuple(flags.engine_args(args)),
+                language_args=(
+                    *flags.engine_args(args),
+                    *(
+                        ("--transports", ",".join(t.name.lower() for t in args.language_transports))
+                        if args.language_transports
+                        else ()
+                    ),
+                ),
                 dtype=dtype,
                 gateway_args=tuple(gateway),
                 monolithic=args.monolithic,

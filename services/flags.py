@@ -298,7 +298,6 @@ def encoder(p: argparse.ArgumentParser) -> None:
 
 def language(p: argparse.ArgumentParser) -> None:
     from services.language.config import LanguageConfig
-
     from services.wire.messages import LanguageRole
 
     add_instance(p, LanguageConfig)
@@ -379,7 +378,27 @@ def serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=env.API_KEY.get())
     p.add_argument("--allow-private-urls", action="store_true")
     field_option(p, StackConfig, "num_encoders", "--encoders", help="encoder instances")
-    field_option(p, StackConfig, "num_languages", "--languages", help="language instances")
+    p.add_argument(
+        "--languages",
+        type=int,
+        default=None,
+        help=f"language instances, each doing prefill and decode "
+        f"(default {default(StackConfig, 'num_languages')})",
+    )
+    field_option(
+        p,
+        StackConfig,
+        "num_prefill",
+        "--prefill",
+        help="E/P/D: prefill instances (with --decode, in place of --languages)",
+    )
+    field_option(p, StackConfig, "num_decode", "--decode", help="E/P/D: decode instances")
+    p.add_argument(
+        "--language-transports",
+        type=transports,
+        help="comma-separated transports the language instances offer (embeddings in; "
+        "E/P/D: KV pages between them), default: each instance's",
+    )
     field_option(p, StackConfig, "broker_port")
     field_option(p, StackConfig, "encoder_port", help="the first encoder's port")
     field_option(p, StackConfig, "language_port", help="the first language port")
@@ -399,7 +418,8 @@ def serve(p: argparse.ArgumentParser) -> None:
         p,
         StackConfig,
         "language_cpus",
-        help="CPUs for the language instances, e.g. 0 or 0-3 (default: all)",
+        help="CPUs for the language instances, e.g. 0 or 0-3 (default: all); sets "
+        "separated by / go to the instances in turn, prefill instances first (0/1)",
     )
     field_option(
         p,

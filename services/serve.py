@@ -197,6 +197,9 @@ class StackConfig:
     triton_ports: tuple[int, int, int] = (TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT)
     num_encoders: int = 1
     num_languages: int = 1
+    # E/P/D: this many prefill and decode instances in place of num_languages
+    num_prefill: int = 0
+    num_decode: int = 0
     api_key: str = ""
     dtype: str = "float32"  # every component's: the embeddings cross with it
     startup_timeout_s: float = 300.0
@@ -206,7 +209,8 @@ class StackConfig:
     metrics_offset: int = METRICS_OFFSET  # a gRPC component's metrics port: its own + this
     # CPU sets ("0-3") for the vision side (Triton, encoders) and the language
     # instances; empty: every CPU. On CPUs, this is what giving each stage its
-    # own device means.
+    # own device means. Language CPU sets separated by "/" go to the instances
+    # in turn (prefill instances first): "0/1" gives each of two its own core.
     encoder_cpus: str = ""
     language_cpus: str = ""
     encoder_nice: int = 0  # > 0: Triton and the encoders yield the CPU to the language engine
@@ -220,6 +224,23 @@ class StackConfig:
     # long (EPD_SHUTDOWN_GRACE, which the children inherit); then it is killed.
     shutdown_grace_s: float = field(default_factory=env.SHUTDOWN_GRACE.get)
 
+    def __post_init__(self) -> None:
+        if (self.num_prefill > 0) != (self.num_decode > 0):
+            raise ValueError("E/P/D needs at least one prefill and one decode instance")
+
+    @property
+    def languages(self) -> list[tuple[str, str]]:
+        """Each language instance's name and role, in start order."""
+        if self.num_prefill:
+            return [(f"prefill-{i}", "prefill") for i in range(self.num_prefill)] + [
+                (f"decode-{i}", "decode") for i in range(self.num_decode)
+            ]
+        return [(f"language-{i}", "both") for i in range(self.num_languages)]
+
+    def language_cpus_of(self, index: int) -> str:
+        sets = self.language_cpus.split("/")
+        return sets[index % len(sets)]
+
     def metrics_port(self, port: int) -> int:
         return port + self.metrics_offset
 
@@ -227,12 +248,13 @@ class StackConfig:
         return float(min(self.restart_backoff_s * 2**recent, 10.0))
 
 
-def _instance(config: StackConfig, role: str, index: int, port: int, extra: list[str]) -> Component:
+def _instance(
+    config: StackConfig, command: str, name: str, port: int, cpus: str, extra: list[str]
+) -> Component:
     """An encoder or language instance: the same flags but for its own."""
-    name = f"{role}-{index}"
     broker = f"{LOCAL}:{config.broker_port}"
     args = [
-        role,
+        command,
         "--checkpoint", str(config.checkpoint),
         "--model-name", config.model_name,
         "--port", str(port),
@@ -242,9 +264,8 @@ def _instance(config: StackConfig, role: str, index: int, port: int, extra: list
         "--dtype", config.dtype,
         *extra,
     ]  # fmt: skip
-    service = f"epd.v1.{role.capitalize()}"
-    cpus = config.language_cpus if role == "language" else config.encoder_cpus
-    nice = 0 if role == "language" else config.encoder_nice
+    service = f"epd.v1.{command.capitalize()}"
+    nice = 0 if command == "language" else config.encoder_nice
     return Component(
         name,
         args,
@@ -316,13 +337,16 @@ def components(config: StackConfig) -> list[Component]:
             config.encoder_nice,
         ),
     ]
-    for i in range(config.num_languages):
-        parts.append(
-            _instance(config, "language", i, config.language_port + i, [*config.language_args])
-        )
+    for i, (name, role) in enumerate(config.languages):
+        extra = [*config.language_args, "--role", role]
+        cpus = config.language_cpus_of(i)
+        parts.append(_instance(config, "language", name, config.language_port + i, cpus, extra))
     for i in range(config.num_encoders):
         triton = ["--triton", f"{LOCAL}:{grpc_port}"]
-        parts.append(_instance(config, "encoder", i, config.encoder_port + i, triton))
+        port = config.encoder_port + i
+        parts.append(
+            _instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, triton)
+        )
     parts.append(
         Component(
             "gateway",

@@ -1,5 +1,9 @@
 """Backend: the gateway's gRPC side. Routes a request, then runs
-Encoder.Encode and Language.Generate concurrently.
+Encoder.Encode and Language.Generate concurrently. In E/P/D the broker names
+a prefill and a decode instance: the encoder sends to the prefill instance,
+Language.Prefill there hands the KV pages to the decode instance, and the
+decode instance's Generate streams the tokens (the first included), all three
+at once.
 
 Encode answers once the embeddings have landed in the language instance.
 If the encoder is unavailable (it died, its Triton is down, it is shutting
@@ -95,23 +99,34 @@ class GenerateCall:
 
 
 class _NothingProduced(Exception):
-    """A language instance was unavailable before it produced anything: the
-    request can start again on another."""
+    """A language instance (`instance_id`) was unavailable before anything was
+    produced: the request can start again on others."""
 
-    def __init__(self, error: ApiError) -> None:
+    def __init__(self, error: ApiError, instance_id: str) -> None:
         super().__init__(error.message)
         self.error = error
+        self.instance_id = instance_id
 
 
-def _stop_on_failure(encode: asyncio.Task[None], stream: grpc.aio.Call) -> None:
-    """An encode that failed for good ends the stream at once instead of leaving
-    the language instance waiting for embeddings that will never come. (An
-    aborted one does not: the language side aborted it, and its stream says why.)"""
-    if encode.cancelled() or encode.exception() is None:
+def _stop_on_failure(helper: asyncio.Task[None], stream: grpc.aio.Call) -> None:
+    """An encode or prefill that failed for good ends the stream at once instead
+    of leaving the language instance waiting for data that will never come. (An
+    aborted encode does not: the language side aborted it, and its stream says why.)"""
+    if helper.cancelled() or helper.exception() is None:
         return
-    error = encode.exception()
+    error = helper.exception()
     if not (isinstance(error, ApiError) and error.aborted_downstream):
         stream.cancel()
+
+
+def _role_name(registration: broker_pb2.Register) -> str:
+    """encoder, language (prefill and decode), prefill or decode."""
+    if registration.language_role in (
+        common_pb2.LANGUAGE_ROLE_PREFILL,
+        common_pb2.LANGUAGE_ROLE_DECODE,
+    ):
+        return common_pb2.LanguageRole.Name(registration.language_role).split("_")[-1].lower()
+    return common_pb2.Role.Name(registration.role).removeprefix("ROLE_").lower()
 
 
 class Backend:
@@ -174,25 +189,27 @@ class Backend:
         return sorted(self.known_models)
 
     async def health(self) -> dict[str, Any]:
-        """Each instance's state; ok with a language instance and an available
-        encoder, degraded (text only) without an encoder, unavailable otherwise."""
+        """Each instance's state and role (encoder; language, or in E/P/D prefill
+        and decode); ok with a language instance (or a prefill and a decode
+        instance) and an available encoder, degraded (text only) without an
+        encoder, unavailable otherwise."""
         try:
             instances = await self._instances()
         except ApiError as exc:
             return {"status": "unavailable", "reason": exc.message, "components": {}}
         components = {
             i.registration.instance_id: {
-                "role": common_pb2.Role.Name(i.registration.role).removeprefix("ROLE_").lower(),
+                "role": _role_name(i.registration),
                 "model": i.registration.model,
                 "state": "unavailable" if i.load.unavailable else "serving",
                 "requests": i.load.num_requests,
             }
             for i in instances
         }
-        states = {(c["role"], c["state"]) for c in components.values()}
-        if ("language", "serving") not in states:
+        serving = {c["role"] for c in components.values() if c["state"] == "serving"}
+        if "language" not in serving and not {"prefill", "decode"} <= serving:
             status = "unavailable"
-        elif ("encoder", "serving") not in states:
+        elif "encoder" not in serving:
             status = "degraded"
         else:
             status = "ok"
@@ -247,10 +264,10 @@ class Backend:
                         "%s: language instance %s failed before its first token (%s); "
                         "retrying on another",
                         call.request_id,
-                        route.language_id,
+                        exc.instance_id,
                         exc.error.message,
                     )
-                    failed = route.language_id
+                    failed = exc.instance_id
                     continue
                 except StopAsyncIteration:
                     return
@@ -262,15 +279,23 @@ class Backend:
     async def _attempt(
         self, call: GenerateCall, request: GenerateRequest, route: broker_pb2.RouteReply
     ) -> Responses:
-        """The request on the routed language instance (and encoder);
-        _NothingProduced if that instance is unavailable before its first response."""
+        """The request on the routed language instance (and encoder; in E/P/D the
+        decode instance streams, the prefill instance hands it the KV pages);
+        _NothingProduced if an instance is unavailable before the first response."""
         call.record.language = route.language_id
-        language = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
+        streaming_id, address = route.language_id, route.language_address
+        helpers: list[asyncio.Task[None]] = []
+        if route.decode_id:
+            call.record.language = f"{route.language_id}>{route.decode_id}"
+            streaming_id, address = route.decode_id, route.decode_address
+            helpers.append(asyncio.ensure_future(self._prefill(request, route)))
+            request = replace(request, prefill_instance_id=route.language_id)
+        language = language_pb2_grpc.LanguageStub(await self._channel(address))
         stream = language.Generate(to_proto(request), timeout=self.generate_timeout_s)
-        encode: asyncio.Task[None] | None = None
         if call.media:
-            encode = asyncio.ensure_future(self._encode(call, request.request_id, route))
-            encode.add_done_callback(lambda task: _stop_on_failure(task, stream))
+            helpers.append(asyncio.ensure_future(self._encode(call, request.request_id, route)))
+        for helper in helpers:
+            helper.add_done_callback(lambda task: _stop_on_failure(task, stream))
         finished = produced = False
         try:
             async for pb in stream:
@@ -281,25 +306,39 @@ class Backend:
                 yield response
             finished = True
         except grpc.aio.AioRpcError as exc:
-            error = from_grpc(exc, f"language instance {route.language_id}")
+            error = from_grpc(exc, f"language instance {streaming_id}")
             if not produced and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                raise _NothingProduced(error) from None
+                raise _NothingProduced(error, streaming_id) from None
             raise error from None
         except asyncio.CancelledError:
-            if encode is not None and encode.done() and not encode.cancelled():
-                failure = encode.exception()
-                if isinstance(failure, ApiError):
-                    raise failure from None
+            for helper in helpers:  # one that failed for good stopped the stream: its error
+                if helper.done() and not helper.cancelled():
+                    failure = helper.exception()
+                    if isinstance(failure, ApiError | _NothingProduced):
+                        raise failure from None
             raise
         finally:
             if not finished:
                 stream.cancel()
                 await self._abort(language, request.request_id)
-            if encode is not None and not encode.done():
-                encode.cancel()
-            if encode is not None:
-                with contextlib.suppress(asyncio.CancelledError, ApiError):
-                    await encode
+            for helper in helpers:
+                if not helper.done():
+                    helper.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ApiError, _NothingProduced):
+                    await helper
+
+    async def _prefill(self, request: GenerateRequest, route: broker_pb2.RouteReply) -> None:
+        """E/P/D: Prefill on the prefill instance, which returns once the KV pages
+        are in the decode instance; _NothingProduced if it is unavailable."""
+        prefill = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
+        to_prefill = replace(request, decode_instance_id=route.decode_id)
+        try:
+            await prefill.Prefill(to_proto(to_prefill), timeout=self.generate_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            error = from_grpc(exc, f"prefill instance {route.language_id}")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise _NothingProduced(error, route.language_id) from None
+            raise error from None
 
     async def _encode(
         self, call: GenerateCall, request_id: str, route: broker_pb2.RouteReply

@@ -19,6 +19,7 @@ from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
 from services.proto import language_pb2, language_pb2_grpc
 from services.transfer.receiver_driver import ReceiverDriver
+from services.transfer.sender import Failure
 from services.transfer.sender_driver import TransferError, UnknownPeerError
 from services.transfer.state import PoolExhaustedError, TransferFailedError
 from services.wire.convert import from_proto, to_proto
@@ -136,6 +137,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         what = "KV pages" if self.role is LanguageRole.DECODE else "image embeddings"
         for kind, code, prefix in _STATUS:
             if isinstance(exc, kind):
+                if isinstance(exc, TransferError) and exc.failure is Failure.ABORTED:
+                    code = grpc.StatusCode.ABORTED  # the decode instance gave up: it says why
                 if kind is RequestFailedError:
                     self.metrics.requests.labels("error").inc()
                 message = f"{prefix.format(what=what)}{exc}"
