@@ -54,6 +54,10 @@ class LanguageMetrics:
             ["outcome"],
             registry=registry,
         )
+        self._latencies(registry)
+        self._kv_transfers(registry)
+
+    def _latencies(self, registry: CollectorRegistry) -> None:
         self.ttft = Histogram(
             "epd_language_ttft_seconds",
             "Time to first token (engine arrival to first token)",
@@ -66,7 +70,17 @@ class LanguageMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        # E/P/D: a prefill instance counts what it sent, a decode instance what it received
+        self.step_seconds = Histogram(
+            "epd_language_step_seconds",
+            "Engine steps by kind: decode (one token for each sequence) or prefill "
+            "(prompt tokens too)",
+            ["kind"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+
+    def _kv_transfers(self, registry: CollectorRegistry) -> None:
+        """E/P/D: a prefill instance counts what it sent, a decode instance what it received."""
         self.kv_transfer_pages = Counter(
             "epd_kv_transfer_pages",
             "KV pages handed over (prefill instances: sent; decode instances: received)",
@@ -85,14 +99,6 @@ class LanguageMetrics:
             "received: from preallocating to the last part confirmed)",
             ["direction", "transport"],
             buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.step_seconds = Histogram(
-            "epd_language_step_seconds",
-            "Engine steps by kind: decode (one token for each sequence) or prefill "
-            "(prompt tokens too)",
-            ["kind"],
-            buckets=STEP_BUCKETS,
             registry=registry,
         )
 

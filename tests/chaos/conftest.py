@@ -1,6 +1,7 @@
 """One `epd serve` stack for the chaos suite, started the way many users do (from
-an activated venv): two language instances, two encoders, the tiny checkpoint.
-Its components are real processes that the tests kill with SIGKILL."""
+an activated venv): two language instances, two encoders, the tiny checkpoint;
+and for E/P/D one prefill and two decode instances beside one encoder. Its
+components are real processes that the tests kill with SIGKILL."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class Stack:
     ports: dict[str, int]
     output: list[str]
     shm_before: set[str]
+    num_languages: int = LANGUAGES
+    num_encoders: int = ENCODERS
 
     @property
     def url(self) -> str:
@@ -52,10 +55,11 @@ class Stack:
         raise KeyError(name)
 
     def language_ports(self) -> list[int]:
-        return [self.ports["language"] + i for i in range(LANGUAGES)]
+        """Every language instance's (E/P/D: the prefill instances', then the decode ones')."""
+        return [self.ports["language"] + i for i in range(self.num_languages)]
 
     def encoder_ports(self) -> list[int]:
-        return [self.ports["encoder"] + i for i in range(ENCODERS)]
+        return [self.ports["encoder"] + i for i in range(self.num_encoders)]
 
     def pid(self, *markers: str) -> int:
         """The one process of this stack whose command line holds every marker."""
@@ -80,7 +84,8 @@ class Stack:
             return grpc_serving(f"127.0.0.1:{self.ports['broker']}")
         role, index = name.rsplit("-", 1)
         port = self.ports[role] + int(index)
-        return grpc_serving(f"127.0.0.1:{port}", f"epd.v1.{role.capitalize()}")
+        service = "Encoder" if role == "encoder" else "Language"
+        return grpc_serving(f"127.0.0.1:{port}", f"epd.v1.{service}")
 
     def serving(self) -> dict[str, str]:
         """The gateway's view: instance id -> state."""
@@ -172,9 +177,27 @@ class Load:
             thread.join(BOUND_S * 2)
 
 
-@pytest.fixture(scope="session")
-def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    base = free_port_block((0, 1, 2, 10, 11, 12, 20, 21, 30, 110, 111, 112, 120, 121))
+def launch_stack(
+    checkpoint: Path, logs: Path, layout: tuple[str, ...], num_languages: int, num_encoders: int
+) -> Stack:
+    """`epd serve` from an activated venv, its instances as `layout`'s flags say."""
+    language_offsets = [11 + i for i in range(num_languages)]
+    base = free_port_block(
+        (
+            0,
+            1,
+            2,
+            10,
+            20,
+            21,
+            30,
+            110,
+            120,
+            121,
+            *language_offsets,
+            *(o + 100 for o in language_offsets),
+        )
+    )
     ports = {
         "gateway": base,
         "triton_http": base + 1,
@@ -182,7 +205,7 @@ def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "triton_metrics": base + 30,
         "broker": base + 10,
         "encoder": base + 20,
-        "language": base + 11,  # + 1 for the second; metrics at + 100
+        "language": base + 11,  # + 1 for the next; metrics at + 100
     }
     venv_bin = Path(sys.executable).parent
     activated = {  # what `source .venv/bin/activate` does
@@ -191,36 +214,23 @@ def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "VIRTUAL_ENV": str(venv_bin.parent),
     }
     shm_before = {p.name for p in SHM_DIR.iterdir()}
+    # fmt: off
     process = launch(
         [
-            "--model",
-            str(tiny_checkpoint),
-            "--model-name",
-            MODEL,
-            "--port",
-            str(ports["gateway"]),
-            "--broker-port",
-            str(ports["broker"]),
-            "--encoder-port",
-            str(ports["encoder"]),
-            "--language-port",
-            str(ports["language"]),
-            "--triton-http-port",
-            str(ports["triton_http"]),
-            "--triton-grpc-port",
-            str(ports["triton_grpc"]),
-            "--triton-metrics-port",
-            str(ports["triton_metrics"]),
-            "--languages",
-            str(LANGUAGES),
-            "--encoders",
-            str(ENCODERS),
-            "--max-model-len",
-            "512",
-            "--kv-cache-mb",
-            "32",
-            "--log-dir",
-            str(tmp_path_factory.mktemp("chaos-logs")),
+            "--model", str(checkpoint),
+            "--model-name", MODEL,
+            "--port", str(ports["gateway"]),
+            "--broker-port", str(ports["broker"]),
+            "--encoder-port", str(ports["encoder"]),
+            "--language-port", str(ports["language"]),
+            "--triton-http-port", str(ports["triton_http"]),
+            "--triton-grpc-port", str(ports["triton_grpc"]),
+            "--triton-metrics-port", str(ports["triton_metrics"]),
+            *layout,
+            "--encoders", str(num_encoders),
+            "--max-model-len", "512",
+            "--kv-cache-mb", "32",
+            "--log-dir", str(logs),
         ],
         command=["epd"],
         env=activated,
@@ -231,8 +241,20 @@ def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     assert process.stdout is not None
     reader = threading.Thread(target=lambda: output.extend(process.stdout or ()), daemon=True)
     reader.start()  # the supervisor's messages: read, or its pipe fills up
-    stack = Stack(process, ports, output, shm_before)
+    return Stack(process, ports, output, shm_before, num_languages, num_encoders)
+
+
+def stop(stack: Stack) -> None:
+    if stack.process.poll() is None:
+        stack.process.send_signal(signal.SIGINT)
+        stack.process.wait(90)
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("chaos-logs")
+    stack = launch_stack(
+        tiny_checkpoint, logs, ("--languages", str(LANGUAGES)), LANGUAGES, ENCODERS
+    )
     yield stack
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        process.wait(90)
+    stop(stack)

@@ -2,7 +2,10 @@
 Sender, the broker's Rendezvous and the language side's Receiver, wired the
 way their drivers wire them, driven by hypothesis through random
 interleavings, dropped and duplicated messages, slow and failed writes and
-dead instances. Whatever happens:
+dead instances. Each run twice: as an embedding transfer (encoder to language
+instance) and as a KV transfer (E/P/D: a prefill instance's pages into a
+decode instance's, which keeps them: every part's pages allocated whole,
+handed to the request at the end, which frees them). Whatever happens:
 
 - every block of both pools is freed exactly once (the real BlockAllocator
   raises on a double free) and all are free once the dust settles; a send
@@ -32,11 +35,14 @@ from services.transfer.state import TransferState
 from services.wire.messages import (
     Abort,
     EmbeddingMeta,
+    FirstToken,
+    KvMeta,
     PeerLost,
     Prealloc,
     Released,
     Resume,
     TransferDone,
+    kv_transfer_id,
 )
 from services.wire.transport import Transport
 
@@ -49,6 +55,7 @@ TIMEOUT_S, QUARANTINE_S, WRITE_TIMEOUT_S = 10.0, 15.0, 8.0  # a write gives up b
 
 @dataclass
 class World:
+    kv: bool = False  # E/P/D's KV transfer: E is a prefill instance, L a decode instance
     now: float = 0.0
     e_alive: bool = True
     l_alive: bool = True
@@ -70,9 +77,16 @@ class World:
         self.sender = tx.Sender(TIMEOUT_S, clock)
         self.broker = Rendezvous(ttl_s=TIMEOUT_S, history_s=1e9, clock=clock)
         layout = PoolLayout(RECEIVE_BLOCKS, RECEIVE_BLOCK_SIZE, embedding_planes(8))
-        self.receiver = rx.Receiver(layout, 8, TIMEOUT_S, QUARANTINE_S, clock=clock)
+        self.receiver = rx.Receiver(
+            layout, 8, TIMEOUT_S, QUARANTINE_S, clock=clock, keeps_blocks=self.kv
+        )
         self.receive_pool = BlockAllocator(RECEIVE_BLOCKS, RECEIVE_BLOCK_SIZE)
         self.send_pool = BlockAllocator(SEND_BLOCKS, SEND_BLOCK_SIZE)
+        # each request's transfer id (a KV transfer's: the request's + "/kv") and tokens
+        self.tokens = {self.id(r): n for r, n in TOKENS.items()}
+
+    def id(self, request: str) -> str:
+        return kv_transfer_id(request) if self.kv else request
 
     # -- the drivers: carrying out each machine's actions ----------------------------
 
@@ -100,7 +114,13 @@ class World:
                     del self.owner[block]
                 self.receive_pool.free(list(action.blocks))
             elif isinstance(action, rx.Stage):
+                assert not self.kv, "a KV receiver stages nothing"
                 assert all(self.owner[b] == action.request_id for b in action.blocks)
+            elif isinstance(action, rx.Keep):  # the request decodes in them, then frees them
+                assert self.kv, "an embedding receiver keeps nothing"
+                need = -(-self.tokens[action.request_id] // RECEIVE_BLOCK_SIZE)
+                assert len(action.blocks) == need, "the pages do not hold the prompt exactly"
+                self.on_receiver([rx.Free(action.blocks)])
             elif isinstance(action, rx.Confirm):
                 self.confirms.append(action)
             elif isinstance(action, (rx.Succeed, rx.Fail)):
@@ -119,21 +139,30 @@ class World:
     def start(self, request_id: str) -> None:
         if not self.e_alive or request_id in self.send_blocks or request_id in self.e_outcome:
             return
-        blocks = self.send_pool.allocate(TOKENS[request_id])
+        blocks = self.send_pool.allocate(self.tokens[request_id])
         assert blocks is not None
         self.send_blocks[request_id] = blocks
         self.started.add(request_id)
         self.broker.route(request_id, E, L)
-        meta = EmbeddingMeta(
-            request_id,
-            L,
-            TOKENS[request_id],
-            (),
-            embedding_planes(8),
-            torch.float32,
-            transport=Transport.SHM,
+        self.on_sender(self.sender.start(self.meta(request_id)))
+
+    def meta(self, request_id: str) -> EmbeddingMeta | KvMeta:
+        tokens = self.tokens[request_id]
+        if self.kv:
+            return KvMeta(
+                request_id,
+                L,
+                tokens,
+                embedding_planes(8),
+                torch.float32,
+                SEND_BLOCK_SIZE,
+                tuple(range(tokens)),
+                (FirstToken(7),),
+                transport=Transport.SHM,
+            )
+        return EmbeddingMeta(
+            request_id, L, tokens, (), embedding_planes(8), torch.float32, transport=Transport.SHM
         )
-        self.on_sender(self.sender.start(meta))
 
     def expect(self, request_id: str, exact_hint: bool) -> None:
         if not self.l_alive or request_id in self.receiver.transfers:
@@ -142,12 +171,18 @@ class World:
             return
         self.broker.route(request_id, E, L)
         self.expected.add(request_id)
-        hint = TOKENS[request_id] if exact_hint else 0
+        hint = self.tokens[request_id] if exact_hint else 0
         self.on_receiver(self.receiver.expect(request_id, hint))
+
+    def _fits(self) -> bool:
+        """The first waiting request can be given blocks now (KV: all it asks for)."""
+        if not self.waiting or not self.receive_pool.num_free_blocks or not self.l_alive:
+            return False
+        return not self.kv or self.receive_pool.can_allocate(self.waiting[0].num_tokens)
 
     def allocate(self) -> None:
         """Hands free receive blocks to the first waiting request, if any fit."""
-        if not self.waiting or not self.receive_pool.num_free_blocks or not self.l_alive:
+        if not self._fits():
             return
         action = self.waiting.popleft()
         free_tokens = self.receive_pool.num_free_blocks * RECEIVE_BLOCK_SIZE
@@ -199,7 +234,7 @@ class World:
         if not alive:
             return []
         b = self.broker
-        if isinstance(message, EmbeddingMeta):
+        if isinstance(message, EmbeddingMeta | KvMeta):
             if not self.l_alive:  # the broker's registry no longer knows it
                 return [(source, Abort(message.request_id, "not registered"))]
             return b.on_meta(source, message)
@@ -227,7 +262,7 @@ class World:
 
     def receiver_handler(self, message: Any) -> list[rx.Action]:
         r = self.receiver
-        if isinstance(message, EmbeddingMeta):
+        if isinstance(message, EmbeddingMeta | KvMeta):
             return r.on_meta(message)
         if isinstance(message, TransferDone):
             return r.on_done(message)
@@ -251,6 +286,10 @@ class World:
 
     def tick(self, seconds: float) -> None:
         self.now += seconds
+        while self.kv and self.waiting and not self._fits() and self.l_alive:
+            # KV pages are waited for all at once, up to the pool wait (shorter than a tick)
+            action = self.waiting.popleft()
+            self.on_receiver(self.receiver.allocation_failed(action.request_id, "no pages"))
         for request_id, (_, started) in list(self.writes.items()):
             if self.now - started > WRITE_TIMEOUT_S:  # the writer's own deadline
                 self.land(request_id, ok=False)
@@ -282,11 +321,11 @@ class World:
         fails, a caller that leaves, a stall), rarely a death."""
         progress: list[tuple[Any, ...]] = [("tick", 0.5)]
         faults: list[tuple[Any, ...]] = [("tick", 12.0)]
-        for request_id in TOKENS:
+        for request_id in self.tokens:
             if request_id not in self.started and self.e_alive:
                 progress.append(("start", request_id))
             if request_id not in self.expected and self.l_alive:
-                progress.append(("expect", request_id, len(request_id) % 2 == 0))
+                progress.append(("expect", request_id, ord(request_id[0]) % 2 == 0))
             inbound = self.receiver.transfers.get(request_id)
             if inbound is not None and inbound.state is TransferState.SUCCESS:
                 progress.append(("take", request_id))
@@ -316,11 +355,12 @@ class World:
     def settle(self) -> None:
         """Everything in flight goes through, then time passes every deadline."""
         for _ in range(200):
-            for request_id in TOKENS:  # a caller takes what arrived
+            for request_id in self.tokens:  # a caller takes what arrived
                 self.take(request_id)
-            busy = bool(
-                self.to_broker or self.to_e or self.to_l or self.writes or self.confirms
-            ) or (self.waiting and self.receive_pool.num_free_blocks)
+            busy = (
+                bool(self.to_broker or self.to_e or self.to_l or self.writes or self.confirms)
+                or self._fits()
+            )
             if not busy:
                 e_done = not self.e_alive or not (self.sender.transfers or self.sender.closing)
                 r = self.receiver
@@ -344,11 +384,11 @@ class World:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=150))
+@given(st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=150), st.booleans())
 def test_random_interleavings_free_every_block_once_and_end_every_request(
-    choices: list[int],
+    choices: list[int], kv: bool
 ) -> None:
-    world = World()
+    world = World(kv)
     for choice in choices:
         name, *args = world.next_event(choice)
         getattr(world, name)(*args)
@@ -434,4 +474,32 @@ def test_a_failed_write_aborts_both_sides_and_frees_both_pools() -> None:
     world.settle()
     assert world.l_outcome == {"c": False}
     assert world.send_pool.num_free_blocks == SEND_BLOCKS
+    assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
+
+
+def test_kv_pages_arrive_in_parts_and_are_kept_whole() -> None:
+    """A KV transfer with no hint: a first part of the default size, then the rest
+    all at once; the decode side keeps every page, the prefill side frees its."""
+    world = World(kv=True)
+    c = world.id("c")
+    world.start(c)
+    world.expect(c, exact_hint=False)  # 8 tokens first, then 6
+    world.settle()
+    assert world.e_outcome == {c: True} and world.l_outcome == {c: True}
+    assert world.broker.describe(c).num_resumes == 1  # type: ignore[union-attr]
+    assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
+    assert world.send_pool.num_free_blocks == SEND_BLOCKS
+
+
+def test_a_lost_prefill_instance_aborts_its_kv_transfer() -> None:
+    """No other instance holds the KV: the decode side hears Abort, not PeerLost."""
+    world = World(kv=True)
+    a = world.id("a")
+    world.start(a)
+    world.expect(a, exact_hint=True)
+    _until_writing(world, a)
+    world.kill(E)
+    assert [type(m) for m in world.to_l] == [Abort]
+    world.settle()
+    assert world.l_outcome == {a: False}
     assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
