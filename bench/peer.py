@@ -134,11 +134,12 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def with_section(doc: str, body: str) -> str:
-    block = f"{START}\n{body}\n{END}"
-    if START in doc:
-        head, _, rest = doc.partition(START)
-        return head + block + rest.partition(END)[2]
+def with_section(doc: str, body: str, start: str = START, end: str = END) -> str:
+    """The doc with `body` between the markers (replacing what was there, or appended)."""
+    block = f"{start}\n{body}\n{end}"
+    if start in doc:
+        head, _, rest = doc.partition(start)
+        return head + block + rest.partition(end)[2]
     return doc.rstrip("\n") + "\n\n" + block + "\n"
 
 

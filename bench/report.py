@@ -45,8 +45,10 @@ DOC = REPO / "docs" / "performance.md"
 TEMPLATE = Path(__file__).with_name("performance.md.in")
 FIGURES = REPO / "docs" / "performance"
 FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
-# bench/peer.py writes its section between these; regenerating the rest keeps it.
+# bench/peer.py and bench/pd.py write their sections between these; regenerating
+# the rest keeps them.
 START, END = "<!-- bench/peer.py: start -->", "<!-- bench/peer.py: end -->"
+PD_START, PD_END = "<!-- bench/pd.py: start -->", "<!-- bench/pd.py: end -->"
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,14 @@ def cases(quick: bool) -> list[Case]:
     ]
 
 
-def peer_section(doc: str) -> str:
-    """bench/peer.py's section of a performance.md, markers included ("" if none)."""
-    if START not in doc:
-        return ""
-    return START + doc.partition(START)[2].partition(END)[0] + END
+def kept_sections(doc: str) -> str:
+    """bench/peer.py's and bench/pd.py's sections of a performance.md, markers
+    included ("" if none)."""
+    return "\n\n".join(
+        start + doc.partition(start)[2].partition(end)[0] + end
+        for start, end in ((START, END), (PD_START, PD_END))
+        if start in doc
+    )
 
 
 def cpu_seconds(root: int) -> dict[str, float]:
@@ -357,7 +362,7 @@ def write(
         figures / "mixed_text_latency_cdf.png",
         f"mixed 1:9 at {top:g} req/s: text requests",
     )
-    kept = peer_section(doc.read_text()) if doc.exists() else ""
+    kept = kept_sections(doc.read_text()) if doc.exists() else ""
     serve_command = "epd serve --demo-size small"
     if arch != ARCHS[0]:
         serve_command = f"epd serve --model DEMO (epd demo-model DEMO --arch {arch} --size small)"

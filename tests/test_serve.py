@@ -114,6 +114,12 @@ def image_url(image: Image.Image) -> str:
 def test_completions_equal_hf_generate(
     served: Served, tiny_checkpoint: Path, num_images: int, stream: bool
 ) -> None:
+    check_completion(served.openai, tiny_checkpoint, num_images, stream)
+
+
+def check_completion(client: OpenAI, tiny_checkpoint: Path, num_images: int, stream: bool) -> None:
+    """A greedy chat completion with `num_images` images equals HF generate(), and
+    its usage counts the prompt's tokens (image tokens included) and the output's."""
     images = [random_image(180 + 60 * i, 150 + 30 * i, seed=70 + i) for i in range(num_images)]
     text = "Describe what you see." if num_images else "Say something nice."
     content: list[dict[str, Any]] = [
@@ -131,14 +137,14 @@ def test_completions_equal_hf_generate(
     }
     if stream:
         chunks = list(
-            served.openai.chat.completions.create(
+            client.chat.completions.create(
                 stream=True, stream_options={"include_usage": True}, **kwargs
             )
         )
         got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         usage = chunks[-1].usage
     else:
-        reply = served.openai.chat.completions.create(**kwargs)
+        reply = client.chat.completions.create(**kwargs)
         got, usage = reply.choices[0].message.content, reply.usage
     assert got == expected_text
     assert usage is not None and usage.completion_tokens == len(expected)

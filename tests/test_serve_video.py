@@ -38,11 +38,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_checkpoint(tmp_path_factory.mktemp("demo"), size="tiny", seed=0)
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "monolithic"])
+MODES = {  # how `epd serve` runs: E + L, everything in one process, or E/P/D
+    "disaggregated": (),
+    "monolithic": ("--monolithic",),
+    "epd": ("--prefill", "1", "--decode", "1"),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
 def url(
     request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    mode = ["--monolithic"] if request.param == "monolithic" else []
+    mode = MODES[request.param]
     with served(checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *mode) as url:
         yield url
 

@@ -139,6 +139,8 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
             if isinstance(exc, kind):
                 if isinstance(exc, TransferError) and exc.failure is Failure.ABORTED:
                     code = grpc.StatusCode.ABORTED  # the decode instance gave up: it says why
+                if isinstance(exc, PoolExhaustedError) and self.role is LanguageRole.DECODE:
+                    code = grpc.StatusCode.UNAVAILABLE  # another decode instance may have room
                 if kind is RequestFailedError:
                     self.metrics.requests.labels("error").inc()
                 message = f"{prefix.format(what=what)}{exc}"

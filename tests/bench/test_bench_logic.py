@@ -116,7 +116,7 @@ def test_the_peer_section_survives_a_regenerated_report() -> None:
     """bench/peer.py writes its section once, replaces it on the next run, and
     bench/report.py carries it over when it rewrites the rest of the page."""
     from bench.peer import with_section
-    from bench.report import peer_section
+    from bench.report import kept_sections as peer_section
 
     first = with_section("# Performance\n\nmonolithic vs disaggregated\n", "vs vLLM: run 1")
     assert first.startswith("# Performance\n\nmonolithic vs disaggregated\n\n")
@@ -127,6 +127,21 @@ def test_the_peer_section_survives_a_regenerated_report() -> None:
     assert kept.count("vs vLLM: run 2") == 1
     assert peer_section("# Performance\n") == ""
     assert peer_section("# regenerated\n\n" + kept + "\n") == kept
+
+
+def test_the_pd_section_is_kept_beside_the_peer_section() -> None:
+    """bench/pd.py's section has its own markers: writing it leaves the peer's
+    alone, and a regenerated report keeps both."""
+    from bench.peer import with_section
+    from bench.report import PD_END, PD_START, kept_sections
+
+    doc = with_section("# Performance\n", "vs vLLM")
+    doc = with_section(doc, "E/P/D: run 1", PD_START, PD_END)
+    doc = with_section(doc, "E/P/D: run 2", PD_START, PD_END)
+    assert doc.count("vs vLLM") == 1 and "run 1" not in doc and doc.count("E/P/D: run 2") == 1
+    kept = kept_sections(doc)
+    assert "vs vLLM" in kept and "E/P/D: run 2" in kept
+    assert kept_sections("# regenerated\n\n" + kept + "\n") == kept
 
 
 def test_report_of_another_family_goes_to_its_own_page() -> None:
