@@ -140,7 +140,7 @@ def serve(
     """`epd serve` on the small demo checkpoint, or on `checkpoint`. This report
     caps a step at 256 tokens (short prefill chunks: steadier TPOT beside images);
     None keeps `epd serve`'s default."""
-    ports = free_serve_ports()
+    ports = free_serve_ports(languages=4)
     port = ports["port"]
     budget = ("--max-num-batched-tokens", str(max_num_batched_tokens))
     args = [
@@ -192,8 +192,17 @@ def _proc(path: str, key: str) -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
 
 
+def cpu_class() -> str:
+    """The vector extensions the fast paths choose by: AMX, AVX512-BF16, AVX-512, AVX2."""
+    flags = set(_proc("/proc/cpuinfo", "flags").split())
+    names = {"amx_tile": "AMX", "avx512_bf16": "AVX512-BF16", "avx512f": "AVX-512", "avx2": "AVX2"}
+    found = [name for flag, name in names.items() if flag in flags]
+    return " + ".join(found[:2]) if found else "no AVX2"
+
+
 def machine() -> str:
     cpu = _proc("/proc/cpuinfo", "model name") or platform.processor()
+    cpu = f"{cpu} ({cpu_class()})"
     memory = int(_proc("/proc/meminfo", "MemTotal").split()[0]) // 1024**2
     cores = len(os.sched_getaffinity(0))
     versions = f"Python {platform.python_version()}, torch {torch.__version__}"

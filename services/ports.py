@@ -77,27 +77,34 @@ def free_port_block(offsets: Sequence[int]) -> int:
     raise OSError("no block of free ports on loopback")
 
 
-# `epd serve`'s port flags and their offsets in one block
+# `epd serve`'s port flags and their offsets in one block; the encoders and the
+# language instances count up from theirs (up to MAX_INSTANCES of each)
 SERVE_PORTS = {
     "port": 0,
     "broker-port": 1,
-    "encoder-port": 2,
-    "language-port": 3,
-    "triton-http-port": 4,
-    "triton-grpc-port": 5,
-    "triton-metrics-port": 6,
+    "triton-http-port": 2,
+    "triton-grpc-port": 3,
+    "triton-metrics-port": 4,
+    "encoder-port": 10,
+    "language-port": 20,
 }
+MAX_INSTANCES = 10
 # a gRPC component's Prometheus port is its own + this (StackConfig.metrics_offset)
 METRICS_OFFSET = 100
-GRPC_COMPONENTS = ("broker-port", "encoder-port", "language-port")
 
 
-def free_serve_ports() -> dict[str, int]:
-    """Free ports for one `epd serve` (one encoder, one language instance) by its
-    flags' names, metrics ports included: ports picked one by one could put a
-    component near 65535, where its metrics port (+100) does not exist."""
-    metrics = [SERVE_PORTS[flag] + METRICS_OFFSET for flag in GRPC_COMPONENTS]
-    base = free_port_block([*SERVE_PORTS.values(), *metrics])
+def free_serve_ports(encoders: int = 1, languages: int = 1) -> dict[str, int]:
+    """Free ports for one `epd serve` (this many encoders and language instances)
+    by its flags' names, metrics ports included: ports picked one by one could put
+    a component near 65535, where its metrics port (+100) does not exist."""
+    if max(encoders, languages) > MAX_INSTANCES:
+        raise ValueError(f"at most {MAX_INSTANCES} encoders and language instances")
+    grpc = [SERVE_PORTS["broker-port"]]
+    grpc += [SERVE_PORTS["encoder-port"] + i for i in range(encoders)]
+    grpc += [SERVE_PORTS["language-port"] + i for i in range(languages)]
+    base = free_port_block(
+        sorted({*SERVE_PORTS.values(), *grpc, *(p + METRICS_OFFSET for p in grpc)})
+    )
     return {flag: base + offset for flag, offset in SERVE_PORTS.items()}
 
 
