@@ -282,6 +282,10 @@ def _serve(args: argparse.Namespace) -> int:
     from services.serve import StackConfig, run
     from services.wire.dtypes import DTYPE_NAMES, resolve_dtype
 
+    if (args.prefill or args.decode) and args.languages is not None:
+        raise SystemExit("epd serve: --prefill/--decode and --languages are mutually exclusive")
+    if (args.prefill > 0) != (args.decode > 0):
+        raise SystemExit("epd serve: E/P/D needs --prefill N and --decode M, both at least 1")
     if args.model:
         checkpoint = Path(args.model).resolve()
         name = args.model_name or checkpoint.name
@@ -292,10 +296,6 @@ def _serve(args: argparse.Namespace) -> int:
         )
         checkpoint = cached_demo_checkpoint(args.demo_size)
         name = args.model_name or f"demo-{args.demo_size}"
-    if (args.prefill or args.decode) and args.languages is not None:
-        raise SystemExit("epd serve: --prefill/--decode and --languages are mutually exclusive")
-    if (args.prefill > 0) != (args.decode > 0):
-        raise SystemExit("epd serve: E/P/D needs --prefill N and --decode M, both at least 1")
     dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
     print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
     gateway = ["--allow-private-urls"] if args.allow_private_urls else []

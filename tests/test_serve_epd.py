@@ -7,6 +7,8 @@ every KV page is back afterwards."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,3 +48,21 @@ def test_health_shows_the_roles(url: str) -> None:
     roles = {name: c["role"] for name, c in health["components"].items()}
     assert roles == {"prefill-0": "prefill", "decode-0": "decode", "encoder-0": "encoder"}
     assert health["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--prefill", "1", "--languages", "2"), "mutually exclusive"),
+        (("--prefill", "1"), "both at least 1"),
+        (("--decode", "2"), "both at least 1"),
+    ],
+)
+def test_serve_refuses_a_half_split(flags: tuple[str, ...], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and message in done.stderr, done.stderr

@@ -102,6 +102,18 @@ async def through_epd(
     return out
 
 
+async def test_list_instances_shows_the_roles(
+    epd: tuple[BrokerServer, LanguageServer, LanguageServer],
+) -> None:
+    broker, prefill, decode = epd
+    listed = await broker_stub(broker).ListInstances(broker_pb2.ListInstancesRequest())
+    roles = {i.registration.instance_id: i.registration.language_role for i in listed.instances}
+    assert roles == {
+        prefill.instance_id: common_pb2.LANGUAGE_ROLE_PREFILL,
+        decode.instance_id: common_pb2.LANGUAGE_ROLE_DECODE,
+    }
+
+
 async def wait_idle(*servers: LanguageServer) -> None:
     """Every KV page and receive block back (the engines free them on their thread)."""
     for _ in range(200):
