@@ -37,7 +37,7 @@ from services.language.kv_handoff import KVHandoff, KVObserver, first_token, wir
 from services.model.spec import ModelSpec
 from services.model.tokenizer import ChatMessages, Prompt, build_prompt, completion_prompt
 from services.transfer.receiver_driver import ReceiverDriver
-from services.wire.messages import KvMeta, MediaGrid, kv_transfer_id
+from services.wire.messages import EmbeddingMeta, KvMeta, MediaGrid, kv_transfer_id
 from services.wire.request import (
     ChatMessage,
     GenerateChunk,
@@ -292,6 +292,7 @@ class Frontend:
             planes = await self.receiver.take(request_id)
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
+        assert isinstance(meta, EmbeddingMeta)
         return Media(meta.grids, planes["embeddings"], planes.get("deepstack"))
 
     async def rebuild(self, rendered: Rendered, grids: Sequence[MediaGrid]) -> Rendered:
