@@ -282,9 +282,11 @@ def _serve(args: argparse.Namespace) -> int:
     from services.serve import StackConfig, run
     from services.wire.dtypes import DTYPE_NAMES, resolve_dtype
 
+    roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
     if (args.prefill or args.decode) and args.languages is not None:
         raise SystemExit("epd serve: --prefill/--decode and --languages are mutually exclusive")
-    if (args.prefill > 0) != (args.decode > 0):
+    whole = set(roles) == set(flags.default(StackConfig, "roles"))
+    if whole and (args.prefill > 0) != (args.decode > 0):
         raise SystemExit("epd serve: E/P/D needs --prefill N and --decode M, both at least 1")
     if args.model:
         checkpoint = Path(args.model).resolve()
@@ -321,6 +323,9 @@ def _serve(args: argparse.Namespace) -> int:
                 num_languages=args.languages or flags.default(StackConfig, "num_languages"),
                 num_prefill=args.prefill,
                 num_decode=args.decode,
+                roles=roles,
+                broker=args.broker,
+                advertise_host=args.advertise_host,
                 api_key=args.api_key,
                 language_args=(
                     *flags.engine_args(args),

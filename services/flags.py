@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -393,6 +394,23 @@ def serve(p: argparse.ArgumentParser) -> None:
         help="E/P/D: prefill instances (with --decode, in place of --languages)",
     )
     field_option(p, StackConfig, "num_decode", "--decode", help="E/P/D: decode instances")
+    p.add_argument(
+        "--roles",
+        default=",".join(default(StackConfig, "roles")),
+        help="several machines: this host's share, comma-separated from "
+        f"{','.join(default(StackConfig, 'roles'))} (default: all of them)",
+    )
+    p.add_argument(
+        "--broker",
+        default=os.environ.get(env.BROKER.name, ""),
+        help="the broker's HOST:PORT when this host runs none ($EPD_BROKER)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="the address other hosts dial this host's components at (they then listen "
+        "on every address; default: this machine only)",
+    )
     p.add_argument(
         "--language-transports",
         type=transports,

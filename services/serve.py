@@ -53,6 +53,8 @@ from services.transfer.shared_memory import remove_segments
 
 # Every component but the gateway listens here: only the gateway is exposed.
 LOCAL = "127.0.0.1"
+# What a host's `epd serve --roles` may run (all of them: the whole stack)
+ROLES = ("broker", "triton", "encoder", "language", "gateway")
 
 
 STOP_MARGIN_S = 5.0  # past the grace: what has not left by then is killed
@@ -200,6 +202,12 @@ class StackConfig:
     # E/P/D: this many prefill and decode instances in place of num_languages
     num_prefill: int = 0
     num_decode: int = 0
+    # Several machines: this host's share of the stack (ROLES: all of it), the
+    # broker's address when it runs elsewhere, and the address peers on other
+    # hosts dial this host's gRPC components at (they then listen on every address)
+    roles: tuple[str, ...] = ROLES
+    broker: str = ""
+    advertise_host: str = ""
     api_key: str = ""
     dtype: str = "float32"  # every component's: the embeddings cross with it
     startup_timeout_s: float = 300.0
@@ -225,13 +233,32 @@ class StackConfig:
     shutdown_grace_s: float = field(default_factory=env.SHUTDOWN_GRACE.get)
 
     def __post_init__(self) -> None:
-        if (self.num_prefill > 0) != (self.num_decode > 0):
+        if set(self.roles) == set(ROLES) and (self.num_prefill > 0) != (self.num_decode > 0):
             raise ValueError("E/P/D needs at least one prefill and one decode instance")
+        if unknown := set(self.roles) - set(ROLES):
+            raise ValueError(f"unknown roles {sorted(unknown)}; choose from {', '.join(ROLES)}")
+        if "broker" not in self.roles and not self.broker and not self.monolithic:
+            raise ValueError("a host without the broker needs --broker HOST:PORT")
+
+    @property
+    def listen_host(self) -> str:
+        """Where the gRPC components listen: this machine only, unless peers on
+        other hosts dial them."""
+        return "0.0.0.0" if self.advertise_host else LOCAL
+
+    @property
+    def broker_address(self) -> str:
+        return self.broker or f"{LOCAL}:{self.broker_port}"
+
+    def instance_id(self, name: str) -> str:
+        """An instance's id at the broker: its name, and on one host's share of a
+        deployment its host's too (encoder-0 runs on every encoder host)."""
+        return name if set(self.roles) == set(ROLES) else f"{name}@{env.HOST_ID.get()}"
 
     @property
     def languages(self) -> list[tuple[str, str]]:
         """Each language instance's name and role, in start order."""
-        if self.num_prefill:
+        if self.num_prefill or self.num_decode:
             return [(f"prefill-{i}", "prefill") for i in range(self.num_prefill)] + [
                 (f"decode-{i}", "decode") for i in range(self.num_decode)
             ]
@@ -252,15 +279,18 @@ def _instance(
     config: StackConfig, command: str, name: str, port: int, cpus: str, extra: list[str]
 ) -> Component:
     """An encoder or language instance: the same flags but for its own."""
-    broker = f"{LOCAL}:{config.broker_port}"
+    broker = config.broker_address
+    advertise = ("--advertise-host", config.advertise_host) if config.advertise_host else ()
     args = [
         command,
         "--checkpoint", str(config.checkpoint),
         "--model-name", config.model_name,
+        "--host", config.listen_host,
+        *advertise,
         "--port", str(port),
         "--metrics-port", str(config.metrics_port(port)),
         "--broker", broker,
-        "--instance-id", name,
+        "--instance-id", config.instance_id(name),
         "--dtype", config.dtype,
         *extra,
     ]  # fmt: skip
@@ -270,7 +300,7 @@ def _instance(
         name,
         args,
         # serving and attached: the broker routes to it
-        partial(instance_ready, f"{LOCAL}:{port}", service, broker, name),
+        partial(instance_ready, f"{LOCAL}:{port}", service, broker, config.instance_id(name)),
         config.log_dir / f"{name}.log",
         cpus,
         nice,
@@ -278,9 +308,10 @@ def _instance(
 
 
 def components(config: StackConfig) -> list[Component]:
-    """In start order; each waits only for its own health."""
+    """This host's share (all of it by default), in start order; each waits only
+    for its own health."""
     ck, model, logs = str(config.checkpoint), config.model_name, config.log_dir
-    broker = f"{LOCAL}:{config.broker_port}"
+    broker = config.broker_address
     gateway_args = [
         *("--host", config.host, "--port", str(config.port)),
         *("--checkpoint", ck, *config.gateway_args),
@@ -307,13 +338,13 @@ def components(config: StackConfig) -> list[Component]:
             [
                 "broker",
                 "--host",
-                LOCAL,
+                config.listen_host,
                 "--port",
                 str(config.broker_port),
                 "--metrics-port",
                 str(config.metrics_port(config.broker_port)),
             ],
-            lambda: grpc_serving(broker),
+            lambda: grpc_serving(f"{LOCAL}:{config.broker_port}"),
             logs / "broker.log",
         ),
         Component(
@@ -355,7 +386,15 @@ def components(config: StackConfig) -> list[Component]:
             logs / "gateway.log",
         )
     )
-    return parts
+    return [part for part in parts if part.name.rsplit("-", 1)[0] in _role_names(config)]
+
+
+def _role_names(config: StackConfig) -> set[str]:
+    """The component names (less their index) of this host's roles."""
+    names = set(config.roles)
+    if "language" in names:
+        names |= {"prefill", "decode"}
+    return names
 
 
 @dataclass
@@ -471,6 +510,16 @@ def banner(config: StackConfig) -> str:
             "max_tokens": 32,
         }
     )
+    if "gateway" not in config.roles:  # one host's share of a deployment
+        return "\n".join(
+            [
+                "",
+                f"EPD on this host ({', '.join(config.roles)}), attached to the broker at "
+                f"{config.broker_address}; logs in {config.log_dir}",
+                "",
+                "Ctrl-C stops everything.",
+            ]
+        )
     lines = [
         "",
         f"EPD is serving {config.model_name!r}:",
