@@ -246,6 +246,8 @@ async def run(args: argparse.Namespace) -> None:
             str(tokens),
             "--instance-id",
             "bench-language",
+            "--dtype",  # the embeddings this bench sends: not auto's bfloat16 on such a CPU
+            "float32",
         ),
     ):
         # The channels are held here: with the cluster token, a call starts in a task.
