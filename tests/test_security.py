@@ -10,7 +10,7 @@ import datetime
 import ipaddress
 import json
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +77,9 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_certificates(folder: Path) -> Certificates:
+def make_certificates(folder: Path, addresses: Sequence[str] = ()) -> Certificates:
+    """A CA and a certificate it signed for this host's names and 127.0.0.1, and
+    for `addresses` (several hosts' addresses: tests/multihost)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
@@ -97,6 +99,7 @@ def make_certificates(folder: Path) -> Certificates:
         x509.DNSName("localhost"),
         x509.DNSName(socket.gethostname()),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses),
     ]
     cert = (
         x509.CertificateBuilder()

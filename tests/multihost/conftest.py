@@ -107,16 +107,19 @@ def start_hosts(
     shares: Sequence[tuple[str, ...]],
     checkpoint: Path,
     logs: Path,
-) -> None:
+    environment: dict[str, str] | None = None,
+) -> str:
     """`epd serve` on each host with its share's flags: the first host's (the
     broker's) first, the others once its broker answers, all of them then coming
-    up together (the first host's gateway is healthy once instances attached)."""
+    up together (the first host's gateway is healthy once instances attached).
+    `environment` is every host's too (TLS); returns the cluster token."""
     token = secrets.token_urlsafe(16)
     broker = f"{network.hosts[0].address}:{BROKER_PORT}"
 
     def start(host: Host, share: tuple[str, ...]) -> None:
-        environment = {
+        host_environment = {
             **os.environ,
+            **(environment or {}),
             env.HOST_ID.name: host.name,
             env.CLUSTER_TOKEN.name: token,
             env.SHM_PREFIX.name: f"{host.name}_",
@@ -133,7 +136,7 @@ def start_hosts(
             "--log-dir", str(logs / host.name),
         ]  # fmt: skip
         host.process = launch(
-            args, timeout_s=300, command=host.command(), banner=host.output, env=environment
+            args, timeout_s=300, command=host.command(), banner=host.output, env=host_environment
         )
 
     pool = network.starters
@@ -145,10 +148,12 @@ def start_hosts(
             raise AssertionError("the broker host did not come up")
         time.sleep(0.2)
     starting += [
-        pool.submit(start, h, s) for h, s in zip(network.hosts[1:], shares[1:], strict=True)
+        pool.submit(start, h, s)
+        for h, s in zip(network.hosts[1 : len(shares)], shares[1:], strict=True)
     ]
     for future in starting:
         future.result()
+    return token
 
 
 def _answers(address: str, port: int) -> bool:
