@@ -16,6 +16,11 @@ Control plane: a 64-token image, from the encoder announcing it
 (EmbeddingMeta) until its last TransferDone is on the wire: meta -> broker
 -> pairing with the language side's Prealloc -> Prealloc relayed -> write ->
 TransferDone. p50/p99 over `requests`.
+
+`--across-hosts` (root: network namespaces, tests/multihost/hosts.py): the
+broker and the language instance on one namespace host, this process on
+another; NIXL and the gRPC stream against a raw TCP stream of the same bytes
+between the same two hosts, in the same run.
 """
 
 from __future__ import annotations
@@ -24,16 +29,20 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import os
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from services import env
 from services.bench.stats import percentile
 from services.broker.client import BrokerLink
 from services.encoder.cache import ImageEmbedding
@@ -59,7 +68,8 @@ from services.wire.messages import Heartbeat, MediaGrid, Register, Role
 from services.wire.transport import Transport
 
 HIDDEN = 128  # the tiny demo model's embedding width (float32: 512 bytes a token)
-GOALS = {Transport.SHM: 0.9, Transport.NIXL: 0.7, Transport.GRPC: 0.3}
+GOALS = {Transport.SHM: 0.9, Transport.NIXL: 0.7, Transport.GRPC: 0.3}  # vs memcpy
+ACROSS_HOSTS_GOALS = {Transport.NIXL: 0.8, Transport.GRPC: 0.5}  # vs a raw TCP stream
 
 
 @dataclass
@@ -85,6 +95,48 @@ class TimedWriter:
         await self.writer.close()
 
 
+# A TCP sink on the other host: each round reads a length and that many bytes,
+# then answers one byte (so the sender times the whole transfer).
+TCP_SINK = """
+import socket, struct, sys
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+conn, _ = server.accept()
+view = memoryview(bytearray(64 << 20))
+while header := conn.recv(8, socket.MSG_WAITALL):
+    left = struct.unpack("!Q", header)[0]
+    while left:
+        left -= conn.recv_into(view[: min(left, len(view))])
+    conn.sendall(b"k")
+"""
+
+
+def tcp_gbps(prefix: Sequence[str], address: str, nbytes: int, repeats: int) -> float:
+    """A raw TCP stream of nbytes to a sink on the other host (`prefix`), median."""
+    port = free_port()
+    sink = subprocess.Popen([*prefix, sys.executable, "-c", TCP_SINK, str(port)])
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                conn = socket.create_connection((address, port), timeout=10)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        payload, times = b"\1" * nbytes, []
+        with conn:
+            for _ in range(repeats + 1):
+                started = time.perf_counter()
+                conn.sendall(struct.pack("!Q", nbytes) + payload)
+                conn.recv(1)
+                times.append(time.perf_counter() - started)
+        return nbytes / statistics.median(times[1:]) / 1e9
+    finally:
+        sink.kill()
+        sink.wait(10)
+
+
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
     """Single-thread memmove with the transports' access pattern: one source
     buffer, destinations alternating between the two halves of a pool twice
@@ -102,9 +154,13 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
 
 
 @contextlib.contextmanager
-def process(*args: str) -> Iterator[subprocess.Popen[bytes]]:
+def process(*args: str, prefix: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
+    """An `epd` command (on another host: `prefix` is its `ip netns exec`, and the
+    host's id is its namespace's)."""
+    host = {env.HOST_ID.name: prefix[-1]} if prefix else {}
     child = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "--log-level", "WARNING", *args]
+        [*prefix, sys.executable, "-m", "services.cli", "--log-level", "WARNING", *args],
+        env={**os.environ, **host},
     )
     try:
         yield child
@@ -217,15 +273,23 @@ async def _drain(call: object) -> None:
         pass
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> None:  # Long: the two processes' flags
     folder = cached_demo_checkpoint("tiny")
     tokens = args.mib * 1024 * 1024 // (HIDDEN * 4)
     broker_port, language_port = free_port(), free_port()
-    broker = f"127.0.0.1:{broker_port}"
+    # across hosts (--peer NAMESPACE=ADDRESS): the broker and the language instance
+    # on the peer host, listening on its address
+    peer, address = args.peer.split("=") if args.peer else ("", "127.0.0.1")
+    prefix = ("ip", "netns", "exec", peer) if peer else ()
+    listen = ("--host", "0.0.0.0") if peer else ()
+    advertise = ("--advertise-host", address) if peer else ()
+    broker = f"{address}:{broker_port}"
     with (
-        process("broker", "--port", str(broker_port)),
+        process("broker", "--port", str(broker_port), *listen, prefix=prefix),
         process(
             "language",
+            *listen,
+            *advertise,
             "--checkpoint",
             str(folder),
             "--model-name",
@@ -248,24 +312,28 @@ async def run(args: argparse.Namespace) -> None:
             "bench-language",
             "--dtype",  # the embeddings this bench sends: not auto's bfloat16 on such a CPU
             "float32",
+            prefix=prefix,
         ),
     ):
         # The channels are held here: with the cluster token, a call starts in a task.
-        channels = channel(broker), channel(f"127.0.0.1:{language_port}")
+        channels = channel(broker), channel(f"{address}:{language_port}")
         stubs = Stubs(
             broker_pb2_grpc.BrokerStub(channels[0]),
             language_pb2_grpc.LanguageStub(channels[1]),
         )
         nbytes = tokens * HIDDEN * 4
-        baseline = memcpy_gbps(nbytes, args.repeats)
+        if peer:
+            baseline, against = tcp_gbps(prefix, address, nbytes, args.repeats), "TCP"
+        else:
+            baseline, against = memcpy_gbps(nbytes, args.repeats), "memcpy"
         print(
             f"data plane: {args.mib} MiB per request (one part), median of {args.repeats}; "
-            f"single-thread memcpy {baseline:.2f} GB/s"
+            + (f"raw TCP stream to {address}" if peer else "single-thread memcpy")
+            + f" {baseline:.2f} GB/s"
         )
-        print(f"{'transport':<10} {'GB/s':>7} {'vs memcpy':>10} {'goal':>6}")
-        from services import env
-
+        print(f"{'transport':<10} {'GB/s':>7} {'vs ' + against:>10} {'goal':>6}")
         host = env.HOST_ID.get()
+        goals = ACROSS_HOSTS_GOALS if peer else GOALS
         sides = {
             Transport.SHM: lambda: EncoderSide(broker, ShmWriter(), 2 * tokens, host),
             Transport.NIXL: lambda: EncoderSide.with_nixl(broker, 2 * tokens, host),
@@ -273,13 +341,15 @@ async def run(args: argparse.Namespace) -> None:
         }
         grid = MediaGrid(1, 2 * 128, tokens * 4 // 256)  # tokens = h * w / 4
         for transport, make in sides.items():
+            if transport not in goals:
+                continue
             side = make()
             await side.link.start(wait_s=60)
             peer = await side.sender.peer("bench-language", wait_s=60)
             for i in range(args.repeats + 1):  # the first sets up connections and mappings
                 await side.send(stubs, peer, f"bw-{transport.name}-{i}", grid)
             rate = nbytes / statistics.median(side.writer.seconds[1:]) / 1e9
-            name, goal = transport.name.lower(), GOALS[transport]
+            name, goal = transport.name.lower(), goals[transport]
             print(f"{name:<10} {rate:>7.2f} {rate / baseline:>9.2f}x {goal:>5.1f}x", flush=True)
             if transport is Transport.SHM:
                 await control_plane(stubs, side, peer, args.requests)
@@ -308,7 +378,32 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--requests", type=int, default=300)
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument(
+        "--across-hosts", action="store_true", help="between two network-namespace hosts"
+    )
+    parser.add_argument("--peer", default="", help=argparse.SUPPRESS)  # NAMESPACE=ADDRESS
+    args = parser.parse_args()
+    if not args.across_hosts:
+        asyncio.run(run(args))
+        return
+    from tests.multihost.hosts import make_network, remove_network
+
+    network = make_network(2)
+    here, there = network.hosts
+    try:  # this benchmark again, on one host, against the other
+        subprocess.run(
+            [
+                *("ip", "netns", "exec", here.name, sys.executable, "-m", "bench.transfer"),
+                *("--mib", str(args.mib), "--repeats", str(args.repeats)),
+                *("--peer", f"{there.name}={there.address}"),
+            ],
+            check=True,
+            # UCX would see one machine and share memory between the namespaces:
+            # across hosts NIXL goes over the network, here TCP
+            env={**os.environ, env.HOST_ID.name: here.name, "UCX_TLS": "tcp"},
+        )
+    finally:
+        remove_network(network)
 
 
 if __name__ == "__main__":

@@ -7,87 +7,24 @@ them. Needs root (`ip netns`); without it the tests skip and say why."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-import random
 import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from services import env
 from services.serve import launch
+from tests.multihost.hosts import Host, Network, ip, remove_network
 
 MODEL = "demo-tiny"
 BROKER_PORT = 50051  # the default: every host has its own ports
 GATEWAY_PORT = 8000
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-@dataclass
-class Host:
-    name: str  # its network namespace
-    address: str
-    process: subprocess.Popen[str] | None = None
-    output: list[str] = field(default_factory=list)
-
-    def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.name, sys.executable, "-m", "services.cli"]
-
-
-@dataclass
-class Network:
-    """A bridge and the namespaces on it; `hosts[i]` has address prefix.(10 + i)."""
-
-    bridge: str
-    prefix: str  # "10.88.N"
-    hosts: list[Host]
-    # The threads that start the hosts' `epd serve`: alive until the hosts stop (a
-    # child started with die_with_parent dies with the thread that started it).
-    starters: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(8)
-    )
-
-    @property
-    def gateway(self) -> str:
-        return self.prefix + ".1"
-
-
-def make_network(num_hosts: int) -> Network:
-    tag = secrets.token_hex(2)
-    prefix = f"10.{random.randint(100, 199)}.{random.randint(1, 250)}"
-    network = Network(f"epb{tag}", prefix, [])
-    _ip("link", "add", network.bridge, "type", "bridge")
-    _ip("addr", "add", f"{network.gateway}/24", "dev", network.bridge)
-    _ip("link", "set", network.bridge, "up")
-    for i in range(num_hosts):
-        host = Host(f"epd{tag}h{i}", f"{prefix}.{10 + i}")
-        network.hosts.append(host)
-        veth = f"epv{tag}{i}"
-        _ip("netns", "add", host.name)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", host.name)
-        _ip("link", "set", veth, "master", network.bridge, "up")
-        inside = ("netns", "exec", host.name, "ip")
-        _ip(*inside, "addr", "add", f"{host.address}/24", "dev", "eth0")
-        _ip(*inside, "link", "set", "eth0", "up")
-        _ip(*inside, "link", "set", "lo", "up")
-    return network
-
-
-def remove_network(network: Network) -> None:
-    for host in network.hosts:
-        subprocess.run(["ip", "netns", "del", host.name], capture_output=True, timeout=30)
-    subprocess.run(["ip", "link", "del", network.bridge], capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="session")
@@ -96,10 +33,10 @@ def network_available() -> None:
         pytest.skip("multihost tests make network namespaces: they need root")
     probe = f"epdprobe{secrets.token_hex(2)}"
     try:
-        _ip("netns", "add", probe)
+        ip("netns", "add", probe)
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"cannot make a network namespace here: {exc}")
-    _ip("netns", "del", probe)
+    ip("netns", "del", probe)
 
 
 def start_hosts(
@@ -123,6 +60,9 @@ def start_hosts(
             env.HOST_ID.name: host.name,
             env.CLUSTER_TOKEN.name: token,
             env.SHM_PREFIX.name: f"{host.name}_",
+            # UCX sees one machine and would share memory between the namespaces:
+            # NIXL crosses these hosts over TCP, as between machines without RDMA
+            "UCX_TLS": "tcp",
         }
         args = [
             *share,

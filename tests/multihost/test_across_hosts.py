@@ -17,12 +17,10 @@ from openai import OpenAI
 
 from tests.multihost.conftest import (
     GATEWAY_PORT,
-    Network,
-    make_network,
-    remove_network,
     start_hosts,
     stop_hosts,
 )
+from tests.multihost.hosts import Network, make_network, remove_network
 from tests.test_serve import check_completion
 
 pytestmark = pytest.mark.multihost

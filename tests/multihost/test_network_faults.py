@@ -24,13 +24,10 @@ import pytest
 from tests.chaos.conftest import Load, Outcome, wait_for
 from tests.multihost.conftest import (
     GATEWAY_PORT,
-    Host,
-    Network,
-    make_network,
-    remove_network,
     start_hosts,
     stop_hosts,
 )
+from tests.multihost.hosts import Host, Network, make_network, remove_network
 
 pytestmark = pytest.mark.multihost
 

@@ -21,12 +21,10 @@ from services import env
 from tests.multihost.conftest import (
     BROKER_PORT,
     GATEWAY_PORT,
-    Network,
-    make_network,
-    remove_network,
     start_hosts,
     stop_hosts,
 )
+from tests.multihost.hosts import Network, make_network, remove_network
 from tests.test_security import make_certificates
 from tests.test_serve import check_completion
 
