@@ -3,13 +3,15 @@ directly to the language instance (never through the broker)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
+import torch
 
 from services.grpc_server import channel
 from services.proto import language_pb2, language_pb2_grpc
-from services.transfer.embedding_pool import EmbeddingPool, read_tokens, tensor_bytes
+from services.transfer.embedding_pool import EmbeddingPool
+from services.transfer.layout import token_rows
 from services.transfer.transports.base import (
     Part,
     WrittenBeforeDone,
@@ -20,6 +22,15 @@ from services.wire.messages import GrpcPool, Register
 from services.wire.transport import Transport
 
 CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def chunk_bytes(
+    rows: torch.Tensor, blocks: Sequence[int], block_size: int, start: int, count: int
+) -> bytes:
+    """Tokens [start, start + count) of the block list as bytes, copied once: each
+    contiguous run's raw bytes joined straight into the message's."""
+    runs = token_rows(blocks, block_size, start, count)
+    return b"".join(rows[row : row + n].view(torch.uint8).numpy().data for row, n in runs)
 
 
 class GrpcReceiveEnd(WrittenBeforeDone):
@@ -65,8 +76,7 @@ class GrpcWriter:
                     num_tokens=n,
                     encoder_instance_id=self.instance_id,
                     planes=[
-                        tensor_bytes(read_tokens(rows, part.src_blocks, bs, start, n))
-                        for rows in source.tensors
+                        chunk_bytes(rows, part.src_blocks, bs, start, n) for rows in source.tensors
                     ],
                 )
 
