@@ -9,7 +9,7 @@ import grpc
 import torch
 
 from services.grpc_server import channel
-from services.proto import language_pb2, language_pb2_grpc
+from services.proto import language_pb2
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import token_rows
 from services.transfer.transports.base import (
@@ -24,13 +24,40 @@ from services.wire.transport import Transport
 CHUNK_BYTES = 4 * 1024 * 1024
 
 
-def chunk_bytes(
+# Language.PushEmbeddings, called with chunks this module encodes itself (below)
+PUSH_EMBEDDINGS = "/epd.v1.Language/PushEmbeddings"
+_PLANES = language_pb2.EmbeddingChunk.DESCRIPTOR.fields_by_name["planes"].number
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def chunk_runs(
     rows: torch.Tensor, blocks: Sequence[int], block_size: int, start: int, count: int
-) -> bytes:
-    """Tokens [start, start + count) of the block list as bytes, copied once: each
-    contiguous run's raw bytes joined straight into the message's."""
+) -> list[memoryview]:
+    """Tokens [start, start + count) of the block list: each contiguous run's bytes,
+    in place."""
     runs = token_rows(blocks, block_size, start, count)
-    return b"".join(rows[row : row + n].view(torch.uint8).numpy().data for row, n in runs)
+    return [rows[row : row + n].view(torch.uint8).numpy().data for row, n in runs]
+
+
+def encoded_chunk(header: language_pb2.EmbeddingChunk, planes: Sequence[list[memoryview]]) -> bytes:
+    """An EmbeddingChunk's wire bytes: the header's fields, then each plane as a
+    `planes` field (a message's encoding is the concatenation of its fields'),
+    each run's bytes copied once, straight into the result: building the message
+    and serialising it would copy every byte twice more. The receiver parses it
+    as any EmbeddingChunk."""
+    parts = [header.SerializeToString()]
+    tag = _varint(_PLANES << 3 | 2)  # length-delimited
+    for runs in planes:
+        parts += [tag, _varint(sum(run.nbytes for run in runs)), *runs]
+    return b"".join(parts)
 
 
 class GrpcReceiveEnd(WrittenBeforeDone):
@@ -54,33 +81,39 @@ class GrpcWriter:
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, peer: Register) -> language_pb2_grpc.LanguageStub:
+    def _push(self, peer: Register) -> grpc.aio.StreamUnaryMultiCallable:
+        """PushEmbeddings on the peer, taking chunks already encoded."""
         assert peer.pool is not None and peer.pool.grpc is not None
         ch = self._channels.get(peer.instance_id)
         if ch is None:
             ch = self._channels[peer.instance_id] = channel(peer.pool.grpc.address)
-        return language_pb2_grpc.LanguageStub(ch)
+        return ch.stream_unary(
+            PUSH_EMBEDDINGS,
+            request_serializer=None,  # bytes as they are
+            response_deserializer=language_pb2.PushEmbeddingsReply.FromString,
+        )
 
     async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         check_compatible(source.layout, receiver_layout(peer), peer.instance_id)
         per_chunk = max(1, CHUNK_BYTES // source.layout.token_bytes)
         bs = source.layout.block_size
 
-        async def chunks() -> AsyncIterator[language_pb2.EmbeddingChunk]:
+        async def chunks() -> AsyncIterator[bytes]:
             for offset in range(0, part.count, per_chunk):
                 n = min(per_chunk, part.count - offset)
                 start = part.start + offset
-                yield language_pb2.EmbeddingChunk(
+                header = language_pb2.EmbeddingChunk(
                     request_id=part.request_id,
                     start_token=start,
                     num_tokens=n,
                     encoder_instance_id=self.instance_id,
-                    planes=[
-                        chunk_bytes(rows, part.src_blocks, bs, start, n) for rows in source.tensors
-                    ],
                 )
+                planes = [
+                    chunk_runs(rows, part.src_blocks, bs, start, n) for rows in source.tensors
+                ]
+                yield encoded_chunk(header, planes)
 
-        reply = await self._stub(peer).PushEmbeddings(chunks(), timeout=self.timeout_s)
+        reply = await self._push(peer)(chunks(), timeout=self.timeout_s)
         if reply.received_tokens != part.count:
             raise RuntimeError(
                 f"{peer.instance_id} took {reply.received_tokens} of {part.count} tokens"
