@@ -7,20 +7,21 @@ them. Needs root (`ip netns`); without it the tests skip and say why."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from services import env
 from services.serve import launch
-from tests.multihost.hosts import Host, Network, ip, remove_network
+from tests.multihost.hosts import Host, Network, ip, make_network, remove_network
 
 MODEL = "demo-tiny"
 BROKER_PORT = 50051  # the default: every host has its own ports
@@ -118,10 +119,20 @@ def stop_hosts(network: Network) -> None:
     network.starters.shutdown()
 
 
-@pytest.fixture
-def network_factory(network_available: None) -> Iterator[list[Network]]:
-    made: list[Network] = []
-    yield made
-    for network in made:
+@contextlib.contextmanager
+def cluster_of(
+    shares: Sequence[tuple[str, ...]],
+    checkpoint: Path,
+    logs: Path,
+    environment: Callable[[Network], dict[str, str]] = lambda network: {},
+    spare_hosts: int = 0,
+) -> Iterator[Network]:
+    """Hosts running these shares (and `spare_hosts` more, running nothing), every
+    host's environment with `environment(network)` (TLS); torn down at the end."""
+    network = make_network(len(shares) + spare_hosts)
+    try:
+        start_hosts(network, shares, checkpoint, logs, environment(network))
+        yield network
+    finally:
         stop_hosts(network)
         remove_network(network)

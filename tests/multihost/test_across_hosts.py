@@ -17,10 +17,9 @@ from openai import OpenAI
 
 from tests.multihost.conftest import (
     GATEWAY_PORT,
-    start_hosts,
-    stop_hosts,
+    cluster_of,
 )
-from tests.multihost.hosts import Network, make_network, remove_network
+from tests.multihost.hosts import Network
 from tests.test_serve import check_completion
 
 pytestmark = pytest.mark.multihost
@@ -56,13 +55,8 @@ def cluster(
         (*share, "--language-transports", transport) if "language" in share else share
         for share in LAYOUTS[request.param]
     ]
-    network = make_network(len(shares))
-    try:
-        start_hosts(network, shares, tiny_checkpoint, tmp_path_factory.mktemp("hosts"))
+    with cluster_of(shares, tiny_checkpoint, tmp_path_factory.mktemp("hosts")) as network:
         yield network
-    finally:
-        stop_hosts(network)
-        remove_network(network)
 
 
 def url(network: Network) -> str:

@@ -24,10 +24,9 @@ import pytest
 from tests.chaos.conftest import Load, Outcome, wait_for
 from tests.multihost.conftest import (
     GATEWAY_PORT,
-    start_hosts,
-    stop_hosts,
+    cluster_of,
 )
-from tests.multihost.hosts import Host, Network, make_network, remove_network
+from tests.multihost.hosts import Host, Network
 
 pytestmark = pytest.mark.multihost
 
@@ -48,13 +47,8 @@ ENCODER_METRICS, LANGUAGE_METRICS = 50161, 50171  # each host's first instance's
 def cluster(
     network_available: None, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Network]:
-    network = make_network(len(SHARES))
-    try:
-        start_hosts(network, SHARES, tiny_checkpoint, tmp_path_factory.mktemp("hosts"))
+    with cluster_of(SHARES, tiny_checkpoint, tmp_path_factory.mktemp("hosts")) as network:
         yield network
-    finally:
-        stop_hosts(network)
-        remove_network(network)
 
 
 def url(network: Network) -> str:

@@ -21,10 +21,9 @@ from services import env
 from tests.multihost.conftest import (
     BROKER_PORT,
     GATEWAY_PORT,
-    start_hosts,
-    stop_hosts,
+    cluster_of,
 )
-from tests.multihost.hosts import Network, make_network, remove_network
+from tests.multihost.hosts import Network
 from tests.test_security import make_certificates
 from tests.test_serve import check_completion
 
@@ -41,21 +40,21 @@ SHARES = [
 def cluster(
     network_available: None, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Network]:
-    network = make_network(len(SHARES) + 1)  # the last host is the intruder's
-    certificates = make_certificates(
-        tmp_path_factory.mktemp("tls"), [host.address for host in network.hosts]
-    )
-    tls = {
-        env.TLS_CERT.name: str(certificates.cert),
-        env.TLS_KEY.name: str(certificates.key),
-        env.TLS_CA.name: str(certificates.ca),
-    }
-    try:
-        start_hosts(network, SHARES, tiny_checkpoint, tmp_path_factory.mktemp("hosts"), tls)
+    folder = tmp_path_factory.mktemp("tls")
+
+    def tls(network: Network) -> dict[str, str]:
+        """A certificate naming every host's address."""
+        certificates = make_certificates(folder, [host.address for host in network.hosts])
+        return {
+            env.TLS_CERT.name: str(certificates.cert),
+            env.TLS_KEY.name: str(certificates.key),
+            env.TLS_CA.name: str(certificates.ca),
+        }
+
+    logs = tmp_path_factory.mktemp("hosts")
+    # the last host is the intruder's: it runs nothing of the stack
+    with cluster_of(SHARES, tiny_checkpoint, logs, tls, spare_hosts=1) as network:
         yield network
-    finally:
-        stop_hosts(network)
-        remove_network(network)
 
 
 def test_the_stack_serves_over_mutual_tls_across_hosts(
