@@ -17,6 +17,10 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
+RESERVED_PORTS = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+RESERVED = "8000-8199,50000-50299"
+
+
 @dataclass
 class Host:
     name: str  # its network namespace
@@ -64,6 +68,13 @@ def make_network(num_hosts: int) -> Network:
         ip(*inside, "addr", "add", f"{host.address}/24", "dev", "eth0")
         ip(*inside, "link", "set", "eth0", "up")
         ip(*inside, "link", "set", "lo", "up")
+        # EPD's default ports (8000-8012, 50051-50171) lie in Linux's ephemeral range: a
+        # client socket could take one before its server binds it (it did, once in CI)
+        subprocess.run(
+            ["ip", "netns", "exec", host.name, "sh", "-c", f"echo {RESERVED} > {RESERVED_PORTS}"],
+            check=True,
+            timeout=30,
+        )
     return network
 
 
