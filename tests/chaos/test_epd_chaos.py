@@ -1,8 +1,9 @@
 """E/P/D under SIGKILL: `epd serve --prefill 1 --decode 2` under load, its
 prefill instance killed, then a decode instance. Only the requests that touched
 the dead instance fail, each within a bounded time with a clean 5xx; the
-instance comes back and serves; afterwards every KV page, receive block and
-send buffer is back on every instance."""
+instance comes back and serves (requests started after each recovery all
+succeed); afterwards every KV page, receive block and send buffer is back on
+every instance."""
 
 from __future__ import annotations
 
@@ -50,7 +51,5 @@ def test_prefill_then_decode_killed(epd_stack: Stack) -> None:
         near_prefill = o.ended >= prefill_killed and o.started <= prefill_back
         near_decode = o.in_flight_at(decode_killed) or 0 <= o.started - decode_killed < 1.0
         assert near_prefill or near_decode, o
-    during_decode = [o for o in load.outcomes if o.in_flight_at(decode_killed)]
-    assert any(o.status == 200 for o in during_decode), "decode-1's requests went on"
     assert len([o for o in failed if o.in_flight_at(decode_killed)]) <= load.workers
     wait_for(lambda: pools_are_whole(stack), 30, "every pool whole")
