@@ -298,6 +298,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
         checkpoint = cached_demo_checkpoint(args.demo_size)
         name = args.model_name or f"demo-{args.demo_size}"
+    transports: tuple[str, ...] = ()
+    if args.language_transports:
+        transports = ("--transports", ",".join(t.name.lower() for t in args.language_transports))
     dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
     print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
     gateway = ["--allow-private-urls"] if args.allow_private_urls else []
@@ -327,14 +330,7 @@ def _serve(args: argparse.Namespace) -> int:
                 broker=args.broker,
                 advertise_host=args.advertise_host,
                 api_key=args.api_key,
-                language_args=(
-                    *flags.engine_args(args),
-                    *(
-                        ("--transports", ",".join(t.name.lower() for t in args.language_transports))
-                        if args.language_transports
-                        else ()
-                    ),
-                ),
+                language_args=(*flags.engine_args(args), *transports),
                 dtype=dtype,
                 gateway_args=tuple(gateway),
                 monolithic=args.monolithic,

@@ -132,12 +132,11 @@ class LanguageDrivers:
             case PeerLost():
                 for driver in self._drivers():
                     await driver.on_message(message)
-            case InstanceJoined() | Prealloc() | Resume() if sender is not None:
-                await sender.on_message(message)
+            case InstanceJoined() | Prealloc() | Resume():  # only senders hear of these
+                if sender is not None:
+                    await sender.on_message(message)
             case Abort(request_id) if sender is not None and is_kv_transfer(request_id):
                 await sender.on_message(message)
-            case InstanceJoined() | Prealloc() | Resume():
-                pass  # only senders hear of these
             case _:
                 await self.receiver.on_message(message)
 
