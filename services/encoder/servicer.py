@@ -38,12 +38,14 @@ _STATUS = (
 )
 
 
-# A failed transfer: only UNAVAILABLE (this encoder cannot finish it) is worth
-# retrying on another encoder; the others say where the request ended.
+# A failed transfer: only UNAVAILABLE is worth retrying on another encoder: this
+# encoder cannot finish it, or its write to the language instance failed (the
+# peer or the path to it: a cut link times the connection out), which another
+# encoder's path may not share. The others say where the request ended.
 _TRANSFER_STATUS = {
     Failure.ABORTED: grpc.StatusCode.ABORTED,
     Failure.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Failure.WRITE_FAILED: grpc.StatusCode.INTERNAL,
+    Failure.WRITE_FAILED: grpc.StatusCode.UNAVAILABLE,
     Failure.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 
