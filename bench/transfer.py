@@ -128,7 +128,8 @@ def tcp_gbps(prefix: Sequence[str], address: str, nbytes: int, repeats: int) -> 
         with conn:
             for _ in range(repeats + 1):
                 started = time.perf_counter()
-                conn.sendall(struct.pack("!Q", nbytes) + payload)
+                conn.sendall(struct.pack("!Q", nbytes))
+                conn.sendall(payload)
                 conn.recv(1)
                 times.append(time.perf_counter() - started)
         return nbytes / statistics.median(times[1:]) / 1e9

@@ -16,12 +16,12 @@ from services.language.engine.kv_cache import device_memory
 from services.language.frontend import Frontend
 from services.language.kv_handoff import KVHandoff, KVPages, KVSource, LanguageDrivers
 from services.language.metrics import LanguageMetrics
-from services.language.servicer import LanguageServicer
+from services.language.servicer import LanguageServicer, add_to_server
 from services.model.checkpoint import load_language_weights
 from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
-from services.proto import language_pb2, language_pb2_grpc
+from services.proto import language_pb2
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.receiver_driver import ReceiverDriver
@@ -76,7 +76,7 @@ class LanguageServer(InstanceServer):
         )
         self.grpc = config.instance.server(
             language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,
-            lambda server: language_pb2_grpc.add_LanguageServicer_to_server(servicer, server),
+            lambda server: add_to_server(servicer, server),
             registry,
         )
 

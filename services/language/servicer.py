@@ -10,7 +10,8 @@ pages); Abort ends a request wherever it is.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import grpc
 
@@ -22,6 +23,7 @@ from services.transfer.receiver_driver import ReceiverDriver
 from services.transfer.sender import Failure
 from services.transfer.sender_driver import TransferError, UnknownPeerError
 from services.transfer.state import PoolExhaustedError, TransferFailedError
+from services.transfer.transports.grpc_stream import Chunk, decoded_chunk
 from services.wire.convert import from_proto, to_proto
 from services.wire.messages import LanguageRole, kv_transfer_id
 from services.wire.request import GenerateComplete, GenerateRequest
@@ -149,7 +151,7 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
 
     async def PushEmbeddings(
         self,
-        request_iterator: AsyncIterator[language_pb2.EmbeddingChunk],
+        request_iterator: AsyncIterator[Chunk],
         context: grpc.aio.ServicerContext,
     ) -> language_pb2.PushEmbeddingsReply:
         received = 0
@@ -181,3 +183,26 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         generating = self.engine.has_request(request_id)
         self.engine.abort(request_id)
         return language_pb2.AbortReply(found=receiving or generating)
+
+
+class _Generated:
+    """Takes the method handlers the generated registration hands a server."""
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers come to add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, Any]) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def add_to_server(servicer: LanguageServicer, server: grpc.aio.Server) -> None:
+    """Language's methods as generated, except that PushEmbeddings parses its
+    chunks with `decoded_chunk` (the planes stay views of the bytes received)."""
+    generated = _Generated()
+    language_pb2_grpc.add_LanguageServicer_to_server(servicer, generated)
+    handlers = generated.handlers
+    push = handlers["PushEmbeddings"]
+    handlers["PushEmbeddings"] = push._replace(request_deserializer=decoded_chunk)
+    service = generated.service
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

@@ -11,6 +11,7 @@ buffer is one in its own memory. Block bookkeeping is the BlockAllocator.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Sequence
 
@@ -26,7 +27,7 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def tensor_from_bytes(data: bytes, dtype: torch.dtype, width: int) -> torch.Tensor:
+def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, width: int) -> torch.Tensor:
     """A read-only [n, width] view of received bytes, to be copied into a pool."""
     if len(data) % (width * torch.empty((), dtype=dtype).element_size()):
         raise ValueError(f"{len(data)} bytes is not a whole number of {width}-wide {dtype} rows")
@@ -41,7 +42,7 @@ def write_tokens(
     """rows[...] for tokens [start, start + len(values)) of the block list <- values."""
     done = 0
     for row, length in token_rows(blocks, block_size, start, values.shape[0]):
-        rows[row : row + length].copy_(values[done : done + length])
+        copy_rows(rows[row : row + length], values[done : done + length])
         done += length
 
 
@@ -49,10 +50,26 @@ def read_tokens(
     rows: torch.Tensor, blocks: Sequence[int], block_size: int, start: int, count: int
 ) -> torch.Tensor:
     """A copy of tokens [start, start + count) of the block list."""
-    parts = [
-        rows[row : row + length] for row, length in token_rows(blocks, block_size, start, count)
-    ]
-    return torch.cat(parts) if parts else rows[:0].clone()
+    out = rows.new_empty((count, *rows.shape[1:]))
+    done = 0
+    for row, length in token_rows(blocks, block_size, start, count):
+        copy_rows(out[done : done + length], rows[row : row + length])
+        done += length
+    return out
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src. Between contiguous CPU tensors of one dtype, a memmove on this
+    thread: torch's copy_ splits a copy of more than 32K elements over its OpenMP
+    threads, and their fork/join waits for cores that the network keeps busy
+    (py-spy on a gRPC receiver: most of its pool writes were libgomp barriers)."""
+    if dst.shape != src.shape:
+        raise ValueError(f"cannot copy {tuple(src.shape)} rows into {tuple(dst.shape)}")
+    on_cpu = dst.device.type == src.device.type == "cpu"
+    if on_cpu and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
+    else:
+        dst.copy_(src)
 
 
 class EmbeddingPool:

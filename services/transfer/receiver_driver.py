@@ -191,7 +191,7 @@ class ReceiverDriver:
         request_id: str,
         start_token: int,
         num_tokens: int,
-        planes: Sequence[bytes],
+        planes: Sequence[bytes | memoryview],
         encoder_id: str,
     ) -> None:
         """gRPC data plane: a run of tokens of the current part, per plane."""

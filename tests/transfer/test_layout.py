@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.transfer.embedding_pool import EmbeddingPool, read_tokens, write_tokens
+from services.transfer.embedding_pool import EmbeddingPool, copy_rows, read_tokens, write_tokens
 from services.transfer.layout import PoolLayout, copy_runs, embedding_planes, token_rows
 from services.wire.messages import Plane
 
@@ -84,3 +84,22 @@ def test_write_tokens_at_an_offset() -> None:
     rows = torch.zeros(16, 1)
     write_tokens(rows, [2, 0], 4, 3, torch.tensor([[1.0], [2.0], [3.0]]))
     assert rows[11, 0] == 1 and rows[0, 0] == 2 and rows[1, 0] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_rows_copies_exactly_whatever_the_layout(dtype: torch.dtype) -> None:
+    """The pools' copy: a memmove between contiguous CPU rows of one dtype
+    (300K elements: torch would have split it over threads), copy_ otherwise
+    (a strided source, another dtype); the same bytes either way."""
+    src = torch.randn(1200, 256).to(dtype)
+    dst = torch.zeros(1200, 256, dtype=dtype)
+    copy_rows(dst, src)
+    assert torch.equal(dst, src)
+    strided = torch.randn(256, 1200).to(dtype).t()
+    copy_rows(dst, strided)
+    assert torch.equal(dst, strided)
+    wider = torch.randn(1200, 256, dtype=torch.float64)
+    copy_rows(dst, wider)
+    assert torch.equal(dst, wider.to(dtype))
+    with pytest.raises(ValueError, match="cannot copy"):
+        copy_rows(dst[:10], src[:11])

@@ -4,9 +4,11 @@ directly to the language instance (never through the broker)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from services.grpc_server import channel
 from services.proto import language_pb2
@@ -21,7 +23,9 @@ from services.transfer.transports.base import (
 from services.wire.messages import GrpcPool, Register
 from services.wire.transport import Transport
 
-CHUNK_BYTES = 4 * 1024 * 1024
+# Smaller chunks overlap the receiver's pool writes with the network (measured
+# across two namespace hosts: 1 MiB 1.1-1.2 GB/s, 4 MiB 0.75-1.0 GB/s).
+CHUNK_BYTES = 1024 * 1024
 
 
 # Language.PushEmbeddings, called with chunks this module encodes itself (below)
@@ -58,6 +62,66 @@ def encoded_chunk(header: language_pb2.EmbeddingChunk, planes: Sequence[list[mem
     for runs in planes:
         parts += [tag, _varint(sum(run.nbytes for run in runs)), *runs]
     return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """An EmbeddingChunk as the receiver takes it: its planes are views of the
+    bytes that arrived."""
+
+    request_id: str
+    start_token: int
+    num_tokens: int
+    encoder_instance_id: str
+    planes: list[memoryview]
+
+
+def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise DecodeError("EmbeddingChunk: truncated or overlong varint")
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+
+
+def decoded_chunk(data: bytes) -> Chunk:
+    """Any EmbeddingChunk's wire bytes (ours, or grpcurl's): each `planes` field
+    is kept as a view of `data`, the other fields, put together, are parsed by
+    protobuf. The message's own accessor would copy every plane into a new
+    bytes object, on the receiver's busiest path. DecodeError as protobuf's."""
+    view, planes, header, pos = memoryview(data), [], [], 0
+    while pos < len(view):
+        begin = pos
+        key, pos = _read_varint(view, pos)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            length, pos = _read_varint(view, pos)
+            if key >> 3 == _PLANES:
+                planes.append(view[pos : pos + length])
+                pos += length
+                continue
+            pos += length
+        else:
+            raise DecodeError(f"EmbeddingChunk: unexpected wire type {wire_type}")
+        header.append(view[begin:pos])
+    if pos != len(view):  # a field ran past the end
+        raise DecodeError("EmbeddingChunk: truncated")
+    fields = language_pb2.EmbeddingChunk.FromString(b"".join(header))
+    return Chunk(
+        fields.request_id,
+        fields.start_token,
+        fields.num_tokens,
+        fields.encoder_instance_id,
+        planes,
+    )
 
 
 class GrpcReceiveEnd(WrittenBeforeDone):
