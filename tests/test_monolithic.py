@@ -107,6 +107,29 @@ def test_structured_output(monolithic: str) -> None:
     assert json.loads(reply.choices[0].message.content or "") in schema["enum"]
 
 
+def test_a_forced_tool_call(monolithic: str) -> None:
+    """tool_choice naming a function: its call, with arguments its schema takes."""
+    parameters = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    client = OpenAI(base_url=monolithic + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=80,
+        temperature=0,
+        messages=[{"role": "user", "content": "Paint it."}],
+        tools=[{"type": "function", "function": {"name": "paint", "parameters": parameters}}],
+        tool_choice={"type": "function", "function": {"name": "paint"}},
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert call.type == "function" and call.function.name == "paint"
+    assert json.loads(call.function.arguments)["colour"] in ("red", "green")
+
+
 def test_bad_image_is_a_400(monolithic: str) -> None:
     url = "data:image/png;base64," + base64.b64encode(b"\x89PNG broken").decode()
     reply = httpx.post(

@@ -34,6 +34,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="share of requests with a response_format JSON schema (structured output)",
     )
+    p.add_argument(
+        "--tool-ratio",
+        type=float,
+        default=0.0,
+        help="share of requests that offer tools (a function taking a free-text note)",
+    )
+    p.add_argument(
+        "--tool-choice",
+        choices=("required", "auto", "none"),
+        default="required",
+        help="those requests' tool_choice",
+    )
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--input-len", type=int, default=64, help="words of text per prompt")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
@@ -140,6 +152,8 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         endpoint=args.endpoint,
         schema_ratio=args.schema_ratio,
+        tool_ratio=args.tool_ratio,
+        tool_choice=args.tool_choice,
         video_ratio=args.video_ratio,
         video_frames=args.video_frames,
         video_size=(int(video_width), int(video_height)),

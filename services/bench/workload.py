@@ -78,6 +78,23 @@ BENCH_SCHEMA = {
     "required": ["title", "tags", "score"],
 }
 
+# What a tools request offers (--tool-ratio): one function whose argument is
+# free text, so a forced call runs for the whole output_len, as a free answer does.
+BENCH_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "take_note",
+            "description": "Keep a note about the picture or the question.",
+            "parameters": {
+                "type": "object",
+                "properties": {"note": {"type": "string"}},
+                "required": ["note"],
+            },
+        },
+    }
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -93,6 +110,8 @@ class Workload:
     seed: int = 0
     endpoint: Literal["chat", "completions"] = "chat"  # /v1/completions: text prompts only
     schema_ratio: float = 0.0  # share of chat requests with a response_format JSON schema
+    tool_ratio: float = 0.0  # share of chat requests with tools (BENCH_TOOLS)
+    tool_choice: str = "required"  # theirs: "required", "auto" or "none"
     video_ratio: float = 0.0  # share of requests with one video (of those without images)
     video_frames: int = 16
     video_size: tuple[int, int] = (224, 224)
@@ -102,6 +121,10 @@ class Workload:
     def __post_init__(self) -> None:
         if not 0 <= self.schema_ratio <= 1 or (self.schema_ratio and self.endpoint != "chat"):
             raise ValueError("schema_ratio must be in [0, 1], with the chat endpoint")
+        if not 0 <= self.tool_ratio <= 1 or (self.tool_ratio and self.endpoint != "chat"):
+            raise ValueError("tool_ratio must be in [0, 1], with the chat endpoint")
+        if self.tool_choice not in ("required", "auto", "none"):
+            raise ValueError("tool_choice must be required, auto or none")
         if self.endpoint == "completions" and self.image_ratio:
             raise ValueError("/v1/completions takes no images: use --image-ratio 0")
         if not 0 <= self.image_ratio <= 1:
@@ -153,6 +176,8 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
     schema_rng = random.Random(workload.seed + 1)
     count = round(workload.schema_ratio * workload.num_prompts)
     with_schema = set(schema_rng.sample(range(workload.num_prompts), count))
+    count = round(workload.tool_ratio * workload.num_prompts)
+    with_tools = set(random.Random(workload.seed + 2).sample(range(workload.num_prompts), count))
     folder = _folder_images(workload.image_dir) if workload.image_dir else []
     pil_format, mime = FORMATS[workload.image_format]
     requests = []
@@ -208,6 +233,10 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
                 "type": "json_schema",
                 "json_schema": {"name": "bench", "schema": BENCH_SCHEMA},
             }
+        if index in with_tools:
+            body["tools"] = BENCH_TOOLS
+            body["tool_choice"] = workload.tool_choice
+            body["parallel_tool_calls"] = False
         path = "/completions" if workload.endpoint == "completions" else "/chat/completions"
         of: Literal["image", "video", "text"] = (
             "image" if index in with_images else "video" if index in with_videos else "text"

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.backend import GenerateCall, GenerationBackend, MediaData, Responses
@@ -32,12 +32,14 @@ from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ImagePart,
     JsonObjectFormat,
     JsonSchemaFormat,
     TextPart,
     VideoPart,
+    called,
     chat_choice,
     chunk,
     completion,
@@ -49,6 +51,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.request_log import RequestRecord
 from services.gateway.request_log import log as log_request
+from services.gateway.tool_calls import Call, ToolCallStream, call_deltas, structural_tag
 from services.wire import request as wire
 
 logger = logging.getLogger(__name__)
@@ -131,20 +134,9 @@ async def _prepare(
     )
     gateway.metrics.images.inc(len(loaded))
     record.media = len(loaded)
-    hints = iter(image.token_hint for image in loaded)
-    messages = []
-    for message in body.messages:
-        parts: list[wire.ContentPart] = []
-        for part in message.parts:
-            if isinstance(part, ImagePart):
-                parts.append(wire.ImagePart(token_hint=next(hints)))
-            elif isinstance(part, VideoPart):
-                parts.append(wire.VideoPart(token_hint=next(hints)))
-            else:
-                parts.append(part.text)
-        role = "system" if message.role == "developer" else message.role
-        messages.append(wire.ChatMessage(role, tuple(parts)))
+    messages = _messages(body.messages, [image.token_hint for image in loaded])
     form = body.response_format
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     sampling = _sampling(
         body,
         body.logprobs,
@@ -154,13 +146,48 @@ async def _prepare(
         json_schema=json.dumps(form.json_schema.schema_)
         if isinstance(form, JsonSchemaFormat)
         else "",
+        structural_tag=_forced_calls(body, tools),
     )
-    request = wire.GenerateRequest(record.request_id, tuple(messages), sampling)
+    request = wire.GenerateRequest(
+        record.request_id, messages, sampling, tools=json.dumps(tools) if tools else ""
+    )
     media = tuple(
         MediaData(image.data, isinstance(part, VideoPart))
         for image, part in zip(loaded, vision, strict=True)
     )
-    return GenerateCall(request, body.model, media, record)
+    return GenerateCall(request, body.model, media, body.calls_tools, record)
+
+
+def _forced_calls(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str:
+    """The grammar of a forced tool_choice ("required", a named function), or ""."""
+    if not body.forces_tools:
+        return ""
+    choice = body.tool_choice
+    dumped = choice.model_dump() if isinstance(choice, BaseModel) else choice
+    return structural_tag(tools, dumped, body.parallel_tool_calls)
+
+
+def _messages(messages: list[ChatMessage], hints: list[int]) -> tuple[wire.ChatMessage, ...]:
+    """The chat as the language service takes it: each image and video with its
+    token hint (in prompt order), an assistant's calls, a tool result's call id."""
+    hint = iter(hints)
+    out = []
+    for message in messages:
+        parts: list[wire.ContentPart] = []
+        for part in message.parts:
+            if isinstance(part, ImagePart):
+                parts.append(wire.ImagePart(token_hint=next(hint)))
+            elif isinstance(part, VideoPart):
+                parts.append(wire.VideoPart(token_hint=next(hint)))
+            else:
+                parts.append(part.text)
+        calls = tuple(
+            wire.ToolCall(c.id, c.function.name, c.function.arguments)
+            for c in message.tool_calls or []
+        )
+        role = "system" if message.role == "developer" else message.role
+        out.append(wire.ChatMessage(role, tuple(parts), calls, message.tool_call_id or ""))
+    return tuple(out)
 
 
 async def _prepare_completion(
@@ -195,6 +222,7 @@ def _sampling(
     top_logprobs: int,
     json_object: bool = False,
     json_schema: str = "",
+    structural_tag: str = "",
 ) -> wire.SamplingParams:
     """The request's sampling parameters: the one place they are read from OpenAI's."""
     try:
@@ -216,6 +244,7 @@ def _sampling(
             logit_bias=tuple(sorted((body.logit_bias or {}).items())),
             json_schema=json_schema,
             json_object=json_object,
+            structural_tag=structural_tag,
             n=body.n,
         )
     except ValueError as exc:
@@ -332,27 +361,75 @@ async def _responses(first: wire.GenerateResponse, stream: Responses) -> Respons
         yield response
 
 
-def _piece(
+class _Deltas:
+    """One chat choice's deltas: its text as content, or, where the output is
+    parsed for tool calls, content and calls as they complete (tool_calls.py)."""
+
+    def __init__(self, tool_calls: bool) -> None:
+        self.stream = ToolCallStream() if tool_calls else None
+        self.calls = 0
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        if self.stream is None:
+            return [{"content": text}] if text else []
+        return self._deltas(self.stream.feed(text))
+
+    def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
+        """The deltas held to the end, and the finish reason: "tool_calls" where
+        the choice called tools and stopped by itself."""
+        deltas = self._deltas(self.stream.finish()) if self.stream is not None else []
+        return deltas, called(reason, self.calls > 0)
+
+    def _deltas(self, pieces: list[str | Call]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, Call):
+                out += call_deltas(piece, self.calls)
+                self.calls += 1
+            else:
+                out.append({"content": piece})
+        return out
+
+
+def _pieces(
     call: GenerateCall,
     created: int,
     index: int,
     text: str,
     entries: list[Any],
-    finish: str | None,
-) -> dict[str, Any]:
-    """One stream chunk of one choice: a chat delta, or a text completion's piece."""
+    deltas: _Deltas,
+) -> list[dict[str, Any]]:
+    """A chunk's stream events for one choice: a text completion's piece, or
+    chat deltas (the logprobs with the first; an empty delta carries them alone)."""
     want_logprobs = call.sampling.logprobs and bool(entries)
     if call.is_completion:
         choice = {
             "index": index,
             "text": text,
             "logprobs": text_logprobs(entries) if want_logprobs else None,
-            "finish_reason": finish,
+            "finish_reason": None,
         }
-        return text_completion(call.request_id, call.model, [choice], None)
-    delta = {"content": text} if finish is None else {}
+        return [text_completion(call.request_id, call.model, [choice], None)]
+    out = deltas.text(text) or ([{"content": ""}] if want_logprobs else [])
     logprobs = logprob_content(entries) if want_logprobs else None
-    return chunk(call.request_id, call.model, created, delta, finish, logprobs, index)
+    return [
+        chunk(call.request_id, call.model, created, d, None, logprobs if i == 0 else None, index)
+        for i, d in enumerate(out)
+    ]
+
+
+def _closing(
+    call: GenerateCall, created: int, index: int, reason: str, deltas: _Deltas
+) -> list[dict[str, Any]]:
+    """A choice's last events: what its deltas held, then its finish reason."""
+    if call.is_completion:
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+        return [text_completion(call.request_id, call.model, [choice], None)]
+    held, reason = deltas.finish(reason)
+    return [
+        *(chunk(call.request_id, call.model, created, d, index=index) for d in held),
+        chunk(call.request_id, call.model, created, {}, reason, None, index),
+    ]
 
 
 async def _sse(
@@ -367,6 +444,7 @@ async def _sse(
     n = max(1, call.sampling.n)
     seen_text = False
     going, completion_tokens = n, 0
+    deltas = [_Deltas(call.tool_calls) for _ in range(n)]
     try:
         if not call.is_completion:
             opening = {"role": "assistant", "content": ""}
@@ -380,10 +458,13 @@ async def _sse(
                         _first_token(gateway, call, started)
                         seen_text = True
                     if c.text or (call.sampling.logprobs and c.logprobs):
-                        yield _event(_piece(call, created, index, c.text, list(c.logprobs), None))
+                        entries = list(c.logprobs)
+                        for piece in _pieces(call, created, index, c.text, entries, deltas[index]):
+                            yield _event(piece)
                 case wire.GenerateComplete() as done:
                     _count(gateway, call, response, done)
-                    yield _event(_piece(call, created, index, "", [], done.finish_reason))
+                    for piece in _closing(call, created, index, done.finish_reason, deltas[index]):
+                        yield _event(piece)
                     going -= 1
                     completion_tokens += done.completion_tokens
                     if include_usage and not going:
@@ -524,6 +605,7 @@ def create_app(gateway: Gateway) -> ASGIApp:
                 out.text,
                 out.finish_reason,
                 logprob_content(out.logprobs) if want_logprobs else None,
+                call.tool_calls,
             )
             for index, out in enumerate(outs)
         ]

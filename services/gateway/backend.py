@@ -82,6 +82,7 @@ class GenerateCall:
     request: GenerateRequest
     model: str
     media: tuple[MediaData, ...] = ()
+    tool_calls: bool = False  # the output is split into content and calls (tool_calls.py)
     # filled in by the backend with the instances it used, logged at the end
     record: RequestRecord = field(default_factory=lambda: RequestRecord(""))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Self
 
@@ -15,16 +16,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from services.gateway.tool_calls import Call, message_calls, schema_error, split
+from services.wire.request import FinishReason
+
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 
 # OpenAI parameters this server does not implement: refused by name, never ignored.
 UNSUPPORTED = (
-    "tools",
-    "tool_choice",
-    "functions",
+    "functions",  # the deprecated form of tools
     "function_call",
-    "parallel_tool_calls",
     "prediction",
     "audio",
     "modalities",
@@ -84,10 +85,31 @@ class VideoPart(_Strict):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class AssistantToolCall(_Strict):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's
+    tool_call_id: Text | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> Self:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are an assistant message's")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only it, has a tool_call_id")
+        return self
 
     @property
     def parts(self) -> list[TextPart | ImagePart | VideoPart]:
@@ -205,16 +227,80 @@ ResponseFormat = Annotated[
 ]
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _usable_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and (why := schema_error(json.dumps(value, sort_keys=True))):
+            raise ValueError(f"a schema the grammar compiler refuses: {why}")
+        return value
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tools_fit_the_choice(self) -> Self:
+        names = [t.function.name for t in self.tools or []]
+        if duplicate := next((n for n in names if names.count(n) > 1), None):
+            raise _tools_error("tools", "function '{name}' is defined twice", name=duplicate)
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise _tools_error("tool_choice", "tool_choice '{choice}' needs tools", choice=choice)
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            name = choice.function.name
+            raise _tools_error("tool_choice", "no function '{name}' in tools", name=name)
+        if self.forces_tools and self.response_format is not None:
+            text = "response_format and a forced tool_choice cannot both constrain the output"
+            raise _tools_error("response_format", text)
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """The output is parsed for calls: tools given, and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tools(self) -> bool:
+        """tool_choice "required" or a named function: the output is calls only."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def _tools_error(param: str, text: str, **values: Any) -> PydanticCustomError:
+    return PydanticCustomError("tools", text, {**values, "param": param})
 
 
 PromptText = Annotated[Text, Field(min_length=1)]
@@ -250,7 +336,8 @@ class CompletionRequest(_GenerationRequest):
 
 def _path(error: Any) -> list[str]:
     """An error's location without the arms of unions (`str`, `list[...]`,
-    `function-after[...]`) and the tags of tagged unions that pydantic puts in it."""
+    `function-after[...]`, a model's class name) and the tags of tagged unions
+    that pydantic puts in it."""
     path: list[str] = []
     tag_next = False  # the next name after a tagged union is the tag, not a field
     for part in error.get("loc", ()):
@@ -258,7 +345,10 @@ def _path(error: Any) -> list[str]:
             tag_next = True
         elif isinstance(part, str) and tag_next:
             tag_next = False
-        elif not ((isinstance(part, str) and ("[" in part or part in _ARMS)) or part == "body"):
+        elif not (
+            (isinstance(part, str) and ("[" in part or part in _ARMS or part[:1].isupper()))
+            or part == "body"
+        ):
             path.append(str(part))
             # A tagged union held by the field itself: no `tagged-union[...]` arm
             # comes first, and the tag follows the field's name.
@@ -327,14 +417,31 @@ def completion(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str, logprobs: list[dict[str, Any]] | None
+    index: int,
+    text: str,
+    finish_reason: str,
+    logprobs: list[dict[str, Any]] | None,
+    tool_calls: bool = False,
 ) -> dict[str, Any]:
+    """One choice; with `tool_calls`, its calls parsed out of the text (tool_calls.py)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    calls: list[Call] = []
+    if tool_calls:
+        content, calls = split(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = message_calls(calls)
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": {"content": logprobs} if logprobs is not None else None,
-        "finish_reason": finish_reason,
+        "finish_reason": called(finish_reason, bool(calls)),
     }
+
+
+def called(reason: str, calls: bool) -> str:
+    """A choice's finish reason: "tool_calls" where it called tools and stopped."""
+    return "tool_calls" if calls and reason == FinishReason.STOP else reason
 
 
 def text_logprobs(entries: list[Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ request for its sampling, receives the pages and streams (`decode`).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,13 @@ from services.language.engine.engine import RequestOutput
 from services.language.engine.request import Request, new_request, prefilled_request
 from services.language.kv_handoff import KVHandoff, KVObserver, first_token, wire_first_tokens
 from services.model.spec import ModelSpec
-from services.model.tokenizer import ChatMessages, Prompt, build_prompt, completion_prompt
+from services.model.tokenizer import (
+    ChatMessages,
+    Prompt,
+    Tools,
+    build_prompt,
+    completion_prompt,
+)
 from services.transfer.receiver_driver import ReceiverDriver
 from services.wire.messages import EmbeddingMeta, KvMeta, MediaGrid, kv_transfer_id
 from services.wire.request import (
@@ -48,10 +55,11 @@ from services.wire.request import (
     PrefillReply,
     SamplingParams,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
 )
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class MediaMismatchError(RuntimeError):
@@ -80,6 +88,7 @@ class Rendered:
     prompt: Prompt
     sampling: SamplingParams  # max_tokens resolved
     grammar: Any  # the compiled grammar of a guided request, else None
+    tools: Tools = ()  # the functions the chat template renders
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessages, tuple[int, ...]]:
@@ -98,8 +107,39 @@ def chat_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessages, tuple[
             else:
                 parts.append({"type": "image" if isinstance(part, ImagePart) else "video"})
                 hints.append(part.token_hint)
-        out.append({"role": message.role, "content": parts})
+        entry: dict[str, Any] = {"role": message.role, "content": parts}
+        if message.tool_calls:
+            entry["tool_calls"] = [template_call(call) for call in message.tool_calls]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
     return out, tuple(hints)
+
+
+def template_call(call: ToolCall) -> dict[str, Any]:
+    """A call as chat templates take it: arguments as an object (the templates
+    write them with `tojson`; a string would come out quoted)."""
+    try:
+        arguments = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        raise ValueError(f"tool call {call.id!r}: arguments are not JSON") from None
+    function = {"name": call.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def request_tools(request: GenerateRequest) -> Tools:
+    """The functions of a chat request (OpenAI's `tools`, JSON), checked for shape."""
+    if not request.tools:
+        return ()
+    try:
+        tools = json.loads(request.tools)
+    except json.JSONDecodeError:
+        raise ValueError("tools: not JSON") from None
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+    ):
+        raise ValueError('tools: a list of {"type": "function", "function": {...}}')
+    return tuple(tools)
 
 
 def check_hints(hints: Sequence[int], max_media_tokens: int | None, max_model_len: int) -> None:
@@ -266,20 +306,23 @@ class Frontend:
                 raise ValueError("a request has messages or a prompt, not both")
             chat: ChatMessages = []
             hints: tuple[int, ...] = ()
+            tools: Tools = ()
             known = True
             args = (request.prompt, list(request.prompt_token_ids))
             prompt = await self._tokenize(completion_prompt, *args)
         else:
             chat, hints = chat_messages(request.messages)
+            tools = request_tools(request)
             check_hints(hints, self.max_media_tokens, self.engine.max_model_len)
             known = all(h > 0 for h in hints)  # else the prompt's length waits for the grids
-            prompt = await self._tokenize(build_prompt, chat, hints if known else [1] * len(hints))
+            items = hints if known else [1] * len(hints)
+            prompt = await self._tokenize(build_prompt, chat, items, tools)
         sampling = _resolved(request.sampling, self.engine.max_model_len - len(prompt.token_ids))
         self.engine.check_sampling(sampling)
         grammar = await self.engine.compile_grammar(sampling)
         if known:
             self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
-        return Rendered(request.request_id, chat, hints, prompt, sampling, grammar)
+        return Rendered(request.request_id, chat, hints, prompt, sampling, grammar, tools)
 
     async def receive(self, rendered: Rendered) -> Media:
         """Preallocates receive blocks for the hinted tokens, waits for the
@@ -306,7 +349,7 @@ class Frontend:
         counts = tuple(g.num_tokens(merge) for g in grids)
         if counts == rendered.hints and not any(g.frame_seconds for g in grids):
             return rendered
-        prompt = await self._tokenize(build_prompt, rendered.chat, grids)
+        prompt = await self._tokenize(build_prompt, rendered.chat, grids, rendered.tools)
         self.engine.check_fits(len(prompt.token_ids), rendered.sampling.max_tokens)
         return replace(rendered, prompt=prompt)
 

@@ -46,8 +46,8 @@ SPECIAL_TOKENS = (
 TOKENIZER_VOCAB_SIZE = 1024
 ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # bumped when what a demo checkpoint holds changes, so that caches are rebuilt
-# (2: Qwen3-VL demos have Qwen3-VL's video processor)
-DEMO_VERSION = 2
+# (2: Qwen3-VL demos have Qwen3-VL's video processor; 3: the chat template renders tools)
+DEMO_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,9 +63,19 @@ class Prompt:
         return sum(self.image_token_counts)
 
 
-def render_chat(tokenizer: Any, messages: ChatMessages) -> str:
+# Function definitions as OpenAI's `tools` list them: {"type": "function", "function": {...}}
+Tools = Sequence[dict[str, Any]]
+
+
+def render_chat(tokenizer: Any, messages: ChatMessages, tools: Tools = ()) -> str:
+    """The chat template's text; `tools`, when given, rendered by the template
+    (ValueError if it cannot: such a template would silently leave them out)."""
+    if tools and "tools" not in tokenizer.chat_template:
+        raise ValueError("tools: this checkpoint's chat template does not render tools")
     return str(
-        tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            list(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=True
+        )
     )
 
 
@@ -88,12 +98,17 @@ def completion_prompt(
 
 
 def build_prompt(
-    tokenizer: Any, spec: ModelSpec, messages: ChatMessages, items: Sequence[MediaGrid | int]
+    tokenizer: Any,
+    spec: ModelSpec,
+    messages: ChatMessages,
+    items: Sequence[MediaGrid | int],
+    tools: Tools = (),
 ) -> Prompt:
     """Token ids of the templated chat with the placeholder of vision item i (an
     image or a video, in prompt order) expanded for items[i]: its grid, or only
     its token count (a hint: a Qwen3-VL video's timestamps then stay out)."""
-    ids = tokenizer(render_chat(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    text = render_chat(tokenizer, messages, tools)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     pads = (spec.image_token_id, spec.video_token_id)
     placeholders = [i for i, t in enumerate(ids) if t in pads]
     if len(placeholders) != len(items):

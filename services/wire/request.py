@@ -44,6 +44,7 @@ class SamplingParams:
     json_schema: str = ""
     json_object: bool = False
     n: int = 1  # choices: the prompt is prefilled once, its KV pages shared by all
+    structural_tag: str = ""  # tool calling: an xgrammar structural tag (JSON text)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -74,6 +75,8 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias {token}: {bias} must be in [-100, 100]")
+        if self.structural_tag and (self.json_schema or self.json_object):
+            raise ValueError("one grammar a request: a JSON schema or a tool-call structural tag")
 
     @property
     def is_greedy(self) -> bool:
@@ -114,9 +117,20 @@ MediaPart = ImagePart | VideoPart
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call an assistant made: its id, the function and its arguments (JSON)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: tuple[ContentPart, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's
+    tool_call_id: str = ""  # a tool's result: the call it answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +147,7 @@ class GenerateRequest:
     # which prefill instance sends them.
     decode_instance_id: str = ""
     prefill_instance_id: str = ""
+    tools: str = ""  # the functions the model may call: OpenAI's `tools`, JSON text
 
     @property
     def is_completion(self) -> bool:

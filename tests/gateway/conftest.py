@@ -25,7 +25,7 @@ async def gateway(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[
         tiny_checkpoint,
         broker,
         transports=(Transport.SHM,),
-        engine=EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20),
+        engine=EngineConfig(max_model_len=1024, kv_cache_bytes=32 << 20),  # tools take ~450
     )
     server = GatewayServer(
         GatewayConfig(

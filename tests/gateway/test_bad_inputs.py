@@ -62,7 +62,7 @@ CASES: list[tuple[str, Any, int, str | None, str]] = [
     ("unknown part type", _with(messages=[{"role": "user", "content": [{"type": "audio"}]}]), 400, "messages.0.content.0", "tag 'audio'"),
     ("text part without text", _with(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "messages.0.content.0.text", "Field required"),
     ("lone surrogate in text", _with(messages=[{"role": "user", "content": "hi \ud800"}]), 400, "messages.0.content", "not valid Unicode"),
-    ("tool calls in a message", _with(messages=[{"role": "assistant", "content": "x", "tool_calls": []}]), 400, "messages.0.tool_calls", "not supported"),
+    ("tool calls in a user's message", _with(messages=[{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages.0", "an assistant message's"),
     # sampling and lengths
     ("max_tokens 0", _with(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
     ("max_tokens negative", _with(max_tokens=-5), 400, "max_tokens", "greater than or equal to 1"),
@@ -100,8 +100,9 @@ CASES: list[tuple[str, Any, int, str | None, str]] = [
     ("an unknown response_format", _with(response_format={"type": "yaml"}), 400, "response_format", "does not match any of the expected tags"),
     ("a json_schema without its schema name", _with(response_format={"type": "json_schema", "json_schema": {"schema": {}}}), 400, "response_format.json_schema.name", "Field required"),
     ("an unusable JSON schema", _with(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), 400, None, "unusable JSON schema"),
-    ("tools", _with(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
-    ("tool_choice", _with(tool_choice="auto"), 400, "tool_choice", "not supported"),
+    ("functions (tools' old form)", _with(functions=[{"name": "f"}]), 400, "functions", "not supported"),
+    ("a tool_choice that is none of the choices", _with(tool_choice="always"), 400, "tool_choice", "Input should be"),
+    ("a tool message without its call id", _with(messages=[{"role": "tool", "content": "42"}]), 400, "messages.0", "tool_call_id"),
     ("an unknown parameter", _with(frobnicate=True), 400, "frobnicate", "unknown parameter"),
     # images
     ("data URL not base64", _with(messages=_image("data:image/png,abc")), 400, "messages", "must be base64"),
@@ -115,7 +116,7 @@ CASES: list[tuple[str, Any, int, str | None, str]] = [
     ("an ftp URL", _with(messages=_image("ftp://example.com/x.png")), 400, "messages", "data:, http: or https:"),
     ("unknown detail", _with(messages=_image(GOOD_IMAGE, detail="ultra")), 400, "messages.0.content.0.image_url.detail", "Input should be"),
     # what only the language instance knows, still before the first byte
-    ("prompt over the context length", _with(messages=[{"role": "user", "content": "word " * 600}]), 400, None, "context length of 512 tokens"),
+    ("prompt over the context length", _with(messages=[{"role": "user", "content": "word " * 1200}]), 400, None, "context length of 1024 tokens"),
 ]  # fmt: skip
 STREAMABLE = [case for case in CASES if isinstance(case[1], dict)]
 

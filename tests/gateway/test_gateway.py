@@ -146,9 +146,9 @@ BAD = [
         "at most 4",
     ),
     (
-        {"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]},
+        {"model": MODEL, "messages": [{"role": "user", "content": "word " * 1200}]},
         400,
-        "context length of 512 tokens",
+        "context length of 1024 tokens",
     ),
 ]
 

@@ -32,10 +32,12 @@ class Grammars:
     async def compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
         """The request's grammar (None when its output is free); ValueError for a
         schema xgrammar cannot use."""
+        loop = asyncio.get_running_loop()
+        if params.structural_tag:
+            return await self._compile_tag(params.structural_tag)
         schema = ANY_OBJECT if params.json_object else params.json_schema
         if not schema:
             return None
-        loop = asyncio.get_running_loop()
         try:
             # Compact JSON: free whitespace would let a weak model pad forever.
             return await loop.run_in_executor(
@@ -43,6 +45,16 @@ class Grammars:
             )
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"response_format: unusable JSON schema: {exc}") from None
+
+    async def _compile_tag(self, tag: str) -> xgr.CompiledGrammar:
+        """Tool calls' grammar (the gateway builds it from `tools` and `tool_choice`)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._pool, lambda: self.compiler.compile_structural_tag(tag)
+            )
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"tools: unusable function parameters: {exc}") from None
 
 
 def mask_logits(logits: torch.Tensor, requests: list[Request]) -> None:

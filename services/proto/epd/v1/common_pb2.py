@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\"^\n\tMediaGrid\x12\t\n\x01t\x18\x01 \x01(\r\x12\t\n\x01h\x18\x02 \x01(\r\x12\t\n\x01w\x18\x03 \x01(\r\x12\x19\n\x11second_per_grid_t\x18\x04 \x01(\x01\x12\x15\n\rframe_seconds\x18\x05 \x03(\x01\"\xdc\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x39\n\nlogit_bias\x18\x0f \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x13\n\x0bjson_object\x18\x11 \x01(\x08\x12\t\n\x01n\x18\x12 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"$\n\x05Plane\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05width\x18\x02 \x01(\r\",\n\x07ShmPool\x12\x15\n\rsegment_names\x18\x03 \x03(\tJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x7f\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\x12\x13\n\x0bplane_addrs\x18\x07 \x03(\x04J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"W\n\x0b\x43udaIpcPool\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x15\n\rplane_handles\x18\x04 \x03(\x0c\x12\x12\n\npci_bus_id\x18\x05 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x1b\n\x08GrpcPool\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x8c\x02\n\x0ePoolDescriptor\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\x1c\n\x03shm\x18\x07 \x01(\x0b\x32\x0f.epd.v1.ShmPool\x12\x1e\n\x04nixl\x18\x08 \x01(\x0b\x32\x10.epd.v1.NixlPool\x12%\n\x08\x63uda_ipc\x18\t \x01(\x0b\x32\x13.epd.v1.CudaIpcPool\x12\x1e\n\x04grpc\x18\n \x01(\x0b\x32\x10.epd.v1.GrpcPool\x12\x1d\n\x06planes\x18\x0b \x03(\x0b\x32\r.epd.v1.PlaneJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ENCODER\x10\x01\x12\x11\n\rROLE_LANGUAGE\x10\x02*z\n\x0cLanguageRole\x12\x1d\n\x19LANGUAGE_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12LANGUAGE_ROLE_BOTH\x10\x01\x12\x19\n\x15LANGUAGE_ROLE_PREFILL\x10\x02\x12\x18\n\x14LANGUAGE_ROLE_DECODE\x10\x03*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*y\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x01\x12\x12\n\x0eTRANSPORT_NIXL\x10\x02\x12\x11\n\rTRANSPORT_SHM\x10\x03\x12\x12\n\x0eTRANSPORT_GRPC\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\"^\n\tMediaGrid\x12\t\n\x01t\x18\x01 \x01(\r\x12\t\n\x01h\x18\x02 \x01(\r\x12\t\n\x01w\x18\x03 \x01(\r\x12\x19\n\x11second_per_grid_t\x18\x04 \x01(\x01\x12\x15\n\rframe_seconds\x18\x05 \x03(\x01\"\xf4\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x39\n\nlogit_bias\x18\x0f \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x12\x13\n\x0bjson_schema\x18\x10 \x01(\t\x12\x13\n\x0bjson_object\x18\x11 \x01(\x08\x12\t\n\x01n\x18\x12 \x01(\r\x12\x16\n\x0estructural_tag\x18\x13 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"$\n\x05Plane\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05width\x18\x02 \x01(\r\",\n\x07ShmPool\x12\x15\n\rsegment_names\x18\x03 \x03(\tJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x7f\n\x08NixlPool\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\x12\x13\n\x0bplane_addrs\x18\x07 \x03(\x04J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"W\n\x0b\x43udaIpcPool\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x15\n\rplane_handles\x18\x04 \x03(\x0c\x12\x12\n\npci_bus_id\x18\x05 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x1b\n\x08GrpcPool\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x8c\x02\n\x0ePoolDescriptor\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\x1c\n\x03shm\x18\x07 \x01(\x0b\x32\x0f.epd.v1.ShmPool\x12\x1e\n\x04nixl\x18\x08 \x01(\x0b\x32\x10.epd.v1.NixlPool\x12%\n\x08\x63uda_ipc\x18\t \x01(\x0b\x32\x13.epd.v1.CudaIpcPool\x12\x1e\n\x04grpc\x18\n \x01(\x0b\x32\x10.epd.v1.GrpcPool\x12\x1d\n\x06planes\x18\x0b \x03(\x0b\x32\r.epd.v1.PlaneJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07*A\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ENCODER\x10\x01\x12\x11\n\rROLE_LANGUAGE\x10\x02*z\n\x0cLanguageRole\x12\x1d\n\x19LANGUAGE_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12LANGUAGE_ROLE_BOTH\x10\x01\x12\x19\n\x15LANGUAGE_ROLE_PREFILL\x10\x02\x12\x18\n\x14LANGUAGE_ROLE_DECODE\x10\x03*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*y\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x01\x12\x12\n\x0eTRANSPORT_NIXL\x10\x02\x12\x11\n\rTRANSPORT_SHM\x10\x03\x12\x12\n\x0eTRANSPORT_GRPC\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1208
-  _globals['_ROLE']._serialized_end=1273
-  _globals['_LANGUAGEROLE']._serialized_start=1275
-  _globals['_LANGUAGEROLE']._serialized_end=1397
-  _globals['_DTYPE']._serialized_start=1399
-  _globals['_DTYPE']._serialized_end=1487
-  _globals['_TRANSPORT']._serialized_start=1489
-  _globals['_TRANSPORT']._serialized_end=1610
+  _globals['_ROLE']._serialized_start=1232
+  _globals['_ROLE']._serialized_end=1297
+  _globals['_LANGUAGEROLE']._serialized_start=1299
+  _globals['_LANGUAGEROLE']._serialized_end=1421
+  _globals['_DTYPE']._serialized_start=1423
+  _globals['_DTYPE']._serialized_end=1511
+  _globals['_TRANSPORT']._serialized_start=1513
+  _globals['_TRANSPORT']._serialized_end=1634
   _globals['_MEDIAGRID']._serialized_start=31
   _globals['_MEDIAGRID']._serialized_end=125
   _globals['_SAMPLINGPARAMS']._serialized_start=128
-  _globals['_SAMPLINGPARAMS']._serialized_end=604
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=547
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=595
-  _globals['_PLANE']._serialized_start=606
-  _globals['_PLANE']._serialized_end=642
-  _globals['_SHMPOOL']._serialized_start=644
-  _globals['_SHMPOOL']._serialized_end=688
-  _globals['_NIXLPOOL']._serialized_start=690
-  _globals['_NIXLPOOL']._serialized_end=817
-  _globals['_CUDAIPCPOOL']._serialized_start=819
-  _globals['_CUDAIPCPOOL']._serialized_end=906
-  _globals['_GRPCPOOL']._serialized_start=908
-  _globals['_GRPCPOOL']._serialized_end=935
-  _globals['_POOLDESCRIPTOR']._serialized_start=938
-  _globals['_POOLDESCRIPTOR']._serialized_end=1206
+  _globals['_SAMPLINGPARAMS']._serialized_end=628
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=571
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=619
+  _globals['_PLANE']._serialized_start=630
+  _globals['_PLANE']._serialized_end=666
+  _globals['_SHMPOOL']._serialized_start=668
+  _globals['_SHMPOOL']._serialized_end=712
+  _globals['_NIXLPOOL']._serialized_start=714
+  _globals['_NIXLPOOL']._serialized_end=841
+  _globals['_CUDAIPCPOOL']._serialized_start=843
+  _globals['_CUDAIPCPOOL']._serialized_end=930
+  _globals['_GRPCPOOL']._serialized_start=932
+  _globals['_GRPCPOOL']._serialized_end=959
+  _globals['_POOLDESCRIPTOR']._serialized_start=962
+  _globals['_POOLDESCRIPTOR']._serialized_end=1230
 # @@protoc_insertion_point(module_scope)

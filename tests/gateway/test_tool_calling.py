@@ -1,0 +1,232 @@
+"""tools and tool_choice with the official openai client, through the real back
+end (Triton, broker, encoder, language). The demo's weights are random, so only
+what the grammar forces ("required", a named function) can be checked for
+content: calls whose arguments are JSON the schema accepts."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from openai import AsyncOpenAI, BadRequestError
+
+from services.bench.images import encode_image, random_image
+from services.gateway.server import GatewayServer
+from services.model.tokenizer import load_tokenizer
+from tests.stack import MODEL
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+SUM = {
+    "type": "object",
+    "properties": {"terms": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["terms"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "A forecast.", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "add", "parameters": SUM}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": SUM}
+PNG = "data:image/png;base64," + base64.b64encode(encode_image(random_image(64, 48))).decode()
+
+
+def client(gateway: GatewayServer) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=gateway.url + "/v1", api_key="sesame", max_retries=0)
+
+
+def _messages(image: bool) -> list[Any]:
+    content: list[Any] = [{"type": "text", "text": "What will the weather be in Paris?"}]
+    if image:
+        content.insert(0, {"type": "image_url", "image_url": {"url": PNG}})
+    return [{"role": "user", "content": content}]
+
+
+def _kwargs(choice: Any, image: bool, parallel: bool = False) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "max_tokens": 160,
+        "temperature": 0,
+        "messages": _messages(image),
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+    }
+
+
+def _valid(calls: Any, names: set[str]) -> list[tuple[str, Any]]:
+    """Each call's (name, arguments), checked: a known function, arguments its schema accepts."""
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        out.append((call.function.name, arguments))
+    return out
+
+
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "image"),
+    [("required", False), ("required", True), (NAMED, False), (NAMED, True)],
+    ids=["required", "required-image", "named", "named-image"],
+)
+async def test_forced_calls_validate_and_stream_the_same(
+    gateway: GatewayServer, choice: Any, image: bool
+) -> None:
+    kwargs = _kwargs(choice, image)
+    reply = await client(gateway).chat.completions.create(**kwargs)
+    (only,) = reply.choices
+    assert only.finish_reason == "tool_calls", only
+    assert only.message.content is None
+    names = {"add"} if choice == NAMED else {"get_weather", "add"}
+    calls = _valid(only.message.tool_calls, names)
+    assert len(calls) == 1  # parallel_tool_calls=False
+    # The same request streamed, accumulated by the client's own helpers.
+    async with client(gateway).chat.completions.stream(**kwargs) as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_completion()
+    streamed = final.choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert _valid(streamed.message.tool_calls, names) == calls
+
+
+async def test_parallel_calls_and_a_conversation_that_sends_results_back(
+    gateway: GatewayServer, tiny_checkpoint: Path
+) -> None:
+    """parallel_tool_calls: one or more calls; then the results go back as tool
+    messages beside the assistant's calls, and the model answers (tool_choice
+    "none": text). The prompt is what the chat template makes of it all."""
+    kwargs = _kwargs("required", True, parallel=True)
+    reply = await client(gateway).chat.completions.create(**kwargs)
+    assert reply.choices[0].finish_reason in ("tool_calls", "length")
+    calls = reply.choices[0].message.tool_calls or []
+    _valid(calls, {"get_weather", "add"})
+    assert calls or reply.choices[0].finish_reason == "length"
+    history = [
+        {"role": "user", "content": "What will the weather be in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "days": 2}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny"}'},
+    ]
+    answer = await client(gateway).chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, messages=history, tools=TOOLS, tool_choice="none"
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    template_history = [*history[:1], dict(history[1]), history[2]]
+    template_history[1]["tool_calls"] = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+        }
+    ]
+    text = tokenizer.apply_chat_template(
+        template_history, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+    assert "<tool_response>" in text and '"name": "get_weather"' in text
+
+
+async def test_auto_leaves_text_that_calls_nothing_as_content(gateway: GatewayServer) -> None:
+    """tool_choice "auto" (the default with tools): the output is parsed, and a
+    random model's text, which holds no call, comes back as it is."""
+    kwargs = {**_kwargs("auto", False), "max_tokens": 12}
+    plain = await client(gateway).chat.completions.create(
+        **{k: v for k, v in kwargs.items() if k not in ("tool_choice", "parallel_tool_calls")}
+    )
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    assert (plain.choices[0].message.content or "").strip()
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "says"),
+    [
+        ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools.0.type", "function"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "x", "parameters": {"type": "nonsense"}},
+                    }
+                ]
+            },
+            "tools.0.function.parameters",
+            "grammar compiler refuses",
+        ),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools", "'get_weather' is defined twice"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "no function 'nope'",
+        ),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"response_format": {"type": "json_object"}, "tool_choice": "required"},
+            "response_format",
+            "cannot both constrain",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+            "tools.0.function.name",
+            "",
+        ),
+    ],
+    ids=[
+        "not-a-function",
+        "bad-schema",
+        "duplicate",
+        "unknown-named",
+        "required-alone",
+        "two-grammars",
+        "bad-name",
+    ],
+)
+async def test_bad_tools_are_a_400_that_names_them(
+    gateway: GatewayServer, change: dict[str, Any], param: str, says: str
+) -> None:
+    kwargs = {**_kwargs("required", False), **change}
+    with pytest.raises(BadRequestError) as info:
+        await client(gateway).chat.completions.create(**kwargs)
+    error = info.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == param, error
+    assert says in error["message"], error
+    ok = await client(gateway).chat.completions.create(**_kwargs("required", False))
+    assert ok.choices[0].message.tool_calls  # and the gateway serves on
