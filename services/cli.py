@@ -250,6 +250,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         device=args.device,
         attention=args.attention,
         cuda_graphs=not args.no_cuda_graphs,
+        prefix_caching=not args.no_prefix_caching,
     )
 
 

@@ -157,6 +157,12 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run decode steps eagerly on CUDA (by default they replay captured CUDA graphs)",
     )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt whole (by default a prompt's text before its first image "
+        "reuses the KV pages of earlier prompts that began the same)",
+    )
 
 
 def engine_args(args: argparse.Namespace) -> list[str]:
@@ -170,6 +176,7 @@ def engine_args(args: argparse.Namespace) -> list[str]:
         *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
         *("--attention", args.attention),
         *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
+        *(["--no-prefix-caching"] if args.no_prefix_caching else []),
     ]
 
 

@@ -31,6 +31,7 @@ def make_engine(
     attention: str = "auto",
     ops: str = "auto",
     cuda_graphs: bool = True,
+    prefix_caching: bool = True,
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
     return LLMEngine(
@@ -47,6 +48,7 @@ def make_engine(
             attention=attention,
             ops=ops,
             cuda_graphs=cuda_graphs,
+            prefix_caching=prefix_caching,
         ),
     )
 

@@ -141,6 +141,10 @@ def test_a_batch_split_across_video_spans_equals_hf(
 ) -> None:
     text = load_spec(checkpoint).text
     kv_bytes = kv_tokens * text.num_layers * 2 * text.num_kv_heads * text.head_dim * 4  # fp32
-    engine = make_engine(checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget)
+    # Without the prefix cache: the prompts' shared system prompt would spare the
+    # pages whose lack this case is about (tests/language/test_prefix_cache.py).
+    engine = make_engine(
+        checkpoint, kv_bytes, max_model_len, max_num_batched_tokens=budget, prefix_caching=False
+    )
     requests = [_request(checkpoint, f"r{i}", i) for i in range(len(CASES))]
     check_batch(engine, requests, expected, preempts)

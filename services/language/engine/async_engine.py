@@ -262,7 +262,8 @@ class AsyncEngine:
             if reservation.gone:
                 self._reservations.pop(0)
                 continue
-            pages = self.engine.blocks.allocator.allocate(reservation.num_tokens)
+            blocks = self.engine.blocks
+            pages = blocks.allocate_pages(blocks.allocator.blocks_for(reservation.num_tokens))
             if pages is None:
                 return
             self._reservations.pop(0)

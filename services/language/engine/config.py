@@ -41,6 +41,7 @@ class EngineConfig:
     # or "auto" ("cpu" on a CPU in float32 where the kernels build, else torch)
     ops: str = "auto"
     cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
+    prefix_caching: bool = True  # prompts share the KV pages of the text they begin with
 
 
 def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> str:

@@ -153,7 +153,7 @@ class LLMEngine:
         )
         if graphs:
             self.runner.use_graphs(config.scheduler.max_num_seqs, config.max_model_len)
-        self.blocks = KVBlockManager(kv_config)
+        self.blocks = KVBlockManager(kv_config, config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.sampler = Sampler(set(spec.eos_token_ids))
         self.grammars = Grammars(tokenizer, spec)
@@ -367,6 +367,8 @@ class LLMEngine:
         for s in batch:
             request = s.request
             request.num_computed_tokens += s.num_tokens
+            if s.is_prefill:
+                self.blocks.cache_computed(request)
             if not s.samples or request.is_finished:  # another choice failed it this step
                 continue
             sample = next(sample_iter)

@@ -16,10 +16,19 @@ The choices of an n > 1 request share their prompt's pages (reference
 counted). A page is copied on write: before a request writes into a page it
 shares, the page is copied to a fresh one (in practice the prompt's last,
 partly filled page, at each choice's first decode step).
+
+Prefix caching: a full page of a prompt's text before its first image or video
+is known by the hash of its tokens and of every token before it. Once computed
+it is kept, and a request whose prompt begins with the same pages shares them
+and starts its prefill after them (a system prompt, the tools a chat template
+renders, a conversation's earlier turns). A cached page no request holds stays
+until its memory is wanted: pages are taken from the free list first, then
+from the least recently used of those.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,15 +120,70 @@ class KVCache:
 class KVBlockManager:
     """Grows and frees requests' block tables on the shared allocator."""
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, prefix_caching: bool = True) -> None:
         self.page_size = config.page_size
+        self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(config.num_pages, config.page_size)
         self.refs: dict[int, int] = {}  # holders of each shared page (absent: one)
         self.copies: list[tuple[int, int]] = []  # (src, dst) to copy before the next forward
+        # The prefix cache: page of each prefix hash, and back; cached pages no
+        # request holds, least recently used first (allocated, not free).
+        self.cached: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()
+        self.num_hit_tokens = 0  # prompt tokens served from the cache, ever
 
     @property
     def num_used_pages(self) -> int:
-        return self.allocator.num_used_blocks
+        """Pages requests hold (cached pages no one holds are as good as free)."""
+        return self.allocator.num_used_blocks - len(self.idle)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self.cached)
+
+    def allocate_pages(self, num_pages: int) -> list[int] | None:
+        """Pages from the free list, then from the idle cached ones (least
+        recently used first, forgotten by the cache); None if too few."""
+        short = num_pages - self.allocator.num_free_blocks
+        if short > len(self.idle):
+            return None
+        for _ in range(max(0, short)):
+            page, _ = self.idle.popitem(last=False)
+            del self.cached[self.hash_of.pop(page)]
+            self.allocator.free([page])
+        return self.allocator.allocate_blocks(num_pages)
+
+    def reuse_prefix(self, request: Request) -> None:
+        """A request about to start its prefill takes the cached pages its prompt
+        begins with, and starts after them (at least its last prompt token is
+        computed: its logits give the first output token)."""
+        if request.block_table or request.num_computed_tokens or not self.prefix_caching:
+            return
+        for prefix in _prefix_hashes(request, self.page_size):
+            page = self.cached.get(prefix)
+            if page is None:
+                break
+            if page in self.idle:
+                del self.idle[page]
+            else:
+                self.refs[page] = self.refs.get(page, 1) + 1
+            request.block_table.append(page)
+        request.num_cached_pages = len(request.block_table)
+        request.num_computed_tokens = len(request.block_table) * self.page_size
+
+    def cache_computed(self, request: Request) -> None:
+        """Caches the request's full prefix pages computed since the last call."""
+        if not self.prefix_caching:
+            return
+        hashes = _prefix_hashes(request, self.page_size)
+        done = min(len(hashes), request.num_computed_tokens // self.page_size)
+        for index in range(request.num_cached_pages, done):
+            page = request.block_table[index]
+            if hashes[index] not in self.cached and page not in self.hash_of:
+                self.cached[hashes[index]] = page
+                self.hash_of[page] = hashes[index]
+        request.num_cached_pages = max(request.num_cached_pages, done)
 
     @property
     def num_shared_pages(self) -> int:
@@ -141,7 +205,7 @@ class KVBlockManager:
         shared = self._shared(request)
         if grow + len(shared) == 0:
             return True
-        pages = self.allocator.allocate_blocks(grow + len(shared))
+        pages = self.allocate_pages(grow + len(shared))
         if pages is None:
             return False
         for i in shared:
@@ -164,12 +228,15 @@ class KVBlockManager:
         return copies
 
     def _release(self, pages: list[int]) -> None:
-        """Drops one holder of each page; frees those no one holds any more."""
+        """Drops one holder of each page; frees those no one holds any more
+        (a cached one goes idle, most recently used)."""
         free = []
         for page in pages:
             holders = self.refs.pop(page, 1) - 1
             if holders > 1:
                 self.refs[page] = holders
+            elif holders == 0 and page in self.hash_of:
+                self.idle[page] = None
             elif holders == 0:
                 free.append(page)
         self.allocator.free(free)
@@ -177,3 +244,23 @@ class KVBlockManager:
     def free(self, request: Request) -> None:
         self._release(request.block_table)
         request.block_table = []
+        request.num_cached_pages = 0
+
+
+def _prefix_hashes(request: Request, page_size: int) -> list[int]:
+    """The hash of each full page of the request's cacheable prefix: its prompt
+    before the first image or video, less the last prompt token; each hash
+    covers its page's tokens and, through the previous hash, all before them.
+    Computed once a request."""
+    if request.prefix_hashes is not None:
+        return request.prefix_hashes
+    end = request.num_prompt_tokens - 1
+    if request.media_positions is not None and request.media_positions.numel():
+        end = min(end, int(request.media_positions[0]))
+    hashes, previous = [], 0
+    tokens = request.prompt_token_ids
+    for start in range(0, end - page_size + 1, page_size):
+        previous = hash((previous, *tokens[start : start + page_size]))
+        hashes.append(previous)
+    request.prefix_hashes = hashes
+    return hashes

@@ -77,6 +77,10 @@ class Request:
     # one: with images or videos it cannot be recomputed (no embeddings here).
     hold_kv: bool = False
     recomputable: bool = True
+    # The prefix cache's (kv_cache.py): the hash of each full page of the prompt's
+    # cacheable prefix, and how many of its pages are in the cache.
+    prefix_hashes: list[int] | None = None
+    num_cached_pages: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:

@@ -2,7 +2,8 @@
 
 Each step, running requests come first (a decode is one token, an unfinished
 prefill continues in chunks), then waiting ones are admitted in arrival order
-while the token budget, the sequence limit and free KV pages allow. When a
+while the token budget, the sequence limit and free KV pages allow; an
+admitted request first takes the cached pages its prompt begins with. When a
 running request cannot get pages, the newest running request is preempted:
 its pages are freed and it goes back to the front of the queue to be
 recomputed later. Admission checks that every request fits the cache alone,
@@ -110,9 +111,13 @@ class Scheduler:
             and seats + 1 + len(self.waiting[0].forks) <= self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            self.blocks.reuse_prefix(request)
             num_tokens = min(request.num_uncomputed_tokens, budget)
             if not self.blocks.allocate_slots(request, num_tokens):
+                self.blocks.free(request)  # the cached pages it took, until it fits
+                request.num_computed_tokens = 0
                 break
+            self.blocks.num_hit_tokens += request.num_computed_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
