@@ -45,6 +45,11 @@ class LanguageMetrics:
             "Prompt tokens computed (recomputation included)",
             registry=registry,
         )
+        self.prefix_cached_tokens = Counter(
+            "epd_language_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV pages came from the prefix cache (not computed)",
+            registry=registry,
+        )
         self.requests = Counter(
             "epd_language_requests", "Finished requests by reason", ["reason"], registry=registry
         )
@@ -136,6 +141,7 @@ class LanguageMetrics:
         self.step_seconds.labels(kind).observe(seconds)
         self.generated_tokens.inc(stats.num_generated)
         self.prompt_tokens.inc(stats.num_tokens - stats.num_generated)
+        self.prefix_cached_tokens.inc(stats.num_cached_tokens)
         for value in stats.ttfts:
             self.ttft.observe(value)
         for value in stats.tpots:

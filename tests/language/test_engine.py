@@ -264,15 +264,17 @@ def test_step_stats_count_every_generated_token(tiny_checkpoint: Path) -> None:
     prompt_tokens = sum(r.num_prompt_tokens for r in requests)
     for request in requests:
         engine.add_request(request)
-    generated = computed = 0
+    generated = computed = cached = 0
     while engine.has_work():
         _, stats = engine.step()
         generated += stats.num_generated
         computed += stats.num_tokens
+        cached += stats.num_cached_tokens
     assert generated == 3 * 7
     # Every prompt token once (computed, or taken from the prefix cache), then
     # each output token but the last is fed back once.
-    assert computed + engine.blocks.num_hit_tokens == prompt_tokens + 3 * (7 - 1)
+    assert computed + cached == prompt_tokens + 3 * (7 - 1)
+    assert cached == engine.blocks.num_hit_tokens
     assert engine.blocks.num_used_pages == 0
 
 

@@ -331,6 +331,10 @@ async def test_grpcurl_generate_and_metrics(
     )
     assert "complete" in replies[-1]
     assert replies[-1]["complete"]["completionTokens"] == 4
+    again = {"requestId": "json-again", "messages": [{"role": "user", "content": [{"text": "Hi"}]}]}
+    await asyncio.to_thread(
+        server_streaming_json, language.address, "epd.v1.Language/Generate", again
+    )
     url = f"http://127.0.0.1:{language.grpc.metrics_port}/metrics"
     text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     for name in (
@@ -342,6 +346,9 @@ async def test_grpcurl_generate_and_metrics(
         "epd_language_tpot_seconds_bucket",
     ):
         assert name in text
+    # the second request began with the first's system prompt: its pages were cached
+    hits = text.split("\nepd_language_prefix_cache_hit_tokens_total ")[1].split()[0]
+    assert float(hits) >= language.engine.engine.blocks.page_size
     steps = {
         kind: float(text.split(f'epd_language_step_seconds_count{{kind="{kind}"}} ')[1].split()[0])
         for kind in ("prefill", "decode")

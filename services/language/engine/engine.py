@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -97,6 +97,7 @@ class StepStats:
     num_generated: int
     ttfts: list[float]  # seconds, for requests that got their first token this step
     tpots: list[float]  # seconds per output token, for requests that finished this step
+    num_cached_tokens: int = 0  # prompt tokens admitted from the prefix cache this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +317,9 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         if self.vision is not None:
             self.vision.encode_pending(self.scheduler.waiting)
+        hits = self.blocks.num_hit_tokens
         batch = ModelRunner.order(self.scheduler.schedule())
+        cached = self.blocks.num_hit_tokens - hits
         lost = [
             self._fail(
                 r,
@@ -326,14 +329,14 @@ class LLMEngine:
             for r in self.scheduler.take_lost()
         ]
         if not batch:
-            return lost, self._stats([], [], [])
+            return lost, replace(self._stats([], [], []), num_cached_tokens=cached)
         self.runner.kv_cache.copy_pages(self.blocks.take_copies())
         logits = self.runner.execute(batch)
         batch, logits = self._fork(batch, logits)
         sampling = [s.request for s in batch if s.samples]
         samples = self.sampler.sample(logits, sampling)
         outputs, stats = self.postprocess(batch, samples)
-        return lost + outputs, stats
+        return lost + outputs, replace(stats, num_cached_tokens=cached)
 
     def _fork(
         self, batch: list[Scheduled], logits: torch.Tensor
