@@ -7,6 +7,7 @@ block."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,3 +87,40 @@ def test_first_token_logprobs_match_hf(qwen3_checkpoint: Path, index: int) -> No
     (logprob,) = [lp for o in run_to_completion(engine, [request])["lp"] for lp in o.logprobs]
     for token_id, _, value in logprob.top:
         assert value == pytest.approx(float(reference[token_id]), abs=1e-4)
+
+
+class _EagerGraphs:
+    """Stands in for DecodeGraphs on a CPU (CUDA graphs cannot run here): it
+    replays a decode step as the captured graph would, eagerly and without
+    deepstack features, which a real replay cannot take either."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.replays = 0
+
+    def size_for(self, num_seqs: int) -> int:
+        return num_seqs
+
+    def replay(self, size: int, meta: Any, embeds: Any, cos: Any, sin: Any) -> torch.Tensor:
+        self.replays += 1
+        runner = self.runner
+        runner.attention.plan(meta)
+        return runner.model.lm_head(
+            runner.model(embeds, cos, sin, runner.kv_cache.layers, runner.attention)
+        )
+
+
+def test_one_token_prefill_chunks_with_image_tokens_keep_their_deepstack(
+    qwen3_checkpoint: Path, expected: list[list[int]]
+) -> None:
+    """A budget of one token a step: every prefill chunk is one token, as a
+    decode is, image tokens included. Steps without deepstack features take the
+    graph path (replays counted); those with them run eagerly, so the image's
+    features are added and the output equals HF's."""
+    engine = make_engine(qwen3_checkpoint, max_num_batched_tokens=1)
+    graphs = _EagerGraphs(engine.runner)
+    engine.runner.graphs = graphs  # type: ignore[assignment]
+    messages, images, n = _case(1)
+    request = make_request(qwen3_checkpoint, "r", messages, images, SamplingParams(max_tokens=n))  # type: ignore[arg-type]
+    assert tokens(run_to_completion(engine, [request])["r"]) == expected[1]
+    assert graphs.replays > 0

@@ -161,7 +161,9 @@ class ModelRunner:
         embeds, positions, deepstack = self._embeds(batch)
         cos, sin = self.rotary(positions, embeds.dtype)
         last = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
-        if self.graphs is not None and not meta.num_prefills:
+        # A captured decode takes no deepstack features: a one-token prefill chunk
+        # that holds an image token (Qwen3-VL) runs eagerly.
+        if self.graphs is not None and not meta.num_prefills and deepstack is None:
             size = self.graphs.size_for(meta.num_seqs)
             if size is not None:
                 return self.graphs.replay(size, meta, embeds, cos, sin)[last].float()
