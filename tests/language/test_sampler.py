@@ -117,3 +117,69 @@ def test_bad_processor_parameters_are_refused() -> None:
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def test_processors_make_every_tensor_on_the_logits_device() -> None:
+    """On PyTorch's meta device a tensor made on the CPU cannot meet the row (as
+    it cannot a CUDA row): every processor at once, and none may."""
+    row = torch.zeros(64, device="meta")
+    params = SamplingParams(
+        logit_bias=((3, 1.0), (9, -2.0)),
+        min_tokens=5,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.2,
+        max_tokens=10,
+    )
+    apply_processors(row, params, [1, 2, 3], [4, 4, 5], {7, 8})
+    assert row.device.type == "meta"
+
+
+def test_the_grammar_mask_goes_to_the_logits_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar wants the bitmask where the logits are; it allocates it on the CPU."""
+    from services.language.engine import grammar
+
+    seen: list[tuple[torch.device, torch.device]] = []
+    monkeypatch.setattr(
+        grammar.xgr,
+        "apply_token_bitmask_inplace",
+        lambda logits, bitmask, indices: seen.append((logits.device, bitmask.device)),
+    )
+
+    class Matcher:
+        def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+            pass
+
+    request = _request(SamplingParams())
+    request.matcher = Matcher()
+    grammar.mask_logits(torch.zeros(1, 64, device="meta"), [request])
+    assert seen == [(torch.device("meta"), torch.device("meta"))]
+
+
+def test_a_request_whose_processors_fail_fails_alone() -> None:
+    """A processor that raises (a token id past the vocabulary, which the engine
+    refuses earlier) ends its own request; the batch is sampled."""
+    bad = _request(SamplingParams(logit_bias=((10_000, 1.0),)))
+    good = _request(SamplingParams(repetition_penalty=1.2))
+    logits = torch.randn(2, 64)
+    bad_out, good_out = Sampler().sample(logits, [bad, good])
+    assert isinstance(bad_out, SamplingError) and "processors failed" in str(bad_out)
+    assert isinstance(good_out, Sample)
+
+
+@pytest.mark.gpu
+def test_a_batch_of_every_option_on_cuda_logits() -> None:
+    """Written for a GPU, unverified here: seeded draws, every processor and
+    logprobs on CUDA logits, and one bad request that fails alone."""
+    params = [
+        SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(logit_bias=((3, 5.0),), min_tokens=2, repetition_penalty=1.2, max_tokens=9),
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.5, logprobs=True, top_logprobs=3),
+        SamplingParams(logit_bias=((10_000, 1.0),)),  # past the vocabulary
+    ]
+    requests = [_request(p) for p in params]
+    requests[2].output_token_ids = [4, 4, 6]
+    out = Sampler({0}).sample(torch.randn(4, 64, device="cuda"), requests)
+    assert all(isinstance(o, Sample) for o in out[:3])
+    assert isinstance(out[3], SamplingError)
+    assert isinstance(out[2], Sample) and len(out[2].top) == 3

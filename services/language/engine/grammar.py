@@ -66,4 +66,4 @@ def mask_logits(logits: torch.Tensor, requests: list[Request]) -> None:
     bitmask = xgr.allocate_token_bitmask(len(requests), logits.shape[-1])
     for i in guided:
         requests[i].matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=guided)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=guided)

@@ -38,19 +38,23 @@ def apply_processors(
 ) -> None:
     """One request's logits [vocab], in place, in vLLM's order: logit_bias and
     min_tokens, then the penalties. `stop_ids`: the ids min_tokens holds back
-    (EOS unless ignored, and the request's stop_token_ids)."""
+    (EOS unless ignored, and the request's stop_token_ids). Every tensor made
+    here is made on the row's device."""
+    device = row.device
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias, strict=True)
-        row.index_add_(0, torch.tensor(ids), torch.tensor(biases, dtype=row.dtype))
+        bias = torch.tensor(biases, dtype=row.dtype, device=device)
+        row.index_add_(0, torch.tensor(ids, device=device), bias)
     if len(output_ids) < params.min_tokens and stop_ids:
-        row[torch.tensor(sorted(stop_ids))] = float("-inf")
+        row[torch.tensor(sorted(stop_ids), device=device)] = float("-inf")
     if params.repetition_penalty != 1.0:  # HF's RepetitionPenaltyLogitsProcessor
-        seen = torch.tensor(prompt_ids + output_ids).unique()
+        seen = torch.tensor(sorted(set(prompt_ids + output_ids)), device=device)
         values = row[seen]
         penalty = params.repetition_penalty
         row[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(output_ids), minlength=row.numel())
+        out = torch.tensor(output_ids, device=device)
+        counts = torch.zeros_like(row).index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
@@ -86,20 +90,13 @@ class Sampler:
             if any(r.sampling.logprobs for r in requests)
             else None
         )
-        processed = [i for i, r in enumerate(requests) if r.sampling.has_processors]
-        guided = any(r.matcher is not None for r in requests)
-        if processed or guided:  # a copy: logprobs stay those of the model
-            logits = logits.clone()
-            mask_logits(logits, requests)
-            for i in processed:
-                r = requests[i]
-                stop_ids = self._stop_ids(r.sampling)
-                apply_processors(
-                    logits[i], r.sampling, r.prompt_token_ids, r.output_token_ids, stop_ids
-                )
+        logits, failed = self._processed(logits, requests)
         greedy = logits.argmax(dim=-1).tolist()
         samples: list[Sample | SamplingError] = []
         for i, request in enumerate(requests):
+            if i in failed:
+                samples.append(failed[i])
+                continue
             if not finite[i]:
                 samples.append(SamplingError("the model produced non-finite logits"))
                 continue
@@ -108,6 +105,35 @@ class Sampler:
             except RuntimeError as exc:  # torch refuses the distribution
                 samples.append(SamplingError(f"sampling failed: {exc}"))
         return samples
+
+    def _processed(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[torch.Tensor, dict[int, SamplingError]]:
+        """A copy of the logits with the grammar masks and each request's
+        processors applied (logprobs stay those of the model), and the requests
+        whose mask or processors failed: they fail alone."""
+        processed = [i for i, r in enumerate(requests) if r.sampling.has_processors]
+        guided = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if not processed and not guided:
+            return logits, {}
+        logits, failed = logits.clone(), {}
+        try:
+            mask_logits(logits, requests)
+        except (RuntimeError, ValueError) as exc:
+            failed = {i: SamplingError(f"the grammar mask failed: {exc}") for i in guided}
+        for i in processed:
+            r = requests[i]
+            try:
+                apply_processors(
+                    logits[i],
+                    r.sampling,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
+                    self._stop_ids(r.sampling),
+                )
+            except (RuntimeError, IndexError, ValueError) as exc:
+                failed[i] = SamplingError(f"the logits processors failed: {exc}")
+        return logits, failed
 
     @staticmethod
     def _one(
@@ -118,7 +144,9 @@ class Sampler:
             token = greedy
         else:
             probs = _filtered_probs(row, params)
-            token = int(torch.multinomial(probs, 1, generator=request.generator))
+            generator = request.generator  # the draw happens where it lives (the CPU)
+            where = probs if generator is None else probs.to(generator.device)
+            token = int(torch.multinomial(where, 1, generator=generator))
         if logprobs is None or not params.logprobs:
             return Sample(token)
         top: list[tuple[int, float]] = []
