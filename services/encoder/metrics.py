@@ -22,6 +22,11 @@ class EncoderMetrics:
         self.cache_misses = Counter(
             "epd_encoder_cache_misses", "Images sent to Triton", registry=registry
         )
+        self.shared_encodes = Counter(
+            "epd_encoder_shared_encodes",
+            "Images that waited for another request's encode of the same image",
+            registry=registry,
+        )
         self.cache_bytes = Gauge(
             "epd_encoder_cache_bytes", "Bytes in the embedding cache", registry=registry
         )

@@ -1,12 +1,15 @@
 """EncodePipeline: image and video bytes -> per-item embeddings.
 
-Cached items (by content hash) skip everything; the rest are decoded and
-preprocessed in the worker pool, then sent to Triton as one request (a
+Cached items (by content hash) skip everything; an item another request is
+encoding right now waits for that encode (one encode per item at a time; if
+that one fails, this request encodes the item itself); the rest are decoded
+and preprocessed in the worker pool, then sent to Triton as one request (a
 video's temporal patches go in the same forward as the images).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
@@ -57,6 +60,8 @@ class EncodePipeline:
         self.limits = limits
         self.metrics = metrics
         self.merge_size = preprocessor.rule.merge_size
+        # Items being encoded, by content hash: the encode's result, for others to share.
+        self._pending: dict[str, asyncio.Future[ImageEmbedding]] = {}
 
     async def encode(self, images: Sequence[bytes], videos: Set[int] = frozenset()) -> Encoded:
         """`images`: the request's images and videos in order; `videos`: which are videos."""
@@ -69,18 +74,49 @@ class EncodePipeline:
             )
         keys = await self.preprocessor.keys(images)
         found: dict[int, ImageEmbedding] = {}
-        missing: list[int] = []
+        mine: list[int] = []  # encoded by this request
+        theirs: dict[int, asyncio.Future[ImageEmbedding]] = {}  # being encoded by another
+        loop = asyncio.get_running_loop()
         for index, key in enumerate(keys):
             entry = self.cache.get(key)
-            if entry is None:
-                missing.append(index)
-            else:
+            if entry is not None:
                 found[index] = entry
+            elif key in self._pending:
+                theirs[index] = self._pending[key]
+            else:
+                self._pending[key] = loop.create_future()
+                mine.append(index)
         self.metrics.cache_hits.inc(len(found))
-        self.metrics.cache_misses.inc(len(missing))
-        if missing:
+        self.metrics.cache_misses.inc(len(mine))
+        self.metrics.shared_encodes.inc(len(theirs))
+        if mine:
+            found.update(await self._encode_mine(images, videos, keys, mine))
+        retry = []
+        for index, future in theirs.items():
+            try:
+                found[index] = await asyncio.shield(future)
+            except Exception:  # that encode failed (or its request left): this one tries
+                retry.append(index)
+        if retry:
+            again = await self.encode(
+                [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
+            )
+            found.update(zip(retry, again.images, strict=True))
+        encoded = Encoded([found[i] for i in range(len(images))], len(images) - len(mine))
+        self.metrics.images.inc(len(images))
+        self.metrics.tokens.inc(encoded.num_tokens)
+        return encoded
+
+    async def _encode_mine(
+        self, images: Sequence[bytes], videos: Set[int], keys: list[str], mine: list[int]
+    ) -> dict[int, ImageEmbedding]:
+        """Preprocesses and encodes the items this request took on, caches them and
+        gives each result to the requests waiting for it (or this one's failure:
+        they then encode the item themselves)."""
+        futures = [self._pending[keys[i]] for i in mine]
+        try:
             started = time.perf_counter()
-            pre = await self.preprocessor.preprocess([(i, images[i]) for i in missing], videos)
+            pre = await self.preprocessor.preprocess([(i, images[i]) for i in mine], videos)
             self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
             started = time.perf_counter()
             out = await self.vit.infer(
@@ -88,14 +124,20 @@ class EncodePipeline:
                 np.array([[p.grid.t, p.grid.h, p.grid.w] for p in pre], dtype=np.int64),
             )
             self.metrics.triton_seconds.observe(time.perf_counter() - started)
-            sizes = [p.grid.num_tokens(self.merge_size) for p in pre]
-            per_image = zip(*(torch.split(plane, sizes) for plane in out.planes), strict=True)
-            for index, p, planes in zip(missing, pre, per_image, strict=True):
-                entry = ImageEmbedding(tuple(t.clone() for t in planes), p.grid)
-                found[index] = entry
-                self.cache.put(keys[index], entry)
-            self.metrics.cache_bytes.set(self.cache.bytes_used)
-        encoded = Encoded([found[i] for i in range(len(images))], len(images) - len(missing))
-        self.metrics.images.inc(len(images))
-        self.metrics.tokens.inc(encoded.num_tokens)
-        return encoded
+        except BaseException as exc:
+            for future in futures:
+                future.set_exception(RuntimeError(f"the encode this waited for failed: {exc!r}"))
+                future.exception()  # retrieved: a waiter may not exist
+            raise
+        finally:
+            for i in mine:
+                self._pending.pop(keys[i], None)
+        sizes = [p.grid.num_tokens(self.merge_size) for p in pre]
+        per_image = zip(*(torch.split(plane, sizes) for plane in out.planes), strict=True)
+        done: dict[int, ImageEmbedding] = {}
+        for index, p, planes, future in zip(mine, pre, per_image, futures, strict=True):
+            entry = done[index] = ImageEmbedding(tuple(t.clone() for t in planes), p.grid)
+            self.cache.put(keys[index], entry)
+            future.set_result(entry)
+        self.metrics.cache_bytes.set(self.cache.bytes_used)
+        return done

@@ -298,3 +298,79 @@ async def test_a_slot_stays_taken_while_triton_may_still_use_it(encoder: Encoder
             break
         await asyncio.sleep(0.05)
     assert vit._slots.qsize() == total
+
+
+def _count(counter: Any) -> float:
+    """A Prometheus counter's value, as a scrape reads it."""
+    (metric,) = counter.collect()
+    return next(s.value for s in metric.samples if s.name.endswith("_total"))
+
+
+async def test_concurrent_requests_for_a_new_image_share_one_encode(
+    encoder: EncoderServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three requests for one new image, then a fourth with it and another, while
+    the first encode is held at Triton's door: Triton is asked twice (the shared
+    image once, the other image once) and all four get the one result."""
+    pipeline = encoder.pipeline
+    real, gate, asked = pipeline.vit.infer, asyncio.Event(), asyncio.Queue[int]()
+    calls: list[Any] = []
+
+    async def held(*args: Any) -> Any:
+        calls.append(args)
+        asked.put_nowait(len(calls))
+        await gate.wait()
+        return await real(*args)
+
+    monkeypatch.setattr(pipeline.vit, "infer", held)
+    data = images(2, seed=7100)  # seen by no other test: not cached
+    misses, shared = encoder.metrics.cache_misses, encoder.metrics.shared_encodes
+    before = _count(misses), _count(shared)
+    try:
+        tasks = [asyncio.create_task(pipeline.encode([data[0]])) for _ in range(3)]
+        assert await asyncio.wait_for(asked.get(), 30) == 1
+        tasks.append(asyncio.create_task(pipeline.encode(data)))
+        assert await asyncio.wait_for(asked.get(), 30) == 2
+    finally:
+        gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert len(calls) == 2
+    first = results[0].images[0]
+    assert all(r.images[0] is first for r in results)
+    assert (_count(misses) - before[0], _count(shared) - before[1]) == (2, 3)
+    assert not pipeline._pending
+
+
+async def test_requests_waiting_on_a_failed_encode_encode_it_themselves(
+    encoder: EncoderServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encode others wait for fails: its request gets the error, the others
+    encode the image themselves (one of them; the other shares that) and get
+    its embeddings."""
+    pipeline = encoder.pipeline
+    real, gate, asked = pipeline.vit.infer, asyncio.Event(), asyncio.Queue[int]()
+    calls: list[Any] = []
+
+    async def first_fails(*args: Any) -> Any:
+        calls.append(args)
+        asked.put_nowait(len(calls))
+        if len(calls) == 1:
+            await gate.wait()
+            raise RuntimeError("Triton went away")
+        return await real(*args)
+
+    monkeypatch.setattr(pipeline.vit, "infer", first_fails)
+    data = images(1, seed=7200)  # seen by no other test: not cached
+    try:
+        owner = asyncio.create_task(pipeline.encode(data))
+        assert await asyncio.wait_for(asked.get(), 30) == 1
+        waiters = [asyncio.create_task(pipeline.encode(data)) for _ in range(2)]
+        await asyncio.sleep(0.1)  # both wait on the owner's encode
+    finally:
+        gate.set()
+    with pytest.raises(RuntimeError, match="Triton went away"):
+        await owner
+    results = await asyncio.wait_for(asyncio.gather(*waiters), 60)
+    assert len(calls) == 2
+    assert torch.equal(results[0].images[0].planes[0], results[1].images[0].planes[0])
+    assert not pipeline._pending
