@@ -16,7 +16,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from services.gateway.tool_calls import Call, message_calls, schema_error, split
+from services.gateway.tool_calls import message_calls, schema_error, split
 from services.wire.request import FinishReason
 
 UINT32_MAX = 2**32 - 1
@@ -424,13 +424,10 @@ def chat_choice(
     tool_calls: bool = False,
 ) -> dict[str, Any]:
     """One choice; with `tool_calls`, its calls parsed out of the text (tool_calls.py)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    calls: list[Call] = []
-    if tool_calls:
-        content, calls = split(text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = message_calls(calls)
+    content, calls = split(text) if tool_calls else (text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = message_calls(calls)
     return {
         "index": index,
         "message": message,

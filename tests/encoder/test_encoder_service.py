@@ -306,6 +306,29 @@ def _count(counter: Any) -> float:
     return next(s.value for s in metric.samples if s.name.endswith("_total"))
 
 
+def _held_at_triton(
+    pipeline: Any, monkeypatch: pytest.MonkeyPatch, first_fails: bool
+) -> tuple[asyncio.Event, asyncio.Queue[int], list[Any]]:
+    """Triton's calls counted (each call's number put on the queue), the first
+    held until the gate opens, then sent to Triton or, `first_fails`, failed;
+    the others go through (the first held too unless it fails)."""
+    real, gate, asked = pipeline.vit.infer, asyncio.Event(), asyncio.Queue[int]()
+    calls: list[Any] = []
+
+    async def held(*args: Any) -> Any:
+        calls.append(args)
+        number = len(calls)
+        asked.put_nowait(number)
+        if number == 1 or not first_fails:
+            await gate.wait()
+        if number == 1 and first_fails:
+            raise RuntimeError("Triton went away")
+        return await real(*args)
+
+    monkeypatch.setattr(pipeline.vit, "infer", held)
+    return gate, asked, calls
+
+
 async def test_concurrent_requests_for_a_new_image_share_one_encode(
     encoder: EncoderServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -313,16 +336,7 @@ async def test_concurrent_requests_for_a_new_image_share_one_encode(
     the first encode is held at Triton's door: Triton is asked twice (the shared
     image once, the other image once) and all four get the one result."""
     pipeline = encoder.pipeline
-    real, gate, asked = pipeline.vit.infer, asyncio.Event(), asyncio.Queue[int]()
-    calls: list[Any] = []
-
-    async def held(*args: Any) -> Any:
-        calls.append(args)
-        asked.put_nowait(len(calls))
-        await gate.wait()
-        return await real(*args)
-
-    monkeypatch.setattr(pipeline.vit, "infer", held)
+    gate, asked, calls = _held_at_triton(pipeline, monkeypatch, first_fails=False)
     data = images(2, seed=7100)  # seen by no other test: not cached
     misses, shared = encoder.metrics.cache_misses, encoder.metrics.shared_encodes
     before = _count(misses), _count(shared)
@@ -348,18 +362,7 @@ async def test_requests_waiting_on_a_failed_encode_encode_it_themselves(
     encode the image themselves (one of them; the other shares that) and get
     its embeddings."""
     pipeline = encoder.pipeline
-    real, gate, asked = pipeline.vit.infer, asyncio.Event(), asyncio.Queue[int]()
-    calls: list[Any] = []
-
-    async def first_fails(*args: Any) -> Any:
-        calls.append(args)
-        asked.put_nowait(len(calls))
-        if len(calls) == 1:
-            await gate.wait()
-            raise RuntimeError("Triton went away")
-        return await real(*args)
-
-    monkeypatch.setattr(pipeline.vit, "infer", first_fails)
+    gate, asked, calls = _held_at_triton(pipeline, monkeypatch, first_fails=True)
     data = images(1, seed=7200)  # seen by no other test: not cached
     try:
         owner = asyncio.create_task(pipeline.encode(data))

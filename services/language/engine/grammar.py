@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,31 +31,24 @@ class Grammars:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     async def compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
-        """The request's grammar (None when its output is free); ValueError for a
-        schema xgrammar cannot use."""
-        loop = asyncio.get_running_loop()
-        if params.structural_tag:
-            return await self._compile_tag(params.structural_tag)
+        """The request's grammar (None when its output is free): tool calls' (the
+        gateway builds their structural tag from `tools` and `tool_choice`) or a
+        JSON schema's; ValueError for one xgrammar cannot use."""
         schema = ANY_OBJECT if params.json_object else params.json_schema
-        if not schema:
+        if params.structural_tag:
+            tag = params.structural_tag
+            build = partial(self.compiler.compile_structural_tag, tag)
+            unusable = "tools: unusable function parameters"
+        elif schema:
+            # Compact JSON: free whitespace would let a weak model pad forever.
+            build = partial(self.compiler.compile_json_schema, schema, any_whitespace=False)
+            unusable = "response_format: unusable JSON schema"
+        else:
             return None
         try:
-            # Compact JSON: free whitespace would let a weak model pad forever.
-            return await loop.run_in_executor(
-                self._pool, lambda: self.compiler.compile_json_schema(schema, any_whitespace=False)
-            )
+            return await asyncio.get_running_loop().run_in_executor(self._pool, build)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"response_format: unusable JSON schema: {exc}") from None
-
-    async def _compile_tag(self, tag: str) -> xgr.CompiledGrammar:
-        """Tool calls' grammar (the gateway builds it from `tools` and `tool_choice`)."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(
-                self._pool, lambda: self.compiler.compile_structural_tag(tag)
-            )
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"tools: unusable function parameters: {exc}") from None
+            raise ValueError(f"{unusable}: {exc}") from None
 
 
 def mask_logits(logits: torch.Tensor, requests: list[Request]) -> None:
