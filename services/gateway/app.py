@@ -584,6 +584,16 @@ def create_app(gateway: Gateway) -> ASGIApp:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return ApiError(400, *validation_error(list(exc.errors()))).response()
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        """A failure nothing foresaw: still a JSON 500 that names it (Starlette
+        re-raises it after this response, and the server logs its traceback)."""
+        error = ApiError(500, f"the gateway failed: {type(exc).__name__}: {exc}")
+        record = getattr(request.state, "record", None)
+        if record is not None:
+            record.error, record.component = error.message, "gateway"
+        return error.response()
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         started = time.monotonic()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -109,15 +109,51 @@ class _NothingProduced(Exception):
         self.instance_id = instance_id
 
 
-def _stop_on_failure(helper: asyncio.Task[None], stream: grpc.aio.Call) -> None:
-    """An encode or prefill that failed for good ends the stream at once instead
-    of leaving the language instance waiting for data that will never come. (An
-    aborted encode does not: the language side aborted it, and its stream says why.)"""
-    if helper.cancelled() or helper.exception() is None:
-        return
-    error = helper.exception()
-    if not (isinstance(error, ApiError) and error.aborted_downstream):
-        stream.cancel()
+class _Helpers:
+    """The tasks beside a language stream (an encode; in E/P/D the prefill). One
+    that fails for good ends the stream at once instead of leaving the language
+    instance waiting for data that will never come. (An aborted encode does not:
+    the language side aborted it, and its stream says why.)"""
+
+    def __init__(self, stream: grpc.aio.Call) -> None:
+        self.stream = stream
+        self.tasks: list[asyncio.Task[None]] = []
+        self.watched: list[asyncio.Task[None]] = []  # those whose failure ends the stream
+
+    def add(self, helper: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(helper)
+        self.tasks.append(task)
+        self.watched.append(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def release(self, task: asyncio.Task[None]) -> None:
+        """The stream no longer needs the task: its failure ends nothing."""
+        if task in self.watched:
+            self.watched.remove(task)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        failure = self._failure(task)
+        if failure is not None and not (
+            isinstance(failure, ApiError) and failure.aborted_downstream
+        ):
+            self.stream.cancel()
+
+    def _failure(self, task: asyncio.Task[None]) -> BaseException | None:
+        if task not in self.watched or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
+    def failure(self) -> BaseException | None:
+        """What made a watched task fail (and so cancelled the stream), if one did."""
+        return next(filter(None, map(self._failure, self.watched)), None)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError, _NothingProduced):
+                await task
 
 
 def _role_name(registration: broker_pb2.Register) -> str:
@@ -159,7 +195,8 @@ class Backend:
             ch = self._channels[address] = channel(address)
         if ch.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ch.channel_ready(), CONNECT_TIMEOUT_S)
+                async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                    await ch.channel_ready()
         return ch
 
     async def _broker(self) -> broker_pb2_grpc.BrokerStub:
@@ -285,24 +322,27 @@ class Backend:
         _NothingProduced if an instance is unavailable before the first response."""
         call.record.language = route.language_id
         streaming_id, address = route.language_id, route.language_address
-        helpers: list[asyncio.Task[None]] = []
+        to_prefill = request
         if route.decode_id:
             call.record.language = f"{route.language_id}>{route.decode_id}"
             streaming_id, address = route.decode_id, route.decode_address
-            helpers.append(asyncio.ensure_future(self._prefill(request, route)))
             request = replace(request, prefill_instance_id=route.language_id)
         language = language_pb2_grpc.LanguageStub(await self._channel(address))
         stream = language.Generate(to_proto(request), timeout=self.generate_timeout_s)
+        helpers = _Helpers(stream)
+        prefilling = helpers.add(self._prefill(to_prefill, route)) if route.decode_id else None
         if call.media:
-            helpers.append(asyncio.ensure_future(self._encode(call, request.request_id, route)))
-        for helper in helpers:
-            helper.add_done_callback(lambda task: _stop_on_failure(task, stream))
+            helpers.add(self._encode(call, request.request_id, route))
         finished = produced = False
         try:
             async for pb in stream:
                 response = from_proto(GenerateResponse, pb)
                 if isinstance(response.kind, GenerateError):
                     raise ApiError(500, f"language instance: {response.kind.message}")
+                if prefilling is not None:
+                    # The decode instance streams once it holds the KV pages: what the
+                    # prefill instance answers now (or its death) cannot change the request.
+                    helpers.release(prefilling)
                 produced = True
                 yield response
             finished = True
@@ -312,21 +352,15 @@ class Backend:
                 raise _NothingProduced(error, streaming_id) from None
             raise error from None
         except asyncio.CancelledError:
-            for helper in helpers:  # one that failed for good stopped the stream: its error
-                if helper.done() and not helper.cancelled():
-                    failure = helper.exception()
-                    if isinstance(failure, ApiError | _NothingProduced):
-                        raise failure from None
+            failure = helpers.failure()  # one that failed for good stopped the stream: its error
+            if failure is not None:
+                raise failure from None
             raise
         finally:
             if not finished:
                 stream.cancel()
                 await self._abort(language, request.request_id)
-            for helper in helpers:
-                if not helper.done():
-                    helper.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ApiError, _NothingProduced):
-                    await helper
+            await helpers.close()
 
     async def _prefill(self, request: GenerateRequest, route: broker_pb2.RouteReply) -> None:
         """E/P/D: Prefill on the prefill instance, which returns once the KV pages

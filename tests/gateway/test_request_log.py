@@ -8,9 +8,10 @@ import json
 import logging
 
 import pytest
-from openai import AsyncOpenAI, BadRequestError
+from openai import AsyncOpenAI, BadRequestError, InternalServerError
 
 from services.bench.images import encode_image, random_image
+from services.gateway.backend import GenerateCall, Responses
 from services.gateway.server import GatewayServer
 from services.logs import JsonFormatter
 from tests.stack import MODEL
@@ -82,3 +83,28 @@ async def test_a_failed_request_names_its_error_and_the_component(
     assert SECRET not in line.getMessage()
     parsed = json.loads(JsonFormatter().format(line))
     assert parsed["status"] == 400 and parsed["component"] == fields["component"]
+
+
+async def test_a_failure_nobody_foresaw_is_a_json_500_and_logged(
+    gateway: GatewayServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug (here a backend that raises what it never should) still answers
+    JSON that says what failed, not Starlette's plain-text 500."""
+
+    def broken(call: GenerateCall) -> Responses:
+        raise RuntimeError("a bug in the backend")
+
+    monkeypatch.setattr(gateway.gateway.backend, "generate", broken)
+    logged = caplog.at_level(logging.INFO, logger="epd.requests")
+    with logged, pytest.raises(InternalServerError) as failed:
+        await _client(gateway).chat.completions.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": SECRET}]
+        )
+    assert failed.value.status_code == 500
+    body = failed.value.body
+    assert isinstance(body, dict)
+    assert body["message"] == "the gateway failed: RuntimeError: a bug in the backend"
+    (line,) = [r for r in caplog.records if r.name == "epd.requests"]
+    fields = line.fields  # type: ignore[attr-defined]
+    assert fields["status"] == 500 and fields["component"] == "gateway"
+    assert "a bug in the backend" in fields["error"]

@@ -20,7 +20,13 @@ from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.proto import broker_pb2, common_pb2, language_pb2
 from services.wire.messages import LanguageRole
-from services.wire.request import ChatMessage, GenerateChunk, GenerateRequest, SamplingParams
+from services.wire.request import (
+    ChatMessage,
+    GenerateChunk,
+    GenerateRequest,
+    PrefillReply,
+    SamplingParams,
+)
 from services.wire.transport import Transport
 from tests.stack import broker_stub, language_stub, start_broker, start_language
 
@@ -226,6 +232,44 @@ async def test_a_client_that_leaves_during_the_hand_off_leaks_nothing(
         await wait_idle(prefill, decode)
     assert len(await drain(backend, call("stays", "Hi", 4))) == 4
     await backend.close()
+
+
+async def test_a_prefill_instance_lost_after_the_hand_off_ends_nothing(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode instance streams once it holds the KV pages: a prefill instance
+    that goes away after handing them over (its Prefill answer lost) no longer
+    concerns the request, which completes as it would have."""
+    broker = await start_broker()
+    prefill = await start_language(
+        tiny_checkpoint, broker, role=LanguageRole.PREFILL, transports=(Transport.SHM,)
+    )
+    decode = await start_language(
+        tiny_checkpoint, broker, role=LanguageRole.DECODE, transports=(Transport.SHM,)
+    )
+    backend = Backend(broker.address, max_failovers=0)
+    handed_over = prefill.frontend.prefill
+
+    async def hands_over_then_hangs(request: GenerateRequest) -> PrefillReply:
+        await handed_over(request)
+        await asyncio.Event().wait()  # until the instance goes away
+        raise AssertionError("unreachable")
+
+    try:
+        expected = await drain(backend, call("whole", "Tell me a story", 16))
+        monkeypatch.setattr(prefill.frontend, "prefill", hands_over_then_hangs)
+        tokens: list[int] = []
+        async for response in backend.generate(call("lost", "Tell me a story", 16)):
+            if not tokens:
+                await prefill.stop()
+            if isinstance(response.kind, GenerateChunk):
+                tokens += response.kind.token_ids
+        assert tokens == expected
+        await wait_idle(decode)
+    finally:
+        await backend.close()
+        for server in (decode, prefill, broker):
+            await server.stop()
 
 
 @pytest.mark.gpu
