@@ -60,7 +60,8 @@ class BrokerLink:
         self._task = asyncio.create_task(self._run())
         if wait_s is not None:
             try:
-                await asyncio.wait_for(self.attached.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self.attached.wait()
             except TimeoutError:
                 raise BrokerUnavailableError(
                     f"could not attach to the broker at {self.address} within {wait_s:.0f}s"

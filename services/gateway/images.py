@@ -81,9 +81,8 @@ class ImageLoader:
             data = self._decode_data_url(url, index, kind, cap)
         else:
             try:
-                data = await asyncio.wait_for(
-                    self._fetch(url, index, kind, cap), self.policy.timeout_s
-                )
+                async with asyncio.timeout(self.policy.timeout_s):
+                    data = await self._fetch(url, index, kind, cap)
             except TimeoutError:
                 raise _bad(
                     index, f"fetching {url} took longer than {self.policy.timeout_s:.0f}s", kind

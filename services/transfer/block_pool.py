@@ -58,7 +58,8 @@ class BlockPool:
         self._waiters.append(waiter)
         self._serve()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
+            async with asyncio.timeout(wait_s):  # not wait_for: on 3.11 it can swallow a cancel
+                return await asyncio.shield(waiter.future)
         except BaseException as exc:
             if waiter.future.done():  # served as the caller gave up: give the blocks back
                 self.free(waiter.future.result())

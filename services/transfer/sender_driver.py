@@ -129,9 +129,8 @@ class SenderDriver:
         """The receiving instance's registration; waits briefly for a just-joined one."""
         async with self._peer_joined:
             try:
-                await asyncio.wait_for(
-                    self._peer_joined.wait_for(lambda: instance_id in self.peers), wait_s
-                )
+                async with asyncio.timeout(wait_s):
+                    await self._peer_joined.wait_for(lambda: instance_id in self.peers)
             except TimeoutError:
                 raise UnknownPeerError(
                     f"instance {instance_id!r} is not registered with the broker"

@@ -82,3 +82,25 @@ async def test_a_cancelled_waiter_leaves_the_line_and_leaks_nothing() -> None:
         pool.free(await racing)  # it won the race: its blocks are its own
     assert pool.allocator.num_free_blocks == 2
     pool.allocator.check_integrity()
+
+
+@pytest.mark.parametrize("turns", [0, 1])  # event-loop turns between serving and cancelling
+async def test_a_caller_cancelled_as_it_is_served_is_cancelled_and_gives_them_back(
+    turns: int,
+) -> None:
+    """Cancelled at any moment between being served and resuming: the caller sees
+    CancelledError, never blocks that it would then hold without knowing it was
+    cancelled (asyncio.wait_for on Python 3.11 can swallow such a cancel)."""
+    pool = _pool()
+    held = await pool.allocate(40, 1)
+    caller = asyncio.create_task(pool.allocate(20, 5))
+    await asyncio.sleep(0)
+    pool.free(held[:2])
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    assert not caller.done()  # served, not resumed yet
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert pool.allocator.num_free_blocks == 2
+    pool.allocator.check_integrity()

@@ -282,7 +282,8 @@ class AsyncEngine:
         self._inbox.put(_Reserve(reservation))
         self._wake.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(reservation.future), wait_s)
+            async with asyncio.timeout(wait_s):  # not wait_for: on 3.11 it can swallow a cancel
+                return await asyncio.shield(reservation.future)
         except BaseException as exc:
             self._inbox.put(_Unreserve(reservation))  # frees them if they came meanwhile
             self._wake.set()

@@ -199,7 +199,8 @@ class NixlReceiver:
             future: asyncio.Future[None] = loop.create_future()
             self._waiters[message] = (loop, future)
         try:
-            await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await future
         except TimeoutError:
             raise TimeoutError(
                 f"no NIXL notification {message!r} within {timeout_s:.0f}s"
