@@ -25,8 +25,9 @@ and `take` hands them all over (Keep), less those the last part did not need.
 
 Blocks of a request that ends while an encoder may still be writing them
 (it was given them, and the part's TransferDone has not come) are quarantined:
-they are freed when the encoder says Released, when it is lost, or after
-`quarantine_s`, never while a write can still land.
+they are freed when the encoder says Released, when the part's TransferDone
+comes after all, when the encoder is lost, or after `quarantine_s`, never while
+a write can still land.
 
 "Encoder" here is whoever sends: an encoder, or in E/P/D a prefill instance.
 """
@@ -318,8 +319,8 @@ class Receiver:
 
     def on_done(self, done: TransferDone) -> list[Action]:
         inbound = self.transfers.get(done.request_id)
-        if inbound is None:
-            return []
+        if inbound is None:  # it ended as its part was being written: that write has landed
+            return self._unquarantine(done.request_id)
         if inbound.meta is None or inbound.state.is_finished or inbound.confirming:
             return self.release(done.request_id, "a part finished that was not being sent")
         expected = inbound.part_start + inbound.part_tokens

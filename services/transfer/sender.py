@@ -177,8 +177,12 @@ class Sender:
         )
 
     def on_abort(self, abort: Abort) -> list[Action]:
-        reason = abort.reason or "aborted"
-        return self._fail(abort.request_id, Failure.ABORTED, reason, notify=False)
+        request_id = abort.request_id
+        if request_id not in self.transfers and request_id not in self.closing:
+            # Finished (its last write landed) or never begun: nothing will be
+            # written into the receiver's blocks, which it may free at once.
+            return [Send(Released(request_id))]
+        return self._fail(request_id, Failure.ABORTED, abort.reason or "aborted", notify=False)
 
     def on_peer_lost(self, lost: PeerLost) -> list[Action]:
         """A language instance is gone: its transfers (and those named) fail."""

@@ -503,3 +503,47 @@ def test_a_lost_prefill_instance_aborts_its_kv_transfer() -> None:
     world.settle()
     assert world.l_outcome == {a: False}
     assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
+
+
+def _deliver_all(world: World, queue: str) -> None:
+    while getattr(world, queue):
+        world.deliver(queue, "once")
+
+
+def test_a_give_up_crossing_the_last_transfer_done_frees_when_it_comes() -> None:
+    """The decode side gives up as the prefill side's last TransferDone is on its
+    way to it (the broker saw the transfer done, so it tells no one of the
+    Abort): that TransferDone, arriving after the end, says the write landed;
+    the pages come back then, not after the quarantine."""
+    world = World(kv=True)
+    b = world.id("b")  # one part
+    world.start(b)
+    world.expect(b, exact_hint=True)
+    _until_writing(world, b)
+    world.land(b, ok=True)
+    world.deliver("to_broker", "once")  # the broker relays the TransferDone: done
+    world.caller_leaves(b, "l")
+    assert world.receiver.quarantine
+    _deliver_all(world, "to_broker")
+    _deliver_all(world, "to_l")
+    assert not world.receiver.quarantine and not world.owner
+    assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
+
+
+def test_a_give_up_crossing_the_last_write_is_answered_released() -> None:
+    """The decode side gives up as the prefill side finishes writing: the Abort
+    reaches the prefill side after its transfer ended, and it answers Released
+    (nothing more will be written), which frees the pages at once."""
+    world = World(kv=True)
+    b = world.id("b")
+    world.start(b)
+    world.expect(b, exact_hint=True)
+    _until_writing(world, b)
+    world.caller_leaves(b, "l")  # its Abort is ahead of the TransferDone
+    world.land(b, ok=True)
+    assert world.e_outcome == {b: True}
+    for _ in range(3):
+        for queue in ("to_broker", "to_e", "to_l"):
+            _deliver_all(world, queue)
+    assert not world.receiver.quarantine and not world.owner
+    assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
