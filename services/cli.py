@@ -109,6 +109,9 @@ def _broker(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         rendezvous_ttl_s=args.rendezvous_ttl,
+        encoder_routing=args.encoder_routing,
+        load_factor=args.load_factor,
+        load_slack=args.load_slack,
     )
     return run_until_signalled(lambda: BrokerServer(config))
 
@@ -334,6 +337,13 @@ def _serve(args: argparse.Namespace) -> int:
                 language_args=(*flags.engine_args(args), *transports),
                 dtype=dtype,
                 gateway_args=tuple(gateway),
+                encoder_args=("--cache-mb", str(args.encoder_cache_mb))
+                if args.encoder_cache_mb
+                else (),
+                broker_args=(
+                    *("--encoder-routing", args.encoder_routing),
+                    *("--load-factor", str(args.load_factor), "--load-slack", str(args.load_slack)),
+                ),
                 monolithic=args.monolithic,
                 encoder_cpus=args.encoder_cpus,
                 language_cpus=args.language_cpus,

@@ -258,7 +258,23 @@ def broker(p: argparse.ArgumentParser) -> None:
     field_option(p, BrokerConfig, "heartbeat_interval_s", "--heartbeat-interval")
     field_option(p, BrokerConfig, "heartbeat_timeout_s", "--heartbeat-timeout")
     field_option(p, BrokerConfig, "rendezvous_ttl_s", "--rendezvous-ttl")
+    add_encoder_routing(p)
     add_security(p)
+
+
+def add_encoder_routing(p: argparse.ArgumentParser) -> None:
+    from services.broker.config import ENCODER_ROUTINGS, BrokerConfig
+
+    field_option(
+        p,
+        BrokerConfig,
+        "encoder_routing",
+        choices=ENCODER_ROUTINGS,
+        help="which encoder takes a request's images: the one whose cache holds the most "
+        "of them, within a load bound (cache), or ignoring caches",
+    )
+    field_option(p, BrokerConfig, "load_factor", help="cache routing's load bound: x the least")
+    field_option(p, BrokerConfig, "load_slack", help="cache routing's load bound: + this")
 
 
 def triton(p: argparse.ArgumentParser) -> None:
@@ -386,6 +402,13 @@ def serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=env.API_KEY.get())
     p.add_argument("--allow-private-urls", action="store_true")
     field_option(p, StackConfig, "num_encoders", "--encoders", help="encoder instances")
+    p.add_argument(
+        "--encoder-cache-mb",
+        type=int,
+        default=0,
+        help="each encoder's embedding cache (default: `epd encoder --cache-mb`'s)",
+    )
+    add_encoder_routing(p)
     p.add_argument(
         "--languages",
         type=int,

@@ -213,6 +213,8 @@ class StackConfig:
     startup_timeout_s: float = 300.0
     language_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    broker_args: tuple[str, ...] = ()
+    encoder_args: tuple[str, ...] = ()
     monolithic: bool = False
     metrics_offset: int = METRICS_OFFSET  # a gRPC component's metrics port: its own + this
     # CPU sets ("0-3") for the vision side (Triton, encoders) and the language
@@ -343,6 +345,7 @@ def components(config: StackConfig) -> list[Component]:
                 str(config.broker_port),
                 "--metrics-port",
                 str(config.metrics_port(config.broker_port)),
+                *config.broker_args,
             ],
             lambda: grpc_serving(f"{LOCAL}:{config.broker_port}"),
             logs / "broker.log",
@@ -373,11 +376,9 @@ def components(config: StackConfig) -> list[Component]:
         cpus = config.language_cpus_of(i)
         parts.append(_instance(config, "language", name, config.language_port + i, cpus, extra))
     for i in range(config.num_encoders):
-        triton = ["--triton", f"{LOCAL}:{grpc_port}"]
+        extra = ["--triton", f"{LOCAL}:{grpc_port}", *config.encoder_args]
         port = config.encoder_port + i
-        parts.append(
-            _instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, triton)
-        )
+        parts.append(_instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, extra))
     parts.append(
         Component(
             "gateway",

@@ -62,4 +62,5 @@ def test_every_service_is_generated() -> None:
         "abort",
         "released",
         "kv_meta",
+        "cache_report",
     }

@@ -7,12 +7,14 @@ outbox, which its Attach stream drains.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from services.broker.metrics import BrokerMetrics
 from services.broker.registry import Registry, RouteChoice, Session
 from services.broker.rendezvous import Delivery, FailoverError, Rendezvous
 from services.wire.messages import (
     Abort,
+    CacheReport,
     EmbeddingMeta,
     Heartbeat,
     InstanceJoined,
@@ -40,11 +42,12 @@ class Broker:
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
         rendezvous: Rendezvous | None = None,
+        registry: Registry | None = None,
     ) -> None:
         self.metrics = metrics
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.registry = Registry()
+        self.registry = registry or Registry()
         self.rendezvous = rendezvous or Rendezvous()
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
@@ -121,6 +124,9 @@ class Broker:
         if isinstance(message, Heartbeat):
             self.registry.heartbeat(session, message)
             return
+        if isinstance(message, CacheReport):
+            self.registry.cache_report(session, message)
+            return
         if isinstance(message, EmbeddingMeta | KvMeta):
             target = message.target_id
             if self.registry.get(target) is None:
@@ -150,14 +156,16 @@ class Broker:
         language_id: str = "",
         failed_encoder_id: str = "",
         failed_language_id: str = "",
+        media_keys: Sequence[str] = (),
     ) -> RouteChoice:
         """A language instance and, for images, an encoder; E/P/D: a prefill
         instance and a decode instance. With failed_encoder_id the request fails
         over: it stays on language_id and gets another encoder (NoRouteError if
         none; FailoverError if it cannot move). With failed_language_id (a retry
-        under a new request id) other language instances than that one."""
+        under a new request id) other language instances than that one.
+        `media_keys`: the content hashes of its images, for the encoder's choice."""
         choice = self.registry.route(
-            model, needs_encoder, language_id, failed_encoder_id, failed_language_id
+            model, needs_encoder, language_id, failed_encoder_id, failed_language_id, media_keys
         )
         if request_id and choice.decode is not None:
             kv = kv_transfer_id(request_id)

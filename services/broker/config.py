@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from services.ports import BROKER_PORT
 from services.wire.transport import TRANSFER_TIMEOUT_S
 
+ENCODER_ROUTINGS = ("cache", "least-loaded", "round-robin")  # placement.EncoderRouting's
+
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
@@ -18,7 +20,14 @@ class BrokerConfig:
     heartbeat_timeout_s: float = 5.0
     rendezvous_ttl_s: float = TRANSFER_TIMEOUT_S
     tick_s: float = 0.25
+    # Which encoder takes a request's images (placement.py): cache, least-loaded
+    # or round-robin; cache's load bound: at most factor x the least load + slack.
+    encoder_routing: str = "cache"
+    load_factor: float = 2.0
+    load_slack: int = 2
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        if self.encoder_routing not in ENCODER_ROUTINGS:
+            raise ValueError(f"encoder_routing is one of {', '.join(ENCODER_ROUTINGS)}")

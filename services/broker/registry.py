@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.broker.placement import Candidate, EncoderRouting, LoadBound, by_cache, least_loaded
 from services.wire.messages import (
     BrokerMessage,
+    CacheReport,
     Heartbeat,
     InstanceInfo,
     LanguageRole,
@@ -27,6 +29,7 @@ class Session:
     load: Heartbeat = field(default_factory=Heartbeat)
     routed_since_heartbeat: int = 0
     outbox: asyncio.Queue[BrokerMessage | None] = field(default_factory=asyncio.Queue)
+    cached: set[str] = field(default_factory=set)  # an encoder's: what its cache holds
 
     @property
     def instance_id(self) -> str:
@@ -66,9 +69,17 @@ def pair_transport(sender: Register, receiver: Register) -> Transport | None:
 
 
 class Registry:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        encoder_routing: EncoderRouting = EncoderRouting.CACHE,
+        load_bound: LoadBound | None = None,
+    ) -> None:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self.encoder_routing = encoder_routing
+        self.load_bound = load_bound or LoadBound()
+        self._turn = 0  # round-robin's
 
     def add(self, registration: Register) -> Session:
         """A new session; DuplicateInstanceError while another stream holds the id
@@ -98,6 +109,13 @@ class Registry:
         session.last_heartbeat = self._clock()
         session.routed_since_heartbeat = 0
 
+    def cache_report(self, session: Session, report: CacheReport) -> None:
+        if report.full:
+            session.cached = set(report.added)
+            return
+        session.cached.difference_update(report.evicted)
+        session.cached.update(report.added)
+
     def stale(self, timeout_s: float) -> list[Session]:
         now = self._clock()
         return [s for s in self._sessions.values() if now - s.last_heartbeat > timeout_s]
@@ -109,10 +127,12 @@ class Registry:
         language_id: str = "",
         exclude_encoder: str = "",
         exclude_language: str = "",
+        media_keys: Sequence[str] = (),
     ) -> RouteChoice:
         """The least-loaded language instance that takes requests (or the pinned
-        one) and, for images, the least-loaded available encoder that shares a
-        transport with it. A prefill instance comes with the least-loaded decode
+        one) and, for images, an available encoder that shares a transport with
+        it, as `encoder_routing` picks (placement.py; `media_keys`: the items'
+        content hashes). A prefill instance comes with the least-loaded decode
         instance it shares a transport with (none when pinned: an encoder
         failover keeps the request where it is). `exclude_language` is left out
         of both."""
@@ -137,14 +157,18 @@ class Registry:
                 if decode is None:
                     no_decode = True
                     continue
-            paired = [
-                (e, t)
-                for e in sorted(encoders, key=lambda s: s.score)
+            paired = {
+                e.instance_id: (e, t)
+                for e in encoders
                 if (t := pair_transport(e.registration, language.registration)) is not None
-            ]
+            }
             if needs_encoder and not paired:
                 continue
-            encoder, transport = paired[0] if needs_encoder else (None, None)
+            encoder, transport = (
+                paired[self._pick_encoder(list(paired.values()), media_keys)]
+                if needs_encoder
+                else (None, None)
+            )
             for chosen in (language, encoder, decode):
                 if chosen is not None:
                     chosen.routed_since_heartbeat += 1
@@ -154,6 +178,15 @@ class Registry:
         if not encoders:
             raise NoRouteError(f"no available encoder instance serves model {model!r}")
         raise NoRouteError("no encoder shares a transport with any language instance")
+
+    def _pick_encoder(self, paired: list[tuple[Session, Transport]], keys: Sequence[str]) -> str:
+        candidates = [Candidate(e.instance_id, e.score, e.cached) for e, _ in paired]
+        if self.encoder_routing is EncoderRouting.ROUND_ROBIN:
+            self._turn += 1
+            return sorted(c.instance_id for c in candidates)[self._turn % len(candidates)]
+        if self.encoder_routing is EncoderRouting.LEAST_LOADED:
+            return least_loaded(candidates).instance_id
+        return by_cache(candidates, keys, self.load_bound).instance_id
 
     def _serving(self, role: Role, model: str, exclude: str) -> list[Session]:
         return [

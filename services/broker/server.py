@@ -11,6 +11,8 @@ from services import env
 from services.broker.broker import Broker
 from services.broker.config import BrokerConfig
 from services.broker.metrics import BrokerMetrics
+from services.broker.placement import EncoderRouting, LoadBound
+from services.broker.registry import Registry
 from services.broker.rendezvous import Rendezvous
 from services.broker.servicer import BrokerServicer
 from services.grpc_server import GrpcServer
@@ -28,6 +30,10 @@ class BrokerServer:
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             rendezvous=Rendezvous(ttl_s=config.rendezvous_ttl_s),
+            registry=Registry(
+                encoder_routing=EncoderRouting(config.encoder_routing),
+                load_bound=LoadBound(config.load_factor, config.load_slack),
+            ),
         )
         servicer = BrokerServicer(self.broker, show_endpoints=bool(security.token))
         self.grpc = GrpcServer(

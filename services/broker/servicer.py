@@ -80,6 +80,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 request.language_id,
                 request.failed_encoder_id,
                 request.failed_language_id,
+                request.media_hashes,
             )
         except NoRouteError as exc:
             self.broker.metrics.routes.labels("unavailable").inc()

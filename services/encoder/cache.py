@@ -1,4 +1,6 @@
-"""EmbeddingCache: image embeddings by content hash, LRU within a byte budget."""
+"""EmbeddingCache: image embeddings by content hash, LRU within a byte budget;
+it keeps what entered and left it since the last report, for the broker's
+cache-aware routing."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.wire.messages import MediaGrid
+from services.wire.messages import CacheReport, MediaGrid
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,8 @@ class EmbeddingCache:
         self.max_bytes = max_bytes
         self.bytes_used = 0
         self._entries: OrderedDict[str, ImageEmbedding] = OrderedDict()
+        self._added: set[str] = set()  # since the last report
+        self._evicted: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,6 +51,19 @@ class EmbeddingCache:
             self.bytes_used -= old.nbytes
         self._entries[key] = entry
         self.bytes_used += entry.nbytes
+        self._added.add(key)
+        self._evicted.discard(key)
         while self.bytes_used > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
+            gone, evicted = self._entries.popitem(last=False)
             self.bytes_used -= evicted.nbytes
+            self._evicted.add(gone)
+            self._added.discard(gone)
+
+    def report(self, full: bool = False) -> CacheReport:
+        """What entered and left since the last report (or, full, every key held)."""
+        added, evicted = sorted(self._added), sorted(self._evicted)
+        self._added.clear()
+        self._evicted.clear()
+        if full:
+            return CacheReport(added=tuple(self._entries), full=True)
+        return CacheReport(added=tuple(added), evicted=tuple(evicted))

@@ -41,6 +41,7 @@ class EncoderConfig:
     # gave up on for as long (plus a margin) unless this encoder says Released.
     write_timeout_s: float = 10.0
     triton_check_s: float = 1.0  # how often Triton's readiness is probed
+    cache_report_s: float = 0.1  # how often the broker hears what entered and left the cache
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:

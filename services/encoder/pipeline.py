@@ -62,9 +62,18 @@ class EncodePipeline:
         self.merge_size = preprocessor.rule.merge_size
         # Items being encoded, by content hash: the encode's result, for others to share.
         self._pending: dict[str, asyncio.Future[ImageEmbedding]] = {}
+        # for the broker (Heartbeat): items looked up and found, encodes in progress
+        self.num_lookups = self.num_hits = self.num_encoding = 0
 
     async def encode(self, images: Sequence[bytes], videos: Set[int] = frozenset()) -> Encoded:
         """`images`: the request's images and videos in order; `videos`: which are videos."""
+        self.num_encoding += 1
+        try:
+            return await self._encode(images, videos)
+        finally:
+            self.num_encoding -= 1
+
+    async def _encode(self, images: Sequence[bytes], videos: Set[int]) -> Encoded:
         if not images:
             raise ValueError("no images to encode")
         check_count(len(images), self.limits)
@@ -86,6 +95,8 @@ class EncodePipeline:
             else:
                 self._pending[key] = loop.create_future()
                 mine.append(index)
+        self.num_lookups += len(keys)
+        self.num_hits += len(found)
         self.metrics.cache_hits.inc(len(found))
         self.metrics.cache_misses.inc(len(mine))
         self.metrics.shared_encodes.inc(len(theirs))
@@ -98,7 +109,7 @@ class EncodePipeline:
             except Exception:  # that encode failed (or its request left): this one tries
                 retry.append(index)
         if retry:
-            again = await self.encode(
+            again = await self._encode(
                 [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
             )
             found.update(zip(retry, again.images, strict=True))

@@ -9,7 +9,6 @@ other requests.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,18 +20,13 @@ from services.encoder.images import BadImageError, decode_image, inspect_video
 from services.encoder.limits import ImageLimits
 from services.model.processor import ImageTokenRule, load_image_processor
 from services.model.video import VideoRule, load_video
-from services.wire.messages import MediaGrid
+from services.wire.messages import MediaGrid, media_key
 
 
 @dataclass(frozen=True, slots=True)
 class PreprocessedImage:
     pixel_values: np.ndarray  # [num_patches, 3 * temporal_patch * patch * patch] float32
     grid: MediaGrid
-
-
-def content_key(data: bytes) -> str:
-    """The embedding cache key: a hash of the image bytes."""
-    return hashlib.blake2b(data, digest_size=20).hexdigest()
 
 
 class Preprocessor:
@@ -65,9 +59,7 @@ class Preprocessor:
     async def keys(self, images: Sequence[bytes]) -> list[str]:
         loop = asyncio.get_running_loop()
         return list(
-            await asyncio.gather(
-                *(loop.run_in_executor(self._pool, content_key, d) for d in images)
-            )
+            await asyncio.gather(*(loop.run_in_executor(self._pool, media_key, d) for d in images))
         )
 
     async def preprocess(

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
+from services.broker.client import BrokerUnavailableError
 from services.encoder.cache import EmbeddingCache
 from services.encoder.config import EncoderConfig
 from services.encoder.metrics import EncoderMetrics
@@ -93,6 +94,7 @@ class EncoderServer(InstanceServer):
             registry,
         )
         self.triton_ready: bool | None = None  # unknown until the first probe
+        self._reported_on = -1  # the attachment the broker last heard of the cache on
 
     def registration(self) -> Register:
         return self.config.instance.registration(
@@ -100,13 +102,41 @@ class EncoderServer(InstanceServer):
         )
 
     def load(self) -> Heartbeat:
-        return Heartbeat(num_requests=len(self.sender.transfers), unavailable=not self.triton_ready)
+        pipeline = self.pipeline
+        return Heartbeat(
+            num_requests=len(self.sender.transfers),
+            unavailable=not self.triton_ready,
+            cached_items=len(pipeline.cache),
+            cache_lookups=pipeline.num_lookups,
+            cache_hits=pipeline.num_hits,
+            queue_depth=pipeline.num_encoding,
+        )
 
     async def on_serving(self) -> None:
         await self._check_triton()  # registers unavailable while Triton is not ready
 
     def periodic(self) -> list[tuple[float, Callable[[], Awaitable[None]]]]:
-        return [(self.config.triton_check_s, self._check_triton)]
+        return [
+            (self.config.triton_check_s, self._check_triton),
+            (self.config.cache_report_s, self._report_cache),
+        ]
+
+    async def _report_cache(self) -> None:
+        """Tells the broker what entered and left the embedding cache (it routes
+        by it): the whole cache first on each Attach stream, then the changes."""
+        link = self.link
+        if link is None or not link.attached.is_set():
+            return
+        full = link.num_attachments != self._reported_on
+        report = self.pipeline.cache.report(full)
+        if not (report.full or report.added or report.evicted):
+            return
+        try:
+            link.send(report)
+        except BrokerUnavailableError:
+            self._reported_on = -1  # lost: the whole cache goes next time
+            return
+        self._reported_on = link.num_attachments
 
     async def _check_triton(self) -> None:
         """Health follows Triton: NOT_SERVING (and unavailable to the broker's

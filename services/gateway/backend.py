@@ -37,6 +37,7 @@ from services.proto import (
     language_pb2_grpc,
 )
 from services.wire.convert import from_proto, to_proto
+from services.wire.messages import media_key
 from services.wire.request import GenerateError, GenerateRequest, GenerateResponse, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,29 @@ class _Helpers:
                 await task
 
 
+def media_keys(media: Iterable[MediaData]) -> list[str]:
+    """Each item's content hash: what the broker places its encode by."""
+    return [media_key(m.data) for m in media]
+
+
+def _component(instance: broker_pb2.InstanceInfo) -> dict[str, Any]:
+    """An instance as /health shows it; an encoder with its cache and queue."""
+    load = instance.load
+    shown: dict[str, Any] = {
+        "role": _role_name(instance.registration),
+        "model": instance.registration.model,
+        "state": "unavailable" if load.unavailable else "serving",
+        "requests": load.num_requests,
+    }
+    if instance.registration.role == common_pb2.ROLE_ENCODER:
+        shown["cached_items"] = load.cached_items
+        shown["hit_ratio"] = (
+            round(load.cache_hits / load.cache_lookups, 4) if load.cache_lookups else 0.0
+        )
+        shown["queue_depth"] = load.queue_depth
+    return shown
+
+
 def _role_name(registration: broker_pb2.Register) -> str:
     """encoder, language (prefill and decode), prefill or decode."""
     if registration.language_role in (
@@ -235,15 +259,7 @@ class Backend:
             instances = await self._instances()
         except ApiError as exc:
             return {"status": "unavailable", "reason": exc.message, "components": {}}
-        components = {
-            i.registration.instance_id: {
-                "role": _role_name(i.registration),
-                "model": i.registration.model,
-                "state": "unavailable" if i.load.unavailable else "serving",
-                "requests": i.load.num_requests,
-            }
-            for i in instances
-        }
+        components = {i.registration.instance_id: _component(i) for i in instances}
         serving = {c["role"] for c in components.values() if c["state"] == "serving"}
         if "language" not in serving and not {"prefill", "decode"} <= serving:
             status = "unavailable"
@@ -280,6 +296,7 @@ class Backend:
         there under a new id downstream, its images encoded for it. After the
         first response a failure ends the request."""
         failed = ""
+        keys = await asyncio.to_thread(media_keys, call.media) if call.media else []
         for attempt in range(self.max_failovers + 1):
             request = call.request
             if attempt:
@@ -290,9 +307,11 @@ class Backend:
                     model=call.model,
                     needs_encoder=bool(call.media),
                     failed_language_id=failed,
+                    media_hashes=keys,
                 )
             )
-            async with contextlib.aclosing(self._attempt(call, request, route)) as responses:
+            attempted = self._attempt(call, request, route, keys)
+            async with contextlib.aclosing(attempted) as responses:
                 try:
                     first = await anext(responses)
                 except _NothingProduced as exc:
@@ -315,7 +334,11 @@ class Backend:
                 return
 
     async def _attempt(
-        self, call: GenerateCall, request: GenerateRequest, route: broker_pb2.RouteReply
+        self,
+        call: GenerateCall,
+        request: GenerateRequest,
+        route: broker_pb2.RouteReply,
+        keys: list[str],
     ) -> Responses:
         """The request on the routed language instance (and encoder; in E/P/D the
         decode instance streams, the prefill instance hands it the KV pages);
@@ -332,7 +355,7 @@ class Backend:
         helpers = _Helpers(stream)
         prefilling = helpers.add(self._prefill(to_prefill, route)) if route.decode_id else None
         if call.media:
-            helpers.add(self._encode(call, request.request_id, route))
+            helpers.add(self._encode(call, request.request_id, route, keys))
         finished = produced = False
         try:
             async for pb in stream:
@@ -376,7 +399,7 @@ class Backend:
             raise error from None
 
     async def _encode(
-        self, call: GenerateCall, request_id: str, route: broker_pb2.RouteReply
+        self, call: GenerateCall, request_id: str, route: broker_pb2.RouteReply, keys: list[str]
     ) -> None:
         """Encode on the routed encoder, failing over to another while it is unavailable."""
         encoder_id, address = route.encoder_id, route.encoder_address
@@ -410,6 +433,7 @@ class Backend:
                     needs_encoder=True,
                     language_id=route.language_id,
                     failed_encoder_id=encoder_id,
+                    media_hashes=keys,
                 )
             )
             encoder_id, address = failover.encoder_id, failover.encoder_address

@@ -9,6 +9,7 @@ has an enum, a repeated field or a message.
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -188,6 +189,27 @@ class Heartbeat:
     num_requests: int = 0
     free_blocks: int = 0
     unavailable: bool = False  # cannot take new requests now (e.g. its Triton is down)
+    # encoders: their embedding cache (lookups and hits since start) and their work
+    cached_items: int = 0
+    cache_lookups: int = 0
+    cache_hits: int = 0
+    queue_depth: int = 0  # encodes in progress
+
+
+def media_key(data: bytes) -> str:
+    """An image's or a video's content hash, as the client sent its bytes: the
+    encoders' embedding-cache key, and what the gateway routes by."""
+    return hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReport:
+    """E -> broker: what entered and left its embedding cache since its last
+    report; `full`: the whole cache, replacing what the broker knew."""
+
+    added: tuple[str, ...] = ()
+    evicted: tuple[str, ...] = ()
+    full: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +356,7 @@ PeerMessage = (
     | Resume
     | Abort
     | Released
+    | CacheReport
 )
 BrokerMessage = (
     Registered

@@ -17,6 +17,7 @@ from services.ports import free_port
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 from services.wire.convert import wrap
 from services.wire.messages import (
+    CacheReport,
     EmbeddingMeta,
     InstanceJoined,
     MediaGrid,
@@ -126,6 +127,59 @@ async def test_route_picks_the_least_loaded_compatible_pair(broker: BrokerServer
     assert "no language instance serves model 'nope'" in info.value.details()
     for peer in peers:
         await peer.link.close()
+
+
+async def test_route_prefers_the_encoder_whose_cache_holds_the_images(
+    broker: BrokerServer,
+) -> None:
+    peers = [
+        await attach(broker, language("L-cache")),
+        await attach(broker, encoder("cold")),
+        warm := await attach(broker, encoder("warm")),
+    ]
+    warm.link.send(CacheReport(added=("k1", "k2"), full=True))
+    registry = broker.broker.registry
+    await wait_for(lambda: registry.get("warm").cached == {"k1", "k2"})  # type: ignore[union-attr]
+    stub = broker_stub(broker)
+
+    async def encoder_for(*keys: str) -> str:
+        await asyncio.sleep(0.15)  # a heartbeat: what was routed since no longer counts as load
+        reply = await stub.Route(
+            broker_pb2.RouteRequest(model="m", needs_encoder=True, media_hashes=keys)
+        )
+        return reply.encoder_id
+
+    assert [await encoder_for("k2") for _ in range(3)] == ["warm"] * 3
+    warm.link.send(CacheReport(evicted=("k2",)))
+    await wait_for(lambda: registry.get("warm").cached == {"k1"})  # type: ignore[union-attr]
+    new = {await encoder_for("k2", "k1"), await encoder_for("k1")}
+    assert new == {"warm"}  # still holds k1
+    # Nobody holds k9: every repeat goes where its rendezvous hash says.
+    assert len({await encoder_for("k9") for _ in range(4)}) == 1
+    for peer in peers:
+        await peer.link.close()
+
+
+async def test_route_can_ignore_caches() -> None:
+    """The baselines: round-robin takes turns whatever the caches hold."""
+    server = await start_broker(heartbeat_interval_s=0.1, encoder_routing="round-robin")
+    peers = [await attach(server, language("L-rr"))]
+    peers += [await attach(server, encoder(f"rr-{i}")) for i in range(3)]
+    peers[1].link.send(CacheReport(added=("k1",), full=True))
+    await wait_for(lambda: server.broker.registry.get("rr-0").cached == {"k1"})  # type: ignore[union-attr]
+    stub = broker_stub(server)
+    chosen = [
+        (
+            await stub.Route(
+                broker_pb2.RouteRequest(model="m", needs_encoder=True, media_hashes=["k1"])
+            )
+        ).encoder_id
+        for _ in range(6)
+    ]
+    assert len(set(chosen[:3])) == 3 and chosen[3:] == chosen[:3]  # each in turn, k1 or not
+    for peer in peers:
+        await peer.link.close()
+    await server.stop()
 
 
 async def test_route_needs_a_shared_transport(broker: BrokerServer) -> None:

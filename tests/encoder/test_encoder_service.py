@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,13 @@ from services.model.checkpoint import load_vision_tower
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.ports import free_port
-from services.proto import common_pb2, encoder_pb2
+from services.proto import broker_pb2, common_pb2, encoder_pb2
 from services.transfer.embedding_pool import tensor_from_bytes
 from services.transfer.shared_memory import SHM_DIR
 from services.triton.launcher import TritonConfig, TritonServer
+from services.wire.messages import media_key
 from tests.bad_images import gif, png_header_only, truncated_png
-from tests.stack import encoder_stub, start_encoder
+from tests.stack import broker_stub, encoder_stub, start_broker, start_encoder
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -377,3 +378,62 @@ async def test_requests_waiting_on_a_failed_encode_encode_it_themselves(
     assert len(calls) == 2
     assert torch.equal(results[0].images[0].planes[0], results[1].images[0].planes[0])
     assert not pipeline._pending
+
+
+async def test_the_broker_hears_what_enters_and_leaves_the_cache(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> None:
+    """Cache reports over the real Attach stream: inserts, evictions, and the
+    whole cache again after a broker restart; the heartbeat's cache figures in
+    ListInstances."""
+    port = free_port()
+    broker = await start_broker(port=port)
+    server = await start_encoder(tiny_checkpoint, triton, broker, limits=LIMITS)
+    stub = encoder_stub(server)
+    a, b, c = (encode_image(random_image(64, 48, seed=7300 + i)) for i in range(3))
+
+    def held() -> set[str] | None:
+        session = broker.broker.registry.get(server.instance_id)
+        return None if session is None else session.cached
+
+    try:
+        await stub.Encode(encoder_pb2.EncodeRequest(images=[a]))
+        await _until(lambda: held() == {media_key(a)})
+        server.pipeline.cache.max_bytes = 2 * server.pipeline.cache.bytes_used  # room for two
+        await stub.Encode(encoder_pb2.EncodeRequest(images=[b, c]))
+        await _until(lambda: held() == {media_key(b), media_key(c)})  # a was evicted
+        await stub.Encode(encoder_pb2.EncodeRequest(images=[b]))
+
+        async def load() -> broker_pb2.Heartbeat:
+            listed = await broker_stub(broker).ListInstances(broker_pb2.ListInstancesRequest())
+            (info,) = listed.instances
+            return info.load
+
+        await _until_async(lambda: _is(load(), cached_items=2, cache_lookups=4, cache_hits=1))
+        assert (await load()).queue_depth == 0
+
+        await broker.stop()  # a new broker knows nothing: the encoder tells it everything
+        broker = await start_broker(port=port)
+        await _until(lambda: held() == {media_key(b), media_key(c)}, timeout_s=15)
+    finally:
+        await server.stop()
+        await broker.stop()
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def _until_async(condition: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def _is(load: Awaitable[broker_pb2.Heartbeat], **expected: int) -> bool:
+    got = await load
+    return all(getattr(got, name) == value for name, value in expected.items())

@@ -3,6 +3,7 @@ checked with the official openai client and raw HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,27 @@ async def test_models_and_health(gateway: GatewayServer) -> None:
     assert report["status"] == "ok"
     roles = sorted((c["role"], c["state"], c["model"]) for c in report["components"].values())
     assert roles == [("encoder", "serving", MODEL), ("language", "serving", MODEL)]
+
+
+async def test_health_shows_each_encoders_cache_and_queue(gateway: GatewayServer) -> None:
+    image = image_part(seed=8100)
+    for _ in range(2):  # the second from the cache
+        await client(gateway).chat.completions.create(
+            model=MODEL,
+            max_tokens=1,
+            messages=[{"role": "user", "content": [image, {"type": "text", "text": "Hi"}]}],  # type: ignore[list-item,misc]
+        )
+    async with httpx.AsyncClient() as http:
+        for _ in range(100):  # a heartbeat after the second encode carries it
+            components = (await http.get(gateway.url + "/health")).json()["components"]
+            (encoder,) = [c for c in components.values() if c["role"] == "encoder"]
+            if encoder["hit_ratio"] > 0 and encoder["queue_depth"] == 0:
+                break
+            await asyncio.sleep(0.05)
+    assert encoder["cached_items"] >= 1 and 0 < encoder["hit_ratio"] <= 1
+    assert encoder["queue_depth"] == 0  # nothing encoding now
+    (language,) = [c for c in components.values() if c["role"] == "language"]
+    assert "cached_items" not in language
 
 
 async def test_api_key_is_required(gateway: GatewayServer) -> None:

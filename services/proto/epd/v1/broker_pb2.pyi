@@ -29,14 +29,32 @@ class Register(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., instance_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., pool: _Optional[_Union[_common_pb2.PoolDescriptor, _Mapping]] = ..., model: _Optional[str] = ..., language_role: _Optional[_Union[_common_pb2.LanguageRole, str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("num_requests", "free_blocks", "unavailable")
+    __slots__ = ("num_requests", "free_blocks", "unavailable", "cached_items", "cache_lookups", "cache_hits", "queue_depth")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     free_blocks: int
     unavailable: bool
-    def __init__(self, num_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., unavailable: _Optional[bool] = ...) -> None: ...
+    cached_items: int
+    cache_lookups: int
+    cache_hits: int
+    queue_depth: int
+    def __init__(self, num_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., unavailable: _Optional[bool] = ..., cached_items: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., cache_hits: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+
+class CacheReport(_message.Message):
+    __slots__ = ("added", "evicted", "full")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    added: _containers.RepeatedScalarFieldContainer[str]
+    evicted: _containers.RepeatedScalarFieldContainer[str]
+    full: bool
+    def __init__(self, added: _Optional[_Iterable[str]] = ..., evicted: _Optional[_Iterable[str]] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class EmbeddingMeta(_message.Message):
     __slots__ = ("request_id", "language_instance_id", "encoder_instance_id", "total_tokens", "grids", "dtype", "transport", "planes")
@@ -171,7 +189,7 @@ class PeerLost(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "meta", "prealloc", "transfer_done", "resume", "abort", "released", "kv_meta")
+    __slots__ = ("register", "heartbeat", "meta", "prealloc", "transfer_done", "resume", "abort", "released", "kv_meta", "cache_report")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +199,7 @@ class PeerMessage(_message.Message):
     ABORT_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     KV_META_FIELD_NUMBER: _ClassVar[int]
+    CACHE_REPORT_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     meta: EmbeddingMeta
@@ -190,7 +209,8 @@ class PeerMessage(_message.Message):
     abort: Abort
     released: Released
     kv_meta: KvMeta
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ..., kv_meta: _Optional[_Union[KvMeta, _Mapping]] = ...) -> None: ...
+    cache_report: CacheReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., meta: _Optional[_Union[EmbeddingMeta, _Mapping]] = ..., prealloc: _Optional[_Union[Prealloc, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., released: _Optional[_Union[Released, _Mapping]] = ..., kv_meta: _Optional[_Union[KvMeta, _Mapping]] = ..., cache_report: _Optional[_Union[CacheReport, _Mapping]] = ...) -> None: ...
 
 class BrokerMessage(_message.Message):
     __slots__ = ("registered", "meta", "prealloc", "transfer_done", "resume", "abort", "peer_lost", "instance_joined", "released", "kv_meta")
@@ -227,20 +247,22 @@ class InstanceInfo(_message.Message):
     def __init__(self, registration: _Optional[_Union[Register, _Mapping]] = ..., load: _Optional[_Union[Heartbeat, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "needs_encoder", "language_id", "failed_encoder_id", "failed_language_id")
+    __slots__ = ("request_id", "model", "needs_encoder", "language_id", "failed_encoder_id", "failed_language_id", "media_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NEEDS_ENCODER_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     needs_encoder: bool
     language_id: str
     failed_encoder_id: str
     failed_language_id: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ..., failed_language_id: _Optional[str] = ...) -> None: ...
+    media_hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ..., failed_language_id: _Optional[str] = ..., media_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteReply(_message.Message):
     __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport", "decode_id", "decode_address")
