@@ -45,10 +45,12 @@ DOC = REPO / "docs" / "performance.md"
 TEMPLATE = Path(__file__).with_name("performance.md.in")
 FIGURES = REPO / "docs" / "performance"
 FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
-# bench/peer.py and bench/pd.py write their sections between these; regenerating
-# the rest keeps them.
+# bench/peer.py, bench/pd.py and bench/encoder_cache.py write their sections
+# between these; regenerating the rest keeps them.
 START, END = "<!-- bench/peer.py: start -->", "<!-- bench/peer.py: end -->"
 PD_START, PD_END = "<!-- bench/pd.py: start -->", "<!-- bench/pd.py: end -->"
+CACHE_START = "<!-- bench/encoder_cache.py: start -->"
+CACHE_END = "<!-- bench/encoder_cache.py: end -->"
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,11 @@ def cases(quick: bool) -> list[Case]:
 
 
 def kept_sections(doc: str) -> str:
-    """bench/peer.py's and bench/pd.py's sections of a performance.md, markers
-    included ("" if none)."""
+    """bench/peer.py's, bench/pd.py's and bench/encoder_cache.py's sections of a
+    performance.md, markers included ("" if none)."""
     return "\n\n".join(
         start + doc.partition(start)[2].partition(end)[0] + end
-        for start, end in ((START, END), (PD_START, PD_END))
+        for start, end in ((START, END), (PD_START, PD_END), (CACHE_START, CACHE_END))
         if start in doc
     )
 
@@ -136,11 +138,12 @@ def serve(
     log_dir: Path,
     checkpoint: Path | None = None,
     max_num_batched_tokens: int | None = 256,
+    ports: dict[str, int] | None = None,
 ) -> Iterator[tuple[str, int]]:
     """`epd serve` on the small demo checkpoint, or on `checkpoint`. This report
     caps a step at 256 tokens (short prefill chunks: steadier TPOT beside images);
-    None keeps `epd serve`'s default."""
-    ports = free_serve_ports(languages=4)
+    None keeps `epd serve`'s default. `ports`: free_serve_ports()' (default: new ones)."""
+    ports = ports or free_serve_ports(encoders=4, languages=4)
     port = ports["port"]
     budget = ("--max-num-batched-tokens", str(max_num_batched_tokens))
     args = [

@@ -61,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="share of requests with images: 0 text-only, 0.1 a 1:9 mix",
     )
     p.add_argument("--images-per-request", type=int, default=1)
+    p.add_argument(
+        "--distinct-images",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draw each request's images from a pool of K (repeats across requests, as "
+        "caches see them); 0: every image new",
+    )
     p.add_argument("--image-size", default="448x448", help="WIDTHxHEIGHT of random images")
     p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"))
     p.add_argument("--image-dir", help="use these images instead of random ones")
@@ -145,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         image_ratio=args.image_ratio,
         images_per_request=args.images_per_request,
+        distinct_images=args.distinct_images,
         image_size=(int(width), int(height)),
         image_format=args.image_format,
         image_dir=Path(args.image_dir) if args.image_dir else None,

@@ -103,6 +103,9 @@ class Workload:
     output_len: int = 64
     image_ratio: float = 1.0  # share of requests with images; 0.1 is a 1:9 mix
     images_per_request: int = 1
+    # > 0: each request's images are drawn from a pool of this many (repeats
+    # across requests, as a cache sees them); 0: every image is new
+    distinct_images: int = 0
     image_size: tuple[int, int] = (448, 448)
     image_format: str = "jpeg"
     image_dir: Path | None = None
@@ -137,6 +140,8 @@ class Workload:
             raise ValueError(f"image format must be one of {', '.join(FORMATS)}")
         if self.num_prompts < 1 or self.output_len < 1:
             raise ValueError("num_prompts and output_len must be positive")
+        if self.distinct_images and self.distinct_images < self.images_per_request:
+            raise ValueError("distinct_images must be 0 or at least images_per_request")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +169,27 @@ def _folder_videos(folder: Path) -> list[tuple[bytes, str]]:
     return [(p.read_bytes(), mime[p.suffix.lower()]) for p in files]
 
 
+class _Images:
+    """The workload's n-th image as a data URL: from its folder, or random."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.folder = _folder_images(workload.image_dir) if workload.image_dir else []
+        self._urls: dict[int, str] = {}
+
+    def url(self, n: int) -> str:
+        if n not in self._urls:
+            if self.folder:
+                data, kind = self.folder[n % len(self.folder)]
+            else:
+                pil_format, kind = FORMATS[self.workload.image_format]
+                width, height = self.workload.image_size
+                seed = self.workload.seed * 100_003 + n
+                data = encode_image(random_image(width, height, seed=seed), pil_format)
+            self._urls[n] = f"data:{kind};base64,{base64.b64encode(data).decode()}"
+        return self._urls[n]
+
+
 def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
     rng = random.Random(workload.seed)
     with_images = set(
@@ -178,29 +204,21 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
     with_schema = set(schema_rng.sample(range(workload.num_prompts), count))
     count = round(workload.tool_ratio * workload.num_prompts)
     with_tools = set(random.Random(workload.seed + 2).sample(range(workload.num_prompts), count))
-    folder = _folder_images(workload.image_dir) if workload.image_dir else []
-    pil_format, mime = FORMATS[workload.image_format]
+    image = _Images(workload)
+    draw = random.Random(workload.seed + 3)
     requests = []
     used = 0
     for index in range(workload.num_prompts):
         text = " ".join(rng.choice(WORDS) for _ in range(workload.input_len))
         content: list[dict[str, Any]] = []
         if index in with_images:
-            for _ in range(workload.images_per_request):
-                if folder:
-                    data, kind = folder[used % len(folder)]
-                else:
-                    width, height = workload.image_size
-                    data, kind = (
-                        encode_image(
-                            random_image(width, height, seed=workload.seed * 100_003 + used),
-                            pil_format,
-                        ),
-                        mime,
-                    )
-                used += 1
-                url = f"data:{kind};base64,{base64.b64encode(data).decode()}"
-                content.append({"type": "image_url", "image_url": {"url": url}})
+            if workload.distinct_images:  # from the pool, none twice in one request
+                picks = draw.sample(range(workload.distinct_images), workload.images_per_request)
+            else:
+                picks = list(range(used, used + workload.images_per_request))
+                used += workload.images_per_request
+            for pick in picks:
+                content.append({"type": "image_url", "image_url": {"url": image.url(pick)}})
         if index in with_videos:
             if videos:
                 data, kind = videos[index % len(videos)]

@@ -6,6 +6,7 @@ import base64
 import itertools
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -48,6 +49,29 @@ def test_videos_mix_with_images_and_text_and_are_readable_videos() -> None:
     assert len({v["video_url"]["url"] for v in videos}) == 10  # distinct: no cache hits
     with pytest.raises(ValueError, match="video_ratio"):
         Workload(image_ratio=0.6, video_ratio=0.5)
+
+
+def test_distinct_images_draw_from_a_pool_and_recur() -> None:
+    """--distinct-images K: every image is one of K, each recurs across requests,
+    none twice in one request; without it every image is new."""
+    workload = Workload(
+        num_prompts=60, images_per_request=2, distinct_images=5, image_size=(32, 32), seed=4
+    )
+    requests = build_requests(workload, "m")
+    urls = [
+        [p["image_url"]["url"] for p in r.body["messages"][0]["content"] if "image_url" in p]
+        for r in requests
+    ]
+    assert all(len(set(pair)) == 2 for pair in urls)
+    seen = [url for pair in urls for url in pair]
+    assert len(set(seen)) == 5 and len(seen) == 120
+    fresh = build_requests(replace(workload, distinct_images=0, num_prompts=6), "m")
+    assert (
+        len({p["image_url"]["url"] for r in fresh for p in r.body["messages"][0]["content"][:2]})
+        == 12
+    )
+    with pytest.raises(ValueError, match="distinct_images"):
+        Workload(images_per_request=3, distinct_images=2)
 
 
 def test_other_seed_other_workload() -> None:
@@ -131,16 +155,17 @@ def test_the_peer_section_survives_a_regenerated_report() -> None:
 
 def test_the_pd_section_is_kept_beside_the_peer_section() -> None:
     """bench/pd.py's section has its own markers: writing it leaves the peer's
-    alone, and a regenerated report keeps both."""
+    alone, and a regenerated report keeps both (and bench/encoder_cache.py's)."""
     from bench.peer import with_section
-    from bench.report import PD_END, PD_START, kept_sections
+    from bench.report import CACHE_END, CACHE_START, PD_END, PD_START, kept_sections
 
     doc = with_section("# Performance\n", "vs vLLM")
     doc = with_section(doc, "E/P/D: run 1", PD_START, PD_END)
     doc = with_section(doc, "E/P/D: run 2", PD_START, PD_END)
     assert doc.count("vs vLLM") == 1 and "run 1" not in doc and doc.count("E/P/D: run 2") == 1
+    doc = with_section(doc, "cache routing", CACHE_START, CACHE_END)
     kept = kept_sections(doc)
-    assert "vs vLLM" in kept and "E/P/D: run 2" in kept
+    assert "vs vLLM" in kept and "E/P/D: run 2" in kept and "cache routing" in kept
     assert kept_sections("# regenerated\n\n" + kept + "\n") == kept
 
 
