@@ -13,9 +13,12 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from services import env, flags, logs
+
+if TYPE_CHECKING:
+    from services.planner import PlannerConfig
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -281,6 +284,20 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    from services.planner import PlannerConfig
+
+    return PlannerConfig(
+        min_encoders=args.min_encoders,
+        max_encoders=args.max_encoders,
+        queue_per_encoder=args.queue_per_encoder,
+        latency_target_s=args.encode_latency_target,
+        up_after_s=args.scale_up_after,
+        down_after_s=args.scale_down_after,
+        cooldown_s=args.scale_cooldown,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from services.model.demo import cached_demo_checkpoint
     from services.serve import StackConfig, run
@@ -326,7 +343,8 @@ def _serve(args: argparse.Namespace) -> int:
                     args.triton_grpc_port,
                     args.triton_metrics_port,
                 ),
-                num_encoders=args.encoders,
+                num_encoders=args.min_encoders if args.encoders == "auto" else args.encoders,
+                planner=planner_config(args) if args.encoders == "auto" else None,
                 num_languages=args.languages or flags.default(StackConfig, "num_languages"),
                 num_prefill=args.prefill,
                 num_decode=args.decode,

@@ -262,6 +262,45 @@ def broker(p: argparse.ArgumentParser) -> None:
     add_security(p)
 
 
+def encoder_count(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number or auto") from None
+
+
+def add_planner(p: argparse.ArgumentParser) -> None:
+    """PlannerConfig's fields (services/planner.py), for --encoders auto."""
+    from services.planner import PlannerConfig
+
+    field_option(p, PlannerConfig, "min_encoders")
+    field_option(p, PlannerConfig, "max_encoders")
+    field_option(
+        p,
+        PlannerConfig,
+        "queue_per_encoder",
+        help="add an encoder when more encodes than this wait per encoder ...",
+    )
+    field_option(
+        p,
+        PlannerConfig,
+        "latency_target_s",
+        "--encode-latency-target",
+        help="... or an encode's recent mean time is over this (seconds) ...",
+    )
+    field_option(p, PlannerConfig, "up_after_s", "--scale-up-after", help="... for this long")
+    field_option(
+        p,
+        PlannerConfig,
+        "down_after_s",
+        "--scale-down-after",
+        help="retire one after this long of a quiet one fewer could absorb",
+    )
+    field_option(p, PlannerConfig, "cooldown_s", "--scale-cooldown", help="between two changes")
+
+
 def add_encoder_routing(p: argparse.ArgumentParser) -> None:
     from services.broker.config import ENCODER_ROUTINGS, BrokerConfig
 
@@ -401,7 +440,14 @@ def serve(p: argparse.ArgumentParser) -> None:
     field_option(p, StackConfig, "port", help="the gateway's port")
     p.add_argument("--api-key", default=env.API_KEY.get())
     p.add_argument("--allow-private-urls", action="store_true")
-    field_option(p, StackConfig, "num_encoders", "--encoders", help="encoder instances")
+    p.add_argument(
+        "--encoders",
+        type=encoder_count,
+        default=default(StackConfig, "num_encoders"),
+        help="encoder instances, or auto: the planner starts and retires them with their "
+        "load, between --min-encoders and --max-encoders",
+    )
+    add_planner(p)
     p.add_argument(
         "--encoder-cache-mb",
         type=int,

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import grpc
@@ -115,6 +115,7 @@ class InstanceServer(abc.ABC):
     def __init__(self, instance: InstanceConfig) -> None:
         self.instance = instance
         self.link: BrokerLink | None = None
+        self.draining = False  # stopping: unavailable to new requests
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -150,14 +151,24 @@ class InstanceServer(abc.ABC):
                 self.instance.broker,
                 self.registration(),
                 self.driver.on_message,
-                self.load,
+                self._heartbeat,
                 on_detached=self.driver.detached,
             )
             await self.link.start()
         tasks = [(EXPIRE_INTERVAL_S, self.driver.expire), *self.periodic()]
         self._tasks = [asyncio.create_task(_every(s, work)) for s, work in tasks]
 
+    def _heartbeat(self) -> Heartbeat:
+        load = self.load()
+        return replace(load, unavailable=True) if self.draining else load
+
     async def stop(self) -> None:
+        """Drains: the broker hears at once that this instance takes nothing new
+        (so a stop the planner asked for fails no request), then what is in
+        flight gets the shutdown grace."""
+        self.draining = True
+        if self.link is not None and self.link.attached.is_set():
+            self.link.send(self._heartbeat())
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

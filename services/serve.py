@@ -37,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import env
 from services.children import die_with_parent
+from services.planner import Planner, PlannerConfig, Reading
 from services.ports import (
     BROKER_PORT,
     ENCODER_PORT,
@@ -47,9 +48,12 @@ from services.ports import (
     TRITON_HTTP_PORT,
     TRITON_METRICS_PORT,
 )
-from services.proto import broker_pb2, broker_pb2_grpc
+from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 from services.security import current, sync_channel
 from services.transfer.shared_memory import remove_segments
+
+ENCODER = common_pb2.ROLE_ENCODER
+PLAN_EVERY_S = 1.0  # how often the encoder planner reads the broker
 
 # Every component but the gateway listens here: only the gateway is exposed.
 LOCAL = "127.0.0.1"
@@ -78,15 +82,22 @@ def grpc_serving(address: str, service: str = "") -> bool:
 def attached(broker: str, instance_id: str) -> bool:
     """Whether the broker lists the instance: it has registered on its attach
     stream, so requests can be routed to it."""
+    reply = list_instances(broker)
+    return reply is not None and any(
+        i.registration.instance_id == instance_id for i in reply.instances
+    )
+
+
+def list_instances(broker: str) -> broker_pb2.ListInstancesReply | None:
+    """What the broker lists (None if it cannot be reached)."""
     security = current()
     try:
         with sync_channel(broker, security) as channel:
-            reply = broker_pb2_grpc.BrokerStub(channel).ListInstances(
+            return broker_pb2_grpc.BrokerStub(channel).ListInstances(
                 broker_pb2.ListInstancesRequest(), timeout=1, metadata=security.metadata
             )
     except grpc.RpcError:
-        return False
-    return any(i.registration.instance_id == instance_id for i in reply.instances)
+        return None
 
 
 def instance_ready(address: str, service: str, broker: str, instance_id: str) -> bool:
@@ -114,6 +125,10 @@ class Component:
     restarts: list[float] = field(default_factory=list)  # when it was restarted
     restart_at: float | None = None  # a restart is due then
     ready: bool = False  # healthy since its last start
+    # The encoder planner's: not running until it adds it (parked), or being
+    # stopped by it (retiring: draining, not to be restarted)
+    parked: bool = False
+    retiring: bool = False
 
     def start(self, environment: dict[str, str]) -> None:
         environment = {**environment, env.SHM_PREFIX.name: self.shm_prefix}
@@ -197,7 +212,8 @@ class StackConfig:
     language_port: int = LANGUAGE_PORT
     # http, grpc, metrics
     triton_ports: tuple[int, int, int] = (TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT)
-    num_encoders: int = 1
+    num_encoders: int = 1  # at the start; with `planner`, its min_encoders
+    planner: PlannerConfig | None = None  # --encoders auto: the planner adds and retires them
     num_languages: int = 1
     # E/P/D: this many prefill and decode instances in place of num_languages
     num_prefill: int = 0
@@ -375,10 +391,13 @@ def components(config: StackConfig) -> list[Component]:
         extra = [*config.language_args, "--role", role]
         cpus = config.language_cpus_of(i)
         parts.append(_instance(config, "language", name, config.language_port + i, cpus, extra))
-    for i in range(config.num_encoders):
+    most = config.planner.max_encoders if config.planner else config.num_encoders
+    for i in range(most):
         extra = ["--triton", f"{LOCAL}:{grpc_port}", *config.encoder_args]
         port = config.encoder_port + i
-        parts.append(_instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, extra))
+        encoder = _instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, extra)
+        encoder.parked = i >= config.num_encoders  # the planner's to start
+        parts.append(encoder)
     parts.append(
         Component(
             "gateway",
@@ -424,9 +443,10 @@ class Stack:
             self.environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for part in self.parts:  # all at once: they come up in parallel
             part.shm_prefix = f"{self.shm_prefix}{part.name}_"
-            part.start(self.environment)
+            if not part.parked:
+                part.start(self.environment)
         started = time.monotonic()
-        for part in self.parts:
+        for part in self.running:
             self.say(f"  {part.name:<12} starting ...")
             while not part.healthy():
                 if not part.alive:
@@ -447,7 +467,14 @@ class Stack:
         and says when it serves again; StackError when one keeps dying."""
         now = time.monotonic()
         config = self.config
-        for part in self.parts:
+        for part in self.running:
+            if part.retiring:
+                if not part.alive:
+                    part.reap(now)
+                    remove_segments(part.shm_prefix)
+                    part.retiring, part.parked = False, True
+                    self.say(f"{part.name} retired ({part.exit_cause})")
+                continue
             if part.restart_at is not None:
                 if now >= part.restart_at:
                     part.restart_at = None
@@ -474,19 +501,89 @@ class Stack:
                 part.ready = True
                 self.say(f"{part.name} is serving again")
 
+    @property
+    def running(self) -> list[Component]:
+        return [p for p in self.parts if not p.parked]
+
+    @property
+    def encoders(self) -> list[Component]:
+        """The encoders serving or starting: not parked, not retiring."""
+        return [p for p in self.running if p.name.startswith("encoder-") and not p.retiring]
+
+    def add_encoder(self, why: str) -> None:
+        part = next(p for p in self.parts if p.name.startswith("encoder-") and p.parked)
+        part.parked = False
+        remove_segments(part.shm_prefix)
+        part.start(self.environment)
+        self.say(f"planner: adding {part.name} ({why})")
+
+    def retire_encoder(self, why: str) -> None:
+        """The last encoder drains (the broker routes it nothing new, it finishes
+        what it has) and stops; watch() parks it once it is gone."""
+        part = self.encoders[-1]
+        part.retiring = True
+        part.terminate()
+        self.say(f"planner: retiring {part.name} ({why})")
+
     def stop(self) -> None:
         """Stops every component at once: each drains its own requests within
         its grace period, none waits for another's."""
-        for part in self.parts:
+        for part in self.running:
             part.terminate()
         deadline = time.monotonic() + self.config.shutdown_grace_s + STOP_MARGIN_S
-        for part in self.parts:
+        for part in self.running:
             part.reap(deadline)
         leftovers = remove_segments(self.shm_prefix)
         if leftovers:
             self.say(
                 f"  removed {len(leftovers)} shared-memory segments left by stopped components"
             )
+
+
+@dataclass
+class EncoderPlanning:
+    """`--encoders auto`: once a second, the broker's view as the planner's
+    reading, and its decision carried out on the stack (services/planner.py)."""
+
+    stack: Stack
+    planner: Planner
+    routed: tuple[int, int] = (0, 0)  # the broker's routes with media, and text only
+    imbalance: str = ""
+    next_at: float = 0.0
+
+    def step(self, now: float) -> None:
+        if now < self.next_at:
+            return
+        self.next_at = now + PLAN_EVERY_S
+        reply = list_instances(self.stack.config.broker_address)
+        if reply is None:
+            return
+        reading = self.reading(reply)
+        decision = self.planner.decide(reading, now)
+        if decision.imbalance != self.imbalance and decision.imbalance:
+            self.stack.say(f"planner: {decision.imbalance} ({reading.describe()})")
+        self.imbalance = decision.imbalance
+        why = f"{decision.reason}: {reading.describe()}"
+        if decision.change > 0:
+            self.stack.add_encoder(why)
+        elif decision.change < 0:
+            self.stack.retire_encoder(why)
+
+    def reading(self, reply: broker_pb2.ListInstancesReply) -> Reading:
+        encoders = [i.load for i in reply.instances if i.registration.role == ENCODER]
+        languages = [i.load for i in reply.instances if i.registration.role != ENCODER]
+        busy = [e.encode_seconds for e in encoders if e.encode_seconds > 0]
+        media, text = reply.routed_with_media, reply.routed_text
+        new_media, new_text = media - self.routed[0], text - self.routed[1]
+        self.routed = (media, text)
+        return Reading(
+            encoders=len(self.stack.encoders),
+            queue_depth=sum(e.queue_depth for e in encoders),
+            encode_seconds=sum(busy) / len(busy) if busy else 0.0,
+            image_share=new_media / (new_media + new_text) if new_media + new_text else 0.0,
+            language_requests=sum(lang.num_requests for lang in languages),
+            language_capacity=sum(lang.max_requests for lang in languages),
+        )
 
 
 def _dial(host: str) -> str:
@@ -564,9 +661,12 @@ def run(config: StackConfig) -> int:
         stack.stop()
         raise
     print(banner(config), flush=True)
+    planning = EncoderPlanning(stack, Planner(config.planner)) if config.planner else None
     try:
         while not stop.wait(0.5):
             stack.watch()
+            if planning is not None:
+                planning.step(time.monotonic())
         print("stopping ...", flush=True)
         return 0
     except StackError as exc:

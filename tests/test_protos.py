@@ -22,7 +22,7 @@ def test_check_fails_when_a_proto_changes(tmp_path: Path) -> None:
     broker = protos / "epd" / "v1" / "broker.proto"
     broker.write_text(
         broker.read_text().replace(
-            "uint32 num_requests = 1;", "uint32 num_requests = 1;\n  uint32 extra = 9;"
+            "uint32 num_requests = 1;", "uint32 num_requests = 1;\n  uint32 extra = 99;"
         )
     )
     with pytest.raises(protogen.StaleProtosError, match=r"differs: epd/v1/broker_pb2\.py"):

@@ -48,6 +48,7 @@ class Broker:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.registry = registry or Registry()
+        self.routed_with_media = self.routed_text = 0  # routes since start (not failovers)
         self.rendezvous = rendezvous or Rendezvous()
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
@@ -56,6 +57,12 @@ class Broker:
             if session is not None:
                 session.outbox.put_nowait(message)
         self.metrics.active_requests.set(self.rendezvous.num_active)
+
+    def _encoder_gauges(self) -> None:
+        loads = [s.load for s in self.registry.sessions(Role.ENCODER)]
+        self.metrics.encoder_queue_depth.set(sum(load.queue_depth for load in loads))
+        busy = [load.encode_seconds for load in loads if load.encode_seconds > 0]
+        self.metrics.encode_seconds.set(sum(busy) / len(busy) if busy else 0.0)
 
     def _update_gauges(self) -> None:
         for role in Role:
@@ -123,6 +130,8 @@ class Broker:
         deliveries: list[Delivery]
         if isinstance(message, Heartbeat):
             self.registry.heartbeat(session, message)
+            if session.registration.role is Role.ENCODER:
+                self._encoder_gauges()
             return
         if isinstance(message, CacheReport):
             self.registry.cache_report(session, message)
@@ -165,8 +174,20 @@ class Broker:
         under a new request id) other language instances than that one.
         `media_keys`: the content hashes of its images, for the encoder's choice."""
         choice = self.registry.route(
-            model, needs_encoder, language_id, failed_encoder_id, failed_language_id, media_keys
+            model,
+            needs_encoder,
+            language_id,
+            failed_encoder_id,
+            failed_language_id,
+            media_keys,
+            self.rendezvous.sending(),
         )
+        if not failed_encoder_id:
+            if needs_encoder:
+                self.routed_with_media += 1
+            else:
+                self.routed_text += 1
+            self.metrics.routed.labels("yes" if needs_encoder else "no").inc()
         if request_id and choice.decode is not None:
             kv = kv_transfer_id(request_id)
             self.rendezvous.route(kv, choice.language.instance_id, choice.decode.instance_id)

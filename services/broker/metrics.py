@@ -33,3 +33,22 @@ class BrokerMetrics:
             "Requests in the rendezvous, not finished",
             registry=registry,
         )
+        # What the encoder planner reads, for an autoscaler too (deploy/: the
+        # Kubernetes issue): the encoders' summed queue, their mean recent
+        # encode time, and the routes with and without media.
+        self.encoder_queue_depth = Gauge(
+            "epd_broker_encoder_queue_depth",
+            "Encodes in progress on all encoders, from their heartbeats",
+            registry=registry,
+        )
+        self.encode_seconds = Gauge(
+            "epd_broker_encode_seconds",
+            "Mean recent encode time over the encoders that encoded lately",
+            registry=registry,
+        )
+        self.routed = Counter(
+            "epd_broker_routed_requests",
+            "Requests routed (not failovers), by whether they carry images or videos",
+            ["media"],
+            registry=registry,
+        )

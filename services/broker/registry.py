@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.broker.placement import Candidate, EncoderRouting, LoadBound, by_cache, least_loaded
@@ -128,11 +128,13 @@ class Registry:
         exclude_encoder: str = "",
         exclude_language: str = "",
         media_keys: Sequence[str] = (),
+        encoder_loads: Mapping[str, int] | None = None,
     ) -> RouteChoice:
         """The least-loaded language instance that takes requests (or the pinned
         one) and, for images, an available encoder that shares a transport with
         it, as `encoder_routing` picks (placement.py; `media_keys`: the items'
-        content hashes). A prefill instance comes with the least-loaded decode
+        content hashes; `encoder_loads`: each encoder's unfinished requests, in
+        place of its heartbeat's). A prefill instance comes with the least-loaded decode
         instance it shares a transport with (none when pinned: an encoder
         failover keeps the request where it is). `exclude_language` is left out
         of both."""
@@ -146,9 +148,7 @@ class Registry:
             if language_id:
                 raise NoRouteError(f"language instance {language_id!r} is not registered")
             raise NoRouteError(f"no language instance serves model {model!r}")
-        encoders = [
-            s for s in self._serving(Role.ENCODER, model, exclude_encoder) if not s.load.unavailable
-        ]
+        encoders = self._serving(Role.ENCODER, model, exclude_encoder)
         no_decode = False
         for language in sorted(languages, key=lambda s: s.score):
             decode = None
@@ -165,7 +165,7 @@ class Registry:
             if needs_encoder and not paired:
                 continue
             encoder, transport = (
-                paired[self._pick_encoder(list(paired.values()), media_keys)]
+                paired[self._pick_encoder(list(paired.values()), media_keys, encoder_loads)]
                 if needs_encoder
                 else (None, None)
             )
@@ -179,8 +179,18 @@ class Registry:
             raise NoRouteError(f"no available encoder instance serves model {model!r}")
         raise NoRouteError("no encoder shares a transport with any language instance")
 
-    def _pick_encoder(self, paired: list[tuple[Session, Transport]], keys: Sequence[str]) -> str:
-        candidates = [Candidate(e.instance_id, e.score, e.cached) for e, _ in paired]
+    def _pick_encoder(
+        self,
+        paired: list[tuple[Session, Transport]],
+        keys: Sequence[str],
+        loads: Mapping[str, int] | None,
+    ) -> str:
+        candidates = [
+            Candidate(
+                e.instance_id, e.score if loads is None else loads.get(e.instance_id, 0), e.cached
+            )
+            for e, _ in paired
+        ]
         if self.encoder_routing is EncoderRouting.ROUND_ROBIN:
             self._turn += 1
             return sorted(c.instance_id for c in candidates)[self._turn % len(candidates)]
@@ -189,10 +199,13 @@ class Registry:
         return by_cache(candidates, keys, self.load_bound).instance_id
 
     def _serving(self, role: Role, model: str, exclude: str) -> list[Session]:
+        """Of the role and model, available (not, say, draining), but `exclude`."""
         return [
             s
             for s in self.sessions(role)
-            if (not model or s.registration.model == model) and s.instance_id != exclude
+            if (not model or s.registration.model == model)
+            and s.instance_id != exclude
+            and not s.load.unavailable
         ]
 
     def _decode_for(self, prefill: Session, model: str, exclude: str) -> Session | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -117,6 +118,11 @@ class Rendezvous:
     @property
     def num_active(self) -> int:
         return sum(1 for p in self._pairings.values() if not p.phase.is_finished)
+
+    def sending(self) -> Counter[str]:
+        """Unfinished requests per sender (encoder, or prefill instance): its load
+        as the broker knows it at once, without waiting for a heartbeat."""
+        return Counter(p.encoder_id for p in self._pairings.values() if not p.phase.is_finished)
 
     def describe(self, request_id: str) -> Pairing | None:
         return self._pairings.get(request_id)

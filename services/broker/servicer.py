@@ -112,7 +112,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         role = Role(request.role) if request.role != common_pb2.ROLE_UNSPECIFIED else None
         now = time.monotonic()
         reply = broker_pb2.ListInstancesReply(
-            instances=[to_proto(s.info(now)) for s in self.broker.registry.sessions(role)]
+            instances=[to_proto(s.info(now)) for s in self.broker.registry.sessions(role)],
+            routed_with_media=self.broker.routed_with_media,
+            routed_text=self.broker.routed_text,
         )
         if not self.show_endpoints:
             for instance in reply.instances:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess import Preprocessor
 from services.encoder.triton_client import VitClient
 from services.wire.messages import MediaGrid
+
+RECENT_S = 10.0  # the window of the recent encode time the broker hears
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,16 +65,28 @@ class EncodePipeline:
         self.merge_size = preprocessor.rule.merge_size
         # Items being encoded, by content hash: the encode's result, for others to share.
         self._pending: dict[str, asyncio.Future[ImageEmbedding]] = {}
-        # for the broker (Heartbeat): items looked up and found, encodes in progress
+        # for the broker (Heartbeat): items looked up and found, encodes in progress,
+        # and when each of the last RECENT_S's encodes ended and how long it took
         self.num_lookups = self.num_hits = self.num_encoding = 0
+        self._recent: deque[tuple[float, float]] = deque()
 
     async def encode(self, images: Sequence[bytes], videos: Set[int] = frozenset()) -> Encoded:
         """`images`: the request's images and videos in order; `videos`: which are videos."""
         self.num_encoding += 1
+        started = time.monotonic()
         try:
             return await self._encode(images, videos)
         finally:
             self.num_encoding -= 1
+            ended = time.monotonic()
+            self._recent.append((ended, ended - started))
+
+    def recent_encode_seconds(self) -> float:
+        """The mean time of the encodes that ended in the last RECENT_S (0: none)."""
+        horizon = time.monotonic() - RECENT_S
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
+        return sum(s for _, s in self._recent) / len(self._recent) if self._recent else 0.0
 
     async def _encode(self, images: Sequence[bytes], videos: Set[int]) -> Encoded:
         if not images:

@@ -110,6 +110,7 @@ class EncoderServer(InstanceServer):
             cache_lookups=pipeline.num_lookups,
             cache_hits=pipeline.num_hits,
             queue_depth=pipeline.num_encoding,
+            encode_seconds=pipeline.recent_encode_seconds(),
         )
 
     async def on_serving(self) -> None:
@@ -147,7 +148,7 @@ class EncoderServer(InstanceServer):
         self.triton_ready = ready
         await self.grpc.set_serving(ready)
         if self.link is not None and self.link.attached.is_set():
-            self.link.send(self.load())  # the broker routes by it: no waiting for a heartbeat
+            self.link.send(self._heartbeat())  # the broker routes by it: no waiting for a heartbeat
         log = logger.info if ready else logger.warning
         log("Triton at %s is %s", self.vit.url, "ready" if ready else "unreachable")
 

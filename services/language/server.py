@@ -178,6 +178,7 @@ class LanguageServer(InstanceServer):
         return Heartbeat(
             num_requests=self.engine.num_requests + len(self.receiver.transfers),
             free_blocks=free,
+            max_requests=self.config.max_active_requests,
         )
 
     async def start(self) -> None:

@@ -194,6 +194,8 @@ class Heartbeat:
     cache_lookups: int = 0
     cache_hits: int = 0
     queue_depth: int = 0  # encodes in progress
+    encode_seconds: float = 0.0  # recent mean of an encode's time
+    max_requests: int = 0  # language instances: what they admit at once
 
 
 def media_key(data: bytes) -> str:

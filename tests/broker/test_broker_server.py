@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from services.wire.convert import wrap
 from services.wire.messages import (
     CacheReport,
     EmbeddingMeta,
+    Heartbeat,
     InstanceJoined,
     MediaGrid,
     PeerLost,
@@ -157,6 +159,28 @@ async def test_route_prefers_the_encoder_whose_cache_holds_the_images(
     # Nobody holds k9: every repeat goes where its rendezvous hash says.
     assert len({await encoder_for("k9") for _ in range(4)}) == 1
     for peer in peers:
+        await peer.link.close()
+
+
+async def test_the_planners_signals_are_metrics(broker: BrokerServer) -> None:
+    """What `--encoders auto` reads, exported for an autoscaler too."""
+    lang = await attach(broker, language("L-metrics"))
+    busy = await attach(broker, encoder("busy-enc"))
+    idle = await attach(broker, encoder("idle-enc"))
+    busy.load = Heartbeat(queue_depth=3, encode_seconds=0.4)
+    idle.load = Heartbeat(queue_depth=1)
+    metrics = broker.broker.metrics
+
+    def value(gauge: Any) -> float:
+        return float(gauge.collect()[0].samples[0].value)
+
+    await wait_for(lambda: value(metrics.encoder_queue_depth) == 4)
+    assert value(metrics.encode_seconds) == pytest.approx(0.4)  # the idle one is left out
+    stub = broker_stub(broker)
+    await stub.Route(broker_pb2.RouteRequest(model="m", needs_encoder=False))
+    listed = await stub.ListInstances(broker_pb2.ListInstancesRequest())
+    assert listed.routed_text >= 1
+    for peer in (lang, busy, idle):
         await peer.link.close()
 
 

@@ -29,7 +29,7 @@ class Register(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., instance_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[_common_pb2.Transport, str]]] = ..., pool: _Optional[_Union[_common_pb2.PoolDescriptor, _Mapping]] = ..., model: _Optional[str] = ..., language_role: _Optional[_Union[_common_pb2.LanguageRole, str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("num_requests", "free_blocks", "unavailable", "cached_items", "cache_lookups", "cache_hits", "queue_depth")
+    __slots__ = ("num_requests", "free_blocks", "unavailable", "cached_items", "cache_lookups", "cache_hits", "queue_depth", "encode_seconds", "max_requests")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class Heartbeat(_message.Message):
     CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     free_blocks: int
     unavailable: bool
@@ -44,7 +46,9 @@ class Heartbeat(_message.Message):
     cache_lookups: int
     cache_hits: int
     queue_depth: int
-    def __init__(self, num_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., unavailable: _Optional[bool] = ..., cached_items: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., cache_hits: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    encode_seconds: float
+    max_requests: int
+    def __init__(self, num_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., unavailable: _Optional[bool] = ..., cached_items: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., cache_hits: _Optional[int] = ..., queue_depth: _Optional[int] = ..., encode_seconds: _Optional[float] = ..., max_requests: _Optional[int] = ...) -> None: ...
 
 class CacheReport(_message.Message):
     __slots__ = ("added", "evicted", "full")
@@ -289,10 +293,14 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
 
 class ListInstancesReply(_message.Message):
-    __slots__ = ("instances",)
+    __slots__ = ("instances", "routed_with_media", "routed_text")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_WITH_MEDIA_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_TEXT_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...
+    routed_with_media: int
+    routed_text: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., routed_with_media: _Optional[int] = ..., routed_text: _Optional[int] = ...) -> None: ...
 
 class DescribeRequestRequest(_message.Message):
     __slots__ = ("request_id",)
