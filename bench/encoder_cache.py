@@ -144,11 +144,11 @@ def markdown(
         f"0.9x); round-robin {round_robin['hit_share'] / single['hit_share']:.2f}x.",
         "",
         "A request goes to one encoder, never split across the encoders that hold its "
-        "images: with two images a request, cache routing sent "
-        f"{split:.1%} of the images to Triton beyond what the single encoder did, the most a "
-        "split could have saved. A split would give every such request two transfers "
-        "into one receive allocation and make it wait for the slower encoder; the encodes "
-        "it saves are too few to pay for that.",
+        "images. With two images a request, cache routing sent "
+        f"{split:.1%} of the images to Triton beyond what the single encoder did: the most "
+        "a split could save. The split is not built: it would give each such request "
+        "several transfers into one receive allocation, several encoders to fail over, "
+        "and the slowest encoder's latency, to save at most that share of the encodes.",
     ]
     return "\n".join(lines)
 

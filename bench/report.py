@@ -51,6 +51,8 @@ START, END = "<!-- bench/peer.py: start -->", "<!-- bench/peer.py: end -->"
 PD_START, PD_END = "<!-- bench/pd.py: start -->", "<!-- bench/pd.py: end -->"
 CACHE_START = "<!-- bench/encoder_cache.py: start -->"
 CACHE_END = "<!-- bench/encoder_cache.py: end -->"
+PLANNER_START = "<!-- bench/encoder_planner.py: start -->"
+PLANNER_END = "<!-- bench/encoder_planner.py: end -->"
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,12 @@ def kept_sections(doc: str) -> str:
     performance.md, markers included ("" if none)."""
     return "\n\n".join(
         start + doc.partition(start)[2].partition(end)[0] + end
-        for start, end in ((START, END), (PD_START, PD_END), (CACHE_START, CACHE_END))
+        for start, end in (
+            (START, END),
+            (PD_START, PD_END),
+            (CACHE_START, CACHE_END),
+            (PLANNER_START, PLANNER_END),
+        )
         if start in doc
     )
 

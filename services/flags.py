@@ -275,30 +275,16 @@ def add_planner(p: argparse.ArgumentParser) -> None:
     """PlannerConfig's fields (services/planner.py), for --encoders auto."""
     from services.planner import PlannerConfig
 
-    field_option(p, PlannerConfig, "min_encoders")
-    field_option(p, PlannerConfig, "max_encoders")
-    field_option(
-        p,
-        PlannerConfig,
-        "queue_per_encoder",
-        help="add an encoder when more encodes than this wait per encoder ...",
-    )
-    field_option(
-        p,
-        PlannerConfig,
-        "latency_target_s",
-        "--encode-latency-target",
-        help="... or an encode's recent mean time is over this (seconds) ...",
-    )
-    field_option(p, PlannerConfig, "up_after_s", "--scale-up-after", help="... for this long")
-    field_option(
-        p,
-        PlannerConfig,
-        "down_after_s",
-        "--scale-down-after",
-        help="retire one after this long of a quiet one fewer could absorb",
-    )
-    field_option(p, PlannerConfig, "cooldown_s", "--scale-cooldown", help="between two changes")
+    for name, flag, meaning in (
+        ("min_encoders", "--min-encoders", "the fewest encoders it runs"),
+        ("max_encoders", "--max-encoders", "the most encoders it runs"),
+        ("queue_per_encoder", "--queue-per-encoder", "add one when more encodes wait each ..."),
+        ("latency_target_s", "--encode-latency-target", "... or encodes take longer (s) ..."),
+        ("up_after_s", "--scale-up-after", "... for this long (s)"),
+        ("down_after_s", "--scale-down-after", "retire one after a quiet this long (s)"),
+        ("cooldown_s", "--scale-cooldown", "at least this long between two changes (s)"),
+    ):
+        field_option(p, PlannerConfig, name, flag, help=meaning)
 
 
 def add_encoder_routing(p: argparse.ArgumentParser) -> None:

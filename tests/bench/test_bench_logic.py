@@ -155,17 +155,27 @@ def test_the_peer_section_survives_a_regenerated_report() -> None:
 
 def test_the_pd_section_is_kept_beside_the_peer_section() -> None:
     """bench/pd.py's section has its own markers: writing it leaves the peer's
-    alone, and a regenerated report keeps both (and bench/encoder_cache.py's)."""
+    alone, and a regenerated report keeps both (and the encoder benchmarks')."""
     from bench.peer import with_section
-    from bench.report import CACHE_END, CACHE_START, PD_END, PD_START, kept_sections
+    from bench.report import (
+        CACHE_END,
+        CACHE_START,
+        PD_END,
+        PD_START,
+        PLANNER_END,
+        PLANNER_START,
+        kept_sections,
+    )
 
     doc = with_section("# Performance\n", "vs vLLM")
     doc = with_section(doc, "E/P/D: run 1", PD_START, PD_END)
     doc = with_section(doc, "E/P/D: run 2", PD_START, PD_END)
     assert doc.count("vs vLLM") == 1 and "run 1" not in doc and doc.count("E/P/D: run 2") == 1
     doc = with_section(doc, "cache routing", CACHE_START, CACHE_END)
+    doc = with_section(doc, "planner timeline", PLANNER_START, PLANNER_END)
     kept = kept_sections(doc)
-    assert "vs vLLM" in kept and "E/P/D: run 2" in kept and "cache routing" in kept
+    assert "vs vLLM" in kept and "E/P/D: run 2" in kept
+    assert "cache routing" in kept and "planner timeline" in kept
     assert kept_sections("# regenerated\n\n" + kept + "\n") == kept
 
 
