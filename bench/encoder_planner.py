@@ -227,9 +227,12 @@ def main() -> None:
         trace = drive(url, args.rate)
     rows = windows(trace.results, trace.samples)
     body = markdown(rows, trace, args.rate)
-    print(body)
     if args.plot:
         plot(rows, trace.phase_starts[1:], args.plot)
+        if args.plot.resolve().is_relative_to(DOC.parent):
+            picture = args.plot.resolve().relative_to(DOC.parent)
+            body += f"\n\n![encoders and image TTFT p99 over time]({picture})"
+    print(body)
     if args.doc:
         DOC.write_text(with_section(DOC.read_text(), body, PLANNER_START, PLANNER_END))
 
