@@ -33,4 +33,12 @@ fi
 # its path (tests/videos.py). 0.28 is torch 2.13's torchvision.
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/reference" "torchvision==0.28.0"
 
+# tests/test_kubernetes.py renders deploy/kubernetes/ with kubectl's built-in
+# Kustomize: Debian's kubectl, where this machine lets us install it.
+if ! command -v kubectl >/dev/null && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+  apt-get install -y -qq kubectl >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq kubectl >/dev/null 2>&1; } \
+    || echo "kubectl could not be installed: tests/test_kubernetes.py will skip"
+fi
+
 echo "$WANT" > "$STAMP"

@@ -2,15 +2,19 @@
 language instance, the broker): the stack stays up, only requests that touched
 the dead component fail, each within a bounded time and with a 5xx JSON error,
 the component comes back and serves, and afterwards every pool is whole and
-no shared memory is left behind."""
+no shared memory is left behind. And SIGTERM under load: an instance drains
+(nothing new, finishes what it has, then leaves the broker), failing nothing."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import time
+from datetime import datetime
+from pathlib import Path
 
 import httpx
 
@@ -212,6 +216,84 @@ def test_requests_right_after_a_language_instance_died_go_to_the_other(stack: St
         replies = list(pool.map(ask, range(12)))
     assert all(r.status_code == 200 for r in replies), [(r.status_code, r.text) for r in replies]
     _recovered(stack, "language-1")
+
+
+STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+
+
+def _log_dir(stack: Stack) -> Path:
+    args = list(stack.process.args)  # type: ignore[arg-type]
+    return Path(args[args.index("--log-dir") + 1])
+
+
+def _when(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _left_at(logs: Path, instance: str, after: float) -> float:
+    """When the broker saw the instance leave (its first leaving after `after`)."""
+    for line in (logs / "broker.log").read_text().splitlines():
+        found = re.match(STAMP + rf".*\b{re.escape(instance)} left: ", line)
+        if found and _when(found[1]) >= after:
+            return _when(found[1])
+    raise AssertionError(f"the broker never saw {instance} leave")
+
+
+def _served_by(logs: Path, field: str, instance: str) -> list[tuple[float, float, int]]:
+    """(start, end, status) of each request the gateway logged as served there."""
+    served = []
+    for line in (logs / "gateway.log").read_text().splitlines():
+        found = re.match(
+            STAMP + r".*epd\.requests: request .* status=(\d+) .*total_ms=([\d.]+)", line
+        )
+        if found and re.search(rf"\b{field}=(\S*>)?{re.escape(instance)}\b", line):
+            end = _when(found[1])
+            served.append((end - float(found[3]) / 1000, end, int(found[2])))
+    return served
+
+
+def _drain(stack: Stack, load: Load, since: float, command: str, instance: str, field: str) -> int:
+    """Stops the instance under load; how many of its requests were in flight then.
+    A language instance's requests end there: each before it left the broker (an
+    encoder's go on decoding elsewhere after their embeddings landed)."""
+    logs = _log_dir(stack)
+    told = time.time()
+    os.kill(stack.pid(f"services.cli {command}", f"--instance-id {instance}"), signal.SIGTERM)
+    _recovered(stack, instance)
+    _served_after(load, time.monotonic())
+    left = _left_at(logs, instance, told)
+    before = [r for r in _served_by(logs, field, instance) if since <= r[0] < told]
+    assert before, f"nothing ran on {instance} before it was stopped: the test tested nothing"
+    for start, end, status in before:
+        assert status == 200, (start, end, status)
+        assert field != "language" or end <= left + 0.05, (start, end, told, left)
+    return sum(end > told for _, end, _ in before)
+
+
+def _ask(stack: Stack, seed: int, max_tokens: int) -> httpx.Response:
+    body = chat_body("text", seed, max_tokens)
+    return httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=BOUND_S)
+
+
+def test_a_stopped_encoder_and_language_instance_drain_under_load(stack: Stack) -> None:
+    """SIGTERM, as Kubernetes (a scale-down, a node drain) and the encoder planner
+    stop an instance: under load, an encoder and then a language instance are
+    told to stop. Each tells the broker it takes nothing new, finishes what it
+    has, and only then leaves the broker; no request fails (supervision starts
+    each again)."""
+    wait_for(lambda: sorted(stack.serving().values()) == ["serving"] * 4, 60, "serving")
+    since = time.time()  # the gateway's log holds the earlier tests' requests too
+    with Load(stack.url) as load:
+        time.sleep(3)
+        _drain(stack, load, since, "encoder", "encoder-1", "encoder")
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # long ones: some on language-1
+            long = [pool.submit(_ask, stack, 8_000_000 + i, 200) for i in range(4)]
+            time.sleep(0.5)
+            in_flight = _drain(stack, load, since, "language", "language-1", "language")
+            assert [f.result().status_code for f in long] == [200] * 4
+    assert in_flight, "no request was in flight on language-1 when it was stopped"
+    failed = [o for o in load.outcomes if o.status != 200]
+    assert not failed, failed
 
 
 def test_afterwards_everything_is_whole(stack: Stack) -> None:
