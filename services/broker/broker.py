@@ -180,7 +180,7 @@ class Broker:
             failed_encoder_id,
             failed_language_id,
             media_keys,
-            self.rendezvous.sending(),
+            self.rendezvous.sending() if needs_encoder else None,  # a scan: only where it counts
         )
         if not failed_encoder_id:
             if needs_encoder:

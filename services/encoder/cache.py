@@ -61,9 +61,11 @@ class EmbeddingCache:
 
     def report(self, full: bool = False) -> CacheReport:
         """What entered and left since the last report (or, full, every key held)."""
-        added, evicted = sorted(self._added), sorted(self._evicted)
+        report = (
+            CacheReport(added=tuple(self._entries), full=True)
+            if full
+            else CacheReport(added=tuple(self._added), evicted=tuple(self._evicted))
+        )
         self._added.clear()
         self._evicted.clear()
-        if full:
-            return CacheReport(added=tuple(self._entries), full=True)
-        return CacheReport(added=tuple(added), evicted=tuple(evicted))
+        return report

@@ -199,21 +199,19 @@ def test_the_broker_frozen(stack: Stack) -> None:
     assert all(o.seconds < KEEPALIVE_S + 2 for o in refused), refused
 
 
+def _ask(stack: Stack, seed: int, max_tokens: int) -> httpx.Response:
+    body = chat_body("text", seed, max_tokens)
+    return httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=BOUND_S)
+
+
 def test_requests_right_after_a_language_instance_died_go_to_the_other(stack: Stack) -> None:
     """kill -9 one language instance, then at once a dozen text requests: none
     fails. One routed to the dead instance (before the broker saw it go) has
     produced nothing yet, and starts again on the other."""
     _kill(stack, "services.cli language", "--instance-id language-1")
 
-    def ask(i: int) -> httpx.Response:
-        return httpx.post(
-            stack.url + "/v1/chat/completions",
-            json=chat_body("text", 7_000_000 + i),
-            timeout=BOUND_S,
-        )
-
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        replies = list(pool.map(ask, range(12)))
+        replies = list(pool.map(lambda i: _ask(stack, 7_000_000 + i, 16), range(12)))
     assert all(r.status_code == 200 for r in replies), [(r.status_code, r.text) for r in replies]
     _recovered(stack, "language-1")
 
@@ -268,11 +266,6 @@ def _drain(stack: Stack, load: Load, since: float, command: str, instance: str, 
         assert status == 200, (start, end, status)
         assert field != "language" or end <= left + 0.05, (start, end, told, left)
     return sum(end > told for _, end, _ in before)
-
-
-def _ask(stack: Stack, seed: int, max_tokens: int) -> httpx.Response:
-    body = chat_body("text", seed, max_tokens)
-    return httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=BOUND_S)
 
 
 def test_a_stopped_encoder_and_language_instance_drain_under_load(stack: Stack) -> None:
