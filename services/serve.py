@@ -142,12 +142,11 @@ class Component:
             out.write(f"=== {self.name} started at {time.strftime('%H:%M:%S')} ===\n".encode())
             out.flush()
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *self.args],
+                die_with_parent([sys.executable, "-m", "services.cli", *self.args]),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=environment,
                 start_new_session=True,  # Ctrl-C reaches the supervisor, which stops us in order
-                preexec_fn=die_with_parent,
             )
 
     @property
@@ -689,11 +688,10 @@ def launch(
     the stack as a user does (`command` replaces `python -m services.cli`, `popen`
     goes to Popen)."""
     process = subprocess.Popen(
-        [*(command or (sys.executable, "-m", "services.cli")), "serve", *args],
+        die_with_parent([*(command or (sys.executable, "-m", "services.cli")), "serve", *args]),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=die_with_parent,
         **popen,
     )
     assert process.stdout is not None

@@ -24,12 +24,11 @@ def epd_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
     prefix = f"epd_test_{secrets.token_hex(3)}_"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            die_with_parent([sys.executable, "-m", "services.cli", *args]),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, env.SHM_PREFIX.name: prefix},
-            preexec_fn=die_with_parent,
         )
         try:
             yield process

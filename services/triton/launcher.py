@@ -211,12 +211,11 @@ class TritonServer:
         env["EPD_SITE_PACKAGES"] = os.pathsep.join(site.getsitepackages())
         logger.info("starting tritonserver (grpc %s, http %s)", cfg.grpc_url, cfg.http_url)
         self._process = subprocess.Popen(
-            cmd,
+            die_with_parent(cmd),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         self._log_thread = threading.Thread(target=self._forward_log, daemon=True)
         self._log_thread.start()
