@@ -287,7 +287,9 @@ def test_a_stopped_encoder_and_language_instance_drain_under_load(stack: Stack) 
         _drain(stack, load, since, "encoder", "encoder-1", "encoder")
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # long ones: some on language-1
             long = [pool.submit(_ask, stack, 8_000_000 + i, 200) for i in range(4)]
-            time.sleep(0.5)
+            metrics = stack.language_ports()[1] + 100
+            running = "epd_language_running_requests"
+            wait_for(lambda: stack.metric(metrics, running) > 0, 30, "a request on language-1")
             in_flight = _drain(stack, load, since, "language", "language-1", "language")
             assert [f.result().status_code for f in long] == [200] * 4
     assert in_flight, "no request was in flight on language-1 when it was stopped"
