@@ -272,6 +272,12 @@ def _bench(args: argparse.Namespace) -> int:
     return command.main(args)
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from services import timeline
+
+    return timeline.main(args.request_id, args.broker, args.gateway, args.api_key)
+
+
 def _health(args: argparse.Namespace) -> int:
     from services.serve import grpc_serving, http_ok
 
@@ -388,6 +394,15 @@ def export_security(args: argparse.Namespace) -> None:
             os.environ[var.name] = value
 
 
+def export_tracing(args: argparse.Namespace) -> None:
+    """Tracing flags become this process's environment (services.tracing reads
+    it; epd serve's components inherit it)."""
+    if getattr(args, "trace", False):
+        os.environ[env.TRACE.name] = "1"
+    if getattr(args, "otlp_endpoint", None):
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_endpoint
+
+
 # Each command: its help, its flags (services/flags.py) and its handler.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {
     "protos": ("generate services/proto/ from protos/", flags.protos, _protos),
@@ -407,9 +422,14 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handle
         _monolithic,
     ),
     "bench": ("benchmark an OpenAI-compatible server", _bench_flags, _bench),
+    "trace": ("show a recent request's steps (stack run with --trace)", flags.trace, _trace),
     "health": ("check a gRPC service (host:port) or an HTTP URL", flags.health, _health),
     "serve": ("run the whole stack on this machine", flags.serve, _serve),
 }
+
+
+# The components that trace their requests (`epd serve` only supervises them).
+TRACED = ("broker", "encoder", "language", "gateway")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -460,11 +480,16 @@ def place_process() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     export_security(args)
+    export_tracing(args)
     place_process()
     os.environ[env.LOG_FORMAT.name] = args.log_format  # children (epd serve's) inherit it
     logs.configure(args.log_level, args.log_format)
     for chatty in ("httpx", "matplotlib"):  # a line per request / per font otherwise
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
+    if args.command in TRACED:
+        from services import tracing
+
+        tracing.configure(args.command)
     handler: Handler = args.handler
     return handler(args)
 

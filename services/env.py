@@ -116,6 +116,14 @@ TLS_CA = EnvVar(
     "PEM roots to verify peers with; servers then require client certs",
 )
 
+TRACE = EnvVar(
+    "EPD_TRACE",
+    lambda raw: raw.lower() in ("1", "true", "yes", "on"),
+    lambda: False,
+    "trace every request (OpenTelemetry), kept in each process for `epd trace`; "
+    "OTEL_EXPORTER_OTLP_ENDPOINT also exports them",
+)
+
 ALL = (
     BROKER,
     TRITON_URL,
@@ -131,4 +139,5 @@ ALL = (
     TLS_CERT,
     TLS_KEY,
     TLS_CA,
+    TRACE,
 )

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from services import env
+from services import env, ports
 
 MIB = 1024 * 1024
 
@@ -74,6 +74,21 @@ def add_security(p: argparse.ArgumentParser) -> None:
         "--tls-ca",
         help="PEM roots to verify peers with; servers then require client certificates "
         "(mutual TLS) ($EPD_TLS_CA)",
+    )
+
+
+def add_tracing(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        default=env.TRACE.get(),
+        help="trace every request (OpenTelemetry spans, kept for `epd trace`) ($EPD_TRACE)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        help="also export the spans over OTLP/gRPC to this collector, e.g. "
+        "http://127.0.0.1:4317 ($OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; the other OTEL_* "
+        "variables, OTEL_TRACES_SAMPLER among them, hold too)",
     )
 
 
@@ -260,6 +275,7 @@ def broker(p: argparse.ArgumentParser) -> None:
     field_option(p, BrokerConfig, "rendezvous_ttl_s", "--rendezvous-ttl")
     add_encoder_routing(p)
     add_security(p)
+    add_tracing(p)
 
 
 def encoder_count(value: str) -> int | str:
@@ -343,6 +359,7 @@ def encoder(p: argparse.ArgumentParser) -> None:
         help="seconds an encode waits for send-buffer room",
     )
     add_security(p)
+    add_tracing(p)
 
 
 def language(p: argparse.ArgumentParser) -> None:
@@ -384,12 +401,14 @@ def language(p: argparse.ArgumentParser) -> None:
         "encoder may still write them (unless it says it stopped)",
     )
     add_security(p)
+    add_tracing(p)
 
 
 def gateway(p: argparse.ArgumentParser) -> None:
     add_gateway_common(p)
     p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
     add_security(p)
+    add_tracing(p)
 
 
 def monolithic(p: argparse.ArgumentParser) -> None:
@@ -397,6 +416,18 @@ def monolithic(p: argparse.ArgumentParser) -> None:
     add_engine(p)
     add_dtype(p, "model dtype")
     p.add_argument("--model-name", help="served model name (default: the folder's name)")
+
+
+def trace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("request_id", help="the request's id (the `id` of its response)")
+    p.add_argument("--broker", default=env.BROKER.get(), help="broker address ($EPD_BROKER)")
+    p.add_argument(
+        "--gateway",
+        default=f"http://127.0.0.1:{ports.GATEWAY_PORT}",
+        help="the gateway's URL (empty: leave its steps out)",
+    )
+    p.add_argument("--api-key", default=env.API_KEY.get(), help="the gateway's ($EPD_API_KEY)")
+    add_security(p)
 
 
 def health(p: argparse.ArgumentParser) -> None:
@@ -526,3 +557,4 @@ def serve(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
     add_security(p)
+    add_tracing(p)

@@ -13,11 +13,15 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
+from services import tracing
+from services.proto import telemetry_pb2, telemetry_pb2_grpc
 from services.security import Security, aio_channel, current
 
 logger = logging.getLogger(__name__)
+
+TELEMETRY = telemetry_pb2.DESCRIPTOR.services_by_name["Telemetry"].full_name
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _SIZES = [
@@ -51,10 +55,28 @@ SERVER_OPTIONS = [
 ]
 
 
+def metrics_registry() -> CollectorRegistry:
+    """A component's Prometheus registry, with its process's own metrics (CPU,
+    memory, start time: a restart shows as a change of process_start_time_seconds)."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    return registry
+
+
 def channel(address: str, security: Security | None = None) -> grpc.aio.Channel:
     """A channel with the project's message-size limits and keepalive, the cluster
-    token on every call and TLS when configured (this process's by default)."""
-    return aio_channel(address, CHANNEL_OPTIONS, security)
+    token on every call, TLS when configured (this process's by default) and,
+    when tracing, the caller's trace context."""
+    return aio_channel(address, CHANNEL_OPTIONS, security, tracing.client_interceptors())
+
+
+class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
+    async def RecentSpans(
+        self, request: telemetry_pb2.RecentSpansRequest, context: grpc.aio.ServicerContext
+    ) -> telemetry_pb2.RecentSpansReply:
+        return telemetry_pb2.RecentSpansReply(
+            traces=tracing.recent_spans(request.request_id), tracing=tracing.enabled()
+        )
 
 
 class GrpcServer:
@@ -84,10 +106,12 @@ class GrpcServer:
             options=SERVER_OPTIONS, interceptors=self.security.server_interceptors()
         )
         add_servicers(self.server)
+        telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+            [*self.service_names, TELEMETRY, health.SERVICE_NAME, reflection.SERVICE_NAME],
+            self.server,
         )
         self._requested_port = port
         self._registry = registry

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,10 +177,13 @@ class _StreamStreamToken(_TokenSender, grpc.aio.StreamStreamClientInterceptor):
 
 
 def aio_channel(
-    address: str, options: list[tuple[str, Any]], security: Security | None = None
+    address: str,
+    options: list[tuple[str, Any]],
+    security: Security | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
     security = security or current()
-    interceptors = security.client_interceptors()
+    interceptors = [*security.client_interceptors(), *interceptors]
     if security.tls or security.ca is not None:
         return grpc.aio.secure_channel(
             address, security.channel_credentials(), options=options, interceptors=interceptors

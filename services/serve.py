@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import env
+from services import env, tracing
 from services.children import die_with_parent
 from services.planner import Planner, PlannerConfig, Reading
 from services.ports import (
@@ -627,6 +627,12 @@ def banner(config: StackConfig) -> str:
             f"  broker gRPC  {LOCAL}:{config.broker_port}   (this machine only; grpcurl:",
             f"    grpcurl{grpcurl} {LOCAL}:{config.broker_port} epd.v1.Broker/ListInstances)",
             f"  metrics      each gRPC component on its own port + {config.metrics_offset}",
+        ]
+    if not config.monolithic and (env.TRACE.get() or tracing.endpoint()):
+        token = f" --cluster-token {cluster_token}" if cluster_token else ""
+        lines += [
+            "  traces       a request's steps: epd trace REQUEST_ID "
+            f"--broker {LOCAL}:{config.broker_port} --gateway {url}{token}",
         ]
     lines += [
         "",

@@ -7,8 +7,10 @@ outbox, which its Attach stream drains.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
+from services import tracing
 from services.broker.metrics import BrokerMetrics
 from services.broker.registry import Registry, RouteChoice, Session
 from services.broker.rendezvous import Delivery, FailoverError, Rendezvous
@@ -147,6 +149,8 @@ class Broker:
             deliveries = self.rendezvous.on_prealloc(sender, message)
         elif isinstance(message, TransferDone):
             deliveries = self.rendezvous.on_transfer_done(sender, message)
+            if message.is_last:
+                self._trace(message.request_id)
         elif isinstance(message, Resume):
             deliveries = self.rendezvous.on_resume(sender, message)
         elif isinstance(message, Abort):
@@ -156,6 +160,24 @@ class Broker:
         else:
             raise ValueError(f"{type(message).__name__} is only valid as the first message")
         self._deliver(deliveries)
+
+    def _trace(self, request_id: str) -> None:
+        """A finished transfer's time at the broker, in its request's trace: from
+        the route to both halves in, and from there to the last part."""
+        pairing = self.rendezvous.describe(request_id)
+        if pairing is None or pairing.trace is None or pairing.paired is None:
+            return
+        ids = {"request_id": request_id, "sender": pairing.encoder_id}
+        tracing.record("broker.rendezvous", pairing.created, pairing.paired, pairing.trace, **ids)
+        tracing.record(
+            "broker.transfer",
+            pairing.paired,
+            time.monotonic(),
+            pairing.trace,
+            **ids,
+            tokens=pairing.total_tokens,
+            resumes=pairing.num_resumes,
+        )
 
     def route(
         self,
@@ -191,11 +213,13 @@ class Broker:
         if request_id and choice.decode is not None:
             kv = kv_transfer_id(request_id)
             self.rendezvous.route(kv, choice.language.instance_id, choice.decode.instance_id)
+            self._traced(kv)
         if not request_id or choice.encoder is None:
             return choice
         encoder_id, language = choice.encoder.instance_id, choice.language.instance_id
         if not failed_encoder_id:
             self.rendezvous.route(request_id, encoder_id, language)
+            self._traced(request_id)
             return choice
         try:
             deliveries = self.rendezvous.reroute(
@@ -207,6 +231,11 @@ class Broker:
         self.metrics.failovers.inc()
         self._deliver(deliveries)
         return choice
+
+    def _traced(self, request_id: str) -> None:
+        pairing = self.rendezvous.describe(request_id)
+        if pairing is not None:
+            pairing.trace = tracing.context_for(request_id)
 
     def tick(self) -> None:
         """Periodic work: expire stuck rendezvous entries, evict silent instances."""

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from services.proto import broker_pb2
 from services.wire.messages import (
@@ -82,6 +83,8 @@ class Pairing:
     num_resumes: int = 0
     num_failovers: int = 0
     abort_reason: str = ""
+    paired: float | None = None  # when both halves were in
+    trace: Any = None  # the Route call's trace context (services.tracing), carried
 
     def involves(self, instance_id: str) -> bool:
         return instance_id in (self.encoder_id, self.language_id)
@@ -197,6 +200,7 @@ class Rendezvous:
         """Both halves are in: each side gets the other's."""
         assert pairing.meta is not None and pairing.prealloc is not None
         pairing.phase = Phase.TRANSFERRING
+        pairing.paired = self._clock()
         pairing.total_tokens = pairing.meta.total_tokens
         return [
             (pairing.language_id, pairing.meta),

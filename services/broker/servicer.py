@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services import tracing
 from services.broker.broker import Broker
 from services.broker.registry import DuplicateInstanceError, NoRouteError, Session
 from services.broker.rendezvous import FailoverError
@@ -70,6 +71,17 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             session.outbox.put_nowait(None)
 
     async def Route(
+        self, request: broker_pb2.RouteRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.RouteReply:
+        metadata = context.invocation_metadata()
+        with tracing.serving("broker.route", metadata, request.request_id) as span:
+            reply = await self._route(request, context)
+            span.set_attributes(
+                {"epd.language": reply.language_id, "epd.encoder": reply.encoder_id}
+            )
+            return reply
+
+    async def _route(
         self, request: broker_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.RouteReply:
         try:

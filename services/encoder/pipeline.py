@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services import tracing
 from services.encoder.cache import EmbeddingCache, ImageEmbedding
 from services.encoder.images import check_count
 from services.encoder.limits import ImageLimits
@@ -142,13 +143,15 @@ class EncodePipeline:
         futures = [self._pending[keys[i]] for i in mine]
         try:
             started = time.perf_counter()
-            pre = await self.preprocessor.preprocess([(i, images[i]) for i in mine], videos)
+            with tracing.span("encoder.preprocess", items=len(mine)):
+                pre = await self.preprocessor.preprocess([(i, images[i]) for i in mine], videos)
             self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
             started = time.perf_counter()
-            out = await self.vit.infer(
-                np.concatenate([p.pixel_values for p in pre]),
-                np.array([[p.grid.t, p.grid.h, p.grid.w] for p in pre], dtype=np.int64),
-            )
+            pixels = np.concatenate([p.pixel_values for p in pre])
+            with tracing.span("encoder.triton_infer", items=len(pre), patches=len(pixels)):
+                out = await self.vit.infer(
+                    pixels, np.array([[p.grid.t, p.grid.h, p.grid.w] for p in pre], dtype=np.int64)
+                )
             self.metrics.triton_seconds.observe(time.perf_counter() - started)
         except BaseException as exc:
             for future in futures:

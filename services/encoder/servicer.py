@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from services import tracing
 from services.broker.client import BrokerUnavailableError
 from services.encoder.images import BadImageError
 from services.encoder.metrics import EncoderMetrics
@@ -84,7 +85,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 raise EncoderBusyError(
                     f"this encoder has {self.max_pending} encodes pending, its limit; retry later"
                 )
-            reply = await self._encode(request)
+            metadata = context.invocation_metadata()
+            with tracing.serving(
+                "encoder.encode", metadata, request.request_id, items=len(request.images)
+            ) as span:
+                reply = await self._encode(request)
+                span.set_attributes(
+                    {"epd.tokens": reply.total_tokens, "epd.cached": reply.cached_images}
+                )
         except Exception as exc:
             code = _status_for(exc)
             if code is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import secrets
@@ -22,10 +23,12 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services import tracing
 from services.gateway.backend import GenerateCall, GenerationBackend, MediaData, Responses
 from services.gateway.errors import ApiError
 from services.gateway.images import ImageLoader
@@ -108,16 +111,41 @@ class InFlight:
         scope.setdefault("state", {})["record"] = record  # the handlers' request.state.record
         self.active += 1
         metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, watched)
-        finally:
-            self.active -= 1
-            metrics.in_flight.dec()
-            metrics.requests.labels(str(status)).inc()
-            metrics.latency.observe(time.monotonic() - started)
-            record.status = status
-            record.total_ms = (time.monotonic() - started) * 1000
-            log_request(record)
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        with tracing.serving(f"POST {scope['path']}", headers) as span:
+            record.trace_id = tracing.trace_id_hex()
+            try:
+                await self.app(scope, receive, watched)
+            finally:
+                self.active -= 1
+                metrics.in_flight.dec()
+                metrics.requests.labels(str(status)).inc()
+                metrics.latency.observe(time.monotonic() - started)
+                record.status = status
+                record.total_ms = (time.monotonic() - started) * 1000
+                log_request(record)
+                _close_span(span, record)
+
+
+def _close_span(span: Span, record: RequestRecord) -> None:
+    """What the request log says, on the request's root span."""
+    if not span.is_recording():
+        return
+    span.set_attributes(
+        {
+            tracing.REQUEST_ID: record.request_id,
+            "http.response.status_code": record.status,
+            "epd.media": record.media,
+            "epd.prompt_tokens": record.prompt_tokens,
+            "epd.completion_tokens": record.completion_tokens,
+            "epd.language": record.language,
+            "epd.encoder": record.encoder,
+        }
+    )
+    if record.ttft_ms is not None:
+        span.set_attribute("epd.ttft_ms", record.ttft_ms)
+    if record.status >= 500:
+        span.set_status(Status(StatusCode.ERROR, record.error or str(record.status)))
 
 
 async def _prepare(
@@ -128,10 +156,11 @@ async def _prepare(
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     vision = [p for m in body.messages for p in m.parts if not isinstance(p, TextPart)]
-    loaded = await gateway.images.load_all(
-        [p.image_url.url if isinstance(p, ImagePart) else p.video_url.url for p in vision],
-        ["image" if isinstance(p, ImagePart) else "video" for p in vision],
-    )
+    with tracing.span("gateway.load_media", items=len(vision)):
+        loaded = await gateway.images.load_all(
+            [p.image_url.url if isinstance(p, ImagePart) else p.video_url.url for p in vision],
+            ["image" if isinstance(p, ImagePart) else "video" for p in vision],
+        )
     gateway.metrics.images.inc(len(loaded))
     record.media = len(loaded)
     messages = _messages(body.messages, [image.token_hint for image in loaded])
@@ -569,9 +598,19 @@ async def _complete(
         await stream.aclose()
 
 
+# FastAPI 0.16x traces requests itself, with the global tracer provider: a second
+# server span of the same name under the gateway's own (InFlight's), which carries
+# what the request log says. Off where FastAPI has it.
+_NO_NATIVE_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
+
 # Long: the routes are closures over `gateway`, each a few lines; one table of them.
 def create_app(gateway: Gateway) -> ASGIApp:
-    app = FastAPI(title="EPD gateway", docs_url=None, redoc_url=None)
+    app = FastAPI(title="EPD gateway", docs_url=None, redoc_url=None, **_NO_NATIVE_TELEMETRY)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -667,6 +706,12 @@ def create_app(gateway: Gateway) -> ASGIApp:
         503 when nothing can; each component's state either way."""
         report = await gateway.backend.health()
         return JSONResponse(report, status_code=503 if report["status"] == "unavailable" else 200)
+
+    @app.get("/debug/spans/{request_id}")
+    async def spans(request: Request, request_id: str) -> Response:
+        """The gateway's spans of a recent request (OTLP protobuf; `epd trace`)."""
+        _check_key(gateway, request)
+        return Response(tracing.recent_spans(request_id), media_type="application/x-protobuf")
 
     @app.get("/metrics")
     async def metrics() -> Response:

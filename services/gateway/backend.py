@@ -23,7 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import grpc
+from opentelemetry.trace import SpanKind
 
+from services import tracing
 from services.gateway.errors import ApiError, from_grpc
 from services.gateway.request_log import RequestRecord
 from services.grpc_server import channel
@@ -42,6 +44,7 @@ from services.wire.request import GenerateError, GenerateRequest, GenerateRespon
 
 logger = logging.getLogger(__name__)
 
+CLIENT = SpanKind.CLIENT
 BROKER_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0  # for a channel that is not connected (its peer just restarted)
 
@@ -283,10 +286,11 @@ class Backend:
         )
 
     async def _route(self, request: broker_pb2.RouteRequest) -> broker_pb2.RouteReply:
-        try:
-            return await (await self._broker()).Route(request, timeout=BROKER_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc, "routing") from None
+        with tracing.span("gateway.route", kind=CLIENT, media=len(request.media_hashes)):
+            try:
+                return await (await self._broker()).Route(request, timeout=BROKER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise from_grpc(exc, "routing") from None
 
     async def generate(self, call: GenerateCall) -> Responses:
         """The language instance's stream; ApiError for anything that fails.
@@ -351,11 +355,13 @@ class Backend:
             streaming_id, address = route.decode_id, route.decode_address
             request = replace(request, prefill_instance_id=route.language_id)
         language = language_pb2_grpc.LanguageStub(await self._channel(address))
-        stream = language.Generate(to_proto(request), timeout=self.generate_timeout_s)
-        helpers = _Helpers(stream)
-        prefilling = helpers.add(self._prefill(to_prefill, route)) if route.decode_id else None
-        if call.media:
-            helpers.add(self._encode(call, request.request_id, route, keys))
+        span = tracing.start("gateway.generate", kind=CLIENT, language=streaming_id)
+        with tracing.current(span):  # the calls and helpers below carry it
+            stream = language.Generate(to_proto(request), timeout=self.generate_timeout_s)
+            helpers = _Helpers(stream)
+            prefilling = helpers.add(self._prefill(to_prefill, route)) if route.decode_id else None
+            if call.media:
+                helpers.add(self._encode(call, request.request_id, route, keys))
         finished = produced = False
         try:
             async for pb in stream:
@@ -380,6 +386,7 @@ class Backend:
                 raise failure from None
             raise
         finally:
+            tracing.end(span, None if finished else "the stream ended early")
             if not finished:
                 stream.cancel()
                 await self._abort(language, request.request_id)
@@ -390,13 +397,14 @@ class Backend:
         are in the decode instance; _NothingProduced if it is unavailable."""
         prefill = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
         to_prefill = replace(request, decode_instance_id=route.decode_id)
-        try:
-            await prefill.Prefill(to_proto(to_prefill), timeout=self.generate_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            error = from_grpc(exc, f"prefill instance {route.language_id}")
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                raise _NothingProduced(error, route.language_id) from None
-            raise error from None
+        with tracing.span("gateway.prefill", kind=CLIENT, prefill=route.language_id):
+            try:
+                await prefill.Prefill(to_proto(to_prefill), timeout=self.generate_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                error = from_grpc(exc, f"prefill instance {route.language_id}")
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise _NothingProduced(error, route.language_id) from None
+                raise error from None
 
     async def _encode(
         self, call: GenerateCall, request_id: str, route: broker_pb2.RouteReply, keys: list[str]
@@ -407,15 +415,16 @@ class Backend:
             call.record.encoder = encoder_id
             encoder = encoder_pb2_grpc.EncoderStub(await self._channel(address))
             try:
-                await encoder.Encode(
-                    encoder_pb2.EncodeRequest(
-                        request_id=request_id,
-                        images=[m.data for m in call.media],
-                        video_indices=[i for i, m in enumerate(call.media) if m.is_video],
-                        language_instance_id=route.language_id,
-                    ),
-                    timeout=self.encode_timeout_s,
-                )
+                with tracing.span("gateway.encode", kind=CLIENT, encoder=encoder_id):
+                    await encoder.Encode(
+                        encoder_pb2.EncodeRequest(
+                            request_id=request_id,
+                            images=[m.data for m in call.media],
+                            video_indices=[i for i, m in enumerate(call.media) if m.is_video],
+                            language_instance_id=route.language_id,
+                        ),
+                        timeout=self.encode_timeout_s,
+                    )
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_failovers:

@@ -32,6 +32,7 @@ class RequestRecord:
     encoder: str = "-"  # the one that encoded (the last, after failovers)
     error: str = ""
     component: str = ""  # what raised the error: gateway, broker, an instance
+    trace_id: str = ""  # with tracing on: the request's trace (`epd trace` shows it)
 
     def fields(self) -> dict[str, Any]:
         out = asdict(self)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from services import tracing
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.engine import RequestOutput
 from services.language.engine.request import Request, new_request, prefilled_request
@@ -188,6 +189,33 @@ def _resolved(sampling: SamplingParams, remaining: int) -> SamplingParams:
     )
 
 
+def _trace_engine(request: Request) -> None:
+    """A finished request's time in the engine, as spans: waiting for its first
+    step, its prefill (chunks) up to the first token, and its decode (tokens,
+    TPOT), from the times the engine noted."""
+    if not tracing.enabled():
+        return
+    ended = time.monotonic()
+    started = request.first_scheduled_time or ended
+    first = request.first_token_time or ended
+    tracing.record("engine.queue", request.arrival_time, started, None)
+    if request.num_prefill_steps:
+        tracing.record(
+            "engine.prefill",
+            started,
+            first,
+            None,
+            prompt_tokens=request.num_prompt_tokens,
+            chunks=request.num_prefill_steps,
+            cached_pages=request.num_cached_pages,
+            preemptions=request.num_preemptions,
+        )
+    decoded = request.num_output_tokens - 1
+    if decoded > 0:
+        tpot_ms = (ended - first) / decoded * 1000
+        tracing.record("engine.decode", first, ended, None, tokens=decoded, tpot_ms=tpot_ms)
+
+
 class Frontend:
     def __init__(
         self,
@@ -237,6 +265,7 @@ class Frontend:
         handed_over = False
         try:
             outputs = [output async for output in self.engine.generate(engine_request)]
+            _trace_engine(engine_request)
             assert outputs[0].prefilled is not None
             prompt = engine_request.num_prompt_tokens
             held = self.kv.source.hold(transfer, outputs[0].prefilled.pages, prompt)
@@ -253,13 +282,14 @@ class Frontend:
                 engine_request.mrope_delta,
             )
             started = time.perf_counter()
-            done = self.kv.sender.start(peer, meta)
-            handed_over = True  # the transfer lets the pages go when no write reads them
-            try:
-                await asyncio.shield(done)
-            except asyncio.CancelledError:
-                self.kv.sender.abort(transfer, "the prefill caller went away")
-                raise
+            with tracing.span("language.kv_send", decode=peer.instance_id, tokens=prompt):
+                done = self.kv.sender.start(peer, meta)
+                handed_over = True  # the transfer lets the pages go when no write reads them
+                try:
+                    await asyncio.shield(done)
+                except asyncio.CancelledError:
+                    self.kv.sender.abort(transfer, "the prefill caller went away")
+                    raise
             transport = self.kv.sender.transport_to(peer)
             if transport is not None:
                 self.kv.on_sent(transport, prompt, time.perf_counter() - started)
@@ -277,9 +307,10 @@ class Frontend:
         transfer = kv_transfer_id(request.request_id)
         started = time.perf_counter()
         try:
-            await self.receiver.expect(transfer, len(rendered.prompt.token_ids))
-            meta = await self.receiver.wait(transfer)
-            pages = self.receiver.take_blocks(transfer)
+            with tracing.span("language.kv_receive", prefill=request.prefill_instance_id):
+                await self.receiver.expect(transfer, len(rendered.prompt.token_ids))
+                meta = await self.receiver.wait(transfer)
+                pages = self.receiver.take_blocks(transfer)
         finally:
             self.receiver.release(transfer, "the request ended before its KV pages arrived")
         assert isinstance(meta, KvMeta)
@@ -297,10 +328,16 @@ class Frontend:
         pads = {self.spec.image_token_id, self.spec.video_token_id}
         media_tokens = sum(token in pads for token in meta.prompt_token_ids)
         async for output in self.engine.generate(engine_request, firsts):
+            if output.finished and output.index == 0:
+                _trace_engine(engine_request)
             for response in responses(output, media_tokens):
                 yield response
 
     async def render(self, request: GenerateRequest) -> Rendered:
+        with tracing.span("language.render"):
+            return await self._render(request)
+
+    async def _render(self, request: GenerateRequest) -> Rendered:
         if request.is_completion:
             if request.messages:
                 raise ValueError("a request has messages or a prompt, not both")
@@ -330,9 +367,10 @@ class Frontend:
         assert self.receiver is not None, "a frontend without a receiver takes pixels"
         request_id = rendered.request_id
         try:
-            await self.receiver.expect(request_id, sum(rendered.hints))
-            meta = await self.receiver.wait(request_id)
-            planes = await self.receiver.take(request_id)
+            with tracing.span("language.receive", hinted_tokens=sum(rendered.hints)):
+                await self.receiver.expect(request_id, sum(rendered.hints))
+                meta = await self.receiver.wait(request_id)
+                planes = await self.receiver.take(request_id)
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
         assert isinstance(meta, EmbeddingMeta)
@@ -369,6 +407,8 @@ class Frontend:
     async def stream(self, rendered: Rendered, request: Request) -> AsyncIterator[GenerateResponse]:
         media_tokens = rendered.prompt.num_image_tokens
         async for output in self.engine.generate(request):
+            if output.finished and output.index == 0:
+                _trace_engine(request)
             for response in responses(output, media_tokens):
                 yield response
 

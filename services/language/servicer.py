@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from services import tracing
 from services.language.engine.engine import RequestFailedError
 from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
@@ -79,18 +80,21 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 "(prefill_instance_id); another instance takes none",
             )
         self._active.add(request.request_id)
-        try:
-            typed = from_proto(GenerateRequest, request)
-            stream = self.frontend.decode(typed) if decoding else self.frontend.generate(typed)
-            async for response in stream:
-                if isinstance(response.kind, GenerateComplete):
-                    self.metrics.requests.labels(response.kind.finish_reason).inc()
-                yield to_proto(response)
-        except Exception as exc:
-            await self._fail(exc, request.request_id, "generate", context)
-            raise
-        finally:
-            self._active.discard(request.request_id)
+        metadata = context.invocation_metadata()
+        name = "language.decode" if decoding else "language.generate"
+        with tracing.serving(name, metadata, request.request_id, role=self.role.name.lower()):
+            try:
+                typed = from_proto(GenerateRequest, request)
+                stream = self.frontend.decode(typed) if decoding else self.frontend.generate(typed)
+                async for response in stream:
+                    if isinstance(response.kind, GenerateComplete):
+                        self.metrics.requests.labels(response.kind.finish_reason).inc()
+                    yield to_proto(response)
+            except Exception as exc:
+                await self._fail(exc, request.request_id, "generate", context)
+                raise
+            finally:
+                self._active.discard(request.request_id)
 
     async def Prefill(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -103,14 +107,16 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 f"(decode_instance_id); this is a {self.role.name.lower()} instance",
             )
         self._active.add(request.request_id)
-        try:
-            reply = await self.frontend.prefill(from_proto(GenerateRequest, request))
-            return to_proto(reply)
-        except Exception as exc:
-            await self._fail(exc, request.request_id, "prefill", context)
-            raise
-        finally:
-            self._active.discard(request.request_id)
+        metadata = context.invocation_metadata()
+        with tracing.serving("language.prefill", metadata, request.request_id):
+            try:
+                reply = await self.frontend.prefill(from_proto(GenerateRequest, request))
+                return to_proto(reply)
+            except Exception as exc:
+                await self._fail(exc, request.request_id, "prefill", context)
+                raise
+            finally:
+                self._active.discard(request.request_id)
 
     async def _admit(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext

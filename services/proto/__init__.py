@@ -20,6 +20,8 @@ from epd.v1 import (  # noqa: E402
     encoder_pb2_grpc,
     language_pb2,
     language_pb2_grpc,
+    telemetry_pb2,
+    telemetry_pb2_grpc,
 )
 
 __all__ = [
@@ -30,4 +32,6 @@ __all__ = [
     "encoder_pb2_grpc",
     "language_pb2",
     "language_pb2_grpc",
+    "telemetry_pb2",
+    "telemetry_pb2_grpc",
 ]

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from services import tracing
 from services.broker.client import BrokerUnavailableError
 from services.transfer.block_pool import BlockPool
 from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
@@ -252,7 +253,9 @@ class ReceiverDriver:
                 case Free(blocks):
                     self.blocks.free(list(blocks))
                 case Stage(request_id, blocks, num_tokens):
-                    part = self.pool.read(list(blocks), 0, num_tokens)
+                    parent = tracing.context_for(request_id)
+                    with tracing.span("transfer.stage", parent, tokens=num_tokens):
+                        part = self.pool.read(list(blocks), 0, num_tokens)
                     self._staged.setdefault(request_id, []).append(part)
                 case Keep(request_id, blocks):
                     self._kept[request_id] = list(blocks)

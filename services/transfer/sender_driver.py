@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from services import tracing
 from services.broker.client import BrokerUnavailableError
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.sender import (
@@ -92,6 +94,7 @@ class SenderDriver:
         host_id: str,
         timeout_s: float = TRANSFER_TIMEOUT_S,
         on_finished: Callable[[str, TransferState], None] = lambda request_id, state: None,
+        on_written: Callable[[Transport, int, float], None] = lambda transport, size, took: None,
     ) -> None:
         self.buffer = buffer
         self.writers = dict(writers)
@@ -104,6 +107,7 @@ class SenderDriver:
         self._targets: dict[str, Register] = {}  # each transfer's language instance
         self._writes: dict[str, asyncio.Task[None]] = {}
         self._on_finished = on_finished
+        self._on_written = on_written  # each part written: its transport, bytes, seconds
         # (language instance, transport) pairs whose memory mapping failed: not again
         self._broken: set[tuple[str, Transport]] = set()
 
@@ -235,8 +239,18 @@ class SenderDriver:
         self._spawn(action.request_id, self._writing(action.transport, peer, part))
 
     async def _writing(self, transport: Transport, peer: Register, part: Part) -> None:
+        size = part.count * self.buffer.pool.layout.token_bytes
+        started = time.perf_counter()
         try:
-            await self._write_part(transport, peer, part)
+            with tracing.span(
+                "transfer.write",
+                tracing.context_for(part.request_id),
+                transport=transport.name.lower(),
+                tokens=part.count,
+                bytes=size,
+                target=peer.instance_id,
+            ):
+                transport = await self._write_part(transport, peer, part)
         except Exception as exc:  # the writer's own timeout bounds it
             name = transport.name.lower()
             logger.warning("%s: %s write failed: %s", part.request_id, name, exc)
@@ -245,11 +259,12 @@ class SenderDriver:
         except asyncio.CancelledError:  # shutting down
             self._run(self.machine.write_failed(part.request_id, "write cancelled"))
             raise
+        self._on_written(transport, size, time.perf_counter() - started)
         self._run(self.machine.written(part.request_id))
 
-    async def _write_part(self, transport: Transport, peer: Register, part: Part) -> None:
+    async def _write_part(self, transport: Transport, peer: Register, part: Part) -> Transport:
         """One write, and where the transport cannot reach the peer's memory, the
-        same part again over the fallback."""
+        same part again over the fallback; the transport that wrote it."""
         try:
             await self.writers[transport].write(peer, self.buffer.pool, part)
         except Exception as exc:
@@ -258,6 +273,8 @@ class SenderDriver:
                 raise
             self.machine.switch_transport(part.request_id, fallback)
             await self.writers[fallback].write(peer, self.buffer.pool, part)
+            return fallback
+        return transport
 
     def _fallback(
         self, transport: Transport, peer: Register, error: Exception, request_id: str

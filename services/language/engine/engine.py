@@ -91,6 +91,17 @@ class RequestOutput:
         return self.finish_reason is not None or self.prefilled is not None
 
 
+def _mark_started(batch: list[Scheduled], now: float) -> None:
+    """When each request first ran, and how many steps computed its prompt (what
+    its trace shows as queue time and prefill chunks)."""
+    for s in batch:
+        request = s.request
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            request.num_prefill_steps += 1
+
+
 @dataclass(frozen=True, slots=True)
 class StepStats:
     num_tokens: int  # tokens computed this step
@@ -319,6 +330,7 @@ class LLMEngine:
             self.vision.encode_pending(self.scheduler.waiting)
         hits = self.blocks.num_hit_tokens
         batch = ModelRunner.order(self.scheduler.schedule())
+        _mark_started(batch, time.monotonic())
         cached = self.blocks.num_hit_tokens - hits
         lost = [
             self._fail(

@@ -63,7 +63,9 @@ class Request:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)  # KV pages
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # the start of its first step
     first_token_time: float | None = None
+    num_prefill_steps: int = 0  # steps that computed prompt tokens (chunks)
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     grammar: Any = None  # xgrammar.CompiledGrammar of a guided request

@@ -1,0 +1,260 @@
+"""Tracing end to end: `epd serve --otlp-endpoint` against an OTLP/gRPC receiver
+run here (opentelemetry-proto's TraceService): a request with two images is one
+trace across the gateway, the broker, the encoder and the language instance,
+its spans parented call by call and inside the request's time; a client's
+`traceparent` is honoured and a malformed one starts a new trace; `epd trace`
+prints the same steps from the processes' own records."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from openai import OpenAI
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from services.bench.images import random_image
+from services.ports import free_port
+from tests.processes import served
+from tests.test_serve import image_url
+
+MODEL = "demo-tiny"
+EPD = (sys.executable, "-m", "services.cli")
+TOKEN = secrets.token_urlsafe(16)
+# Each process's steps for a request with images (E/P/D aside), by component.
+EXPECTED = {
+    "gateway": {
+        "POST /v1/chat/completions",
+        "gateway.load_media",
+        "gateway.route",
+        "gateway.encode",
+        "gateway.generate",
+    },
+    "broker": {"broker.route", "broker.rendezvous", "broker.transfer"},
+    "encoder": {"encoder.encode", "encoder.preprocess", "encoder.triton_infer", "transfer.write"},
+    "language": {
+        "language.generate",
+        "language.render",
+        "language.receive",
+        "engine.queue",
+        "engine.prefill",
+        "engine.decode",
+    },
+}
+# A span's parent, by name: the hops between processes and the steps inside each.
+PARENTS = {
+    "gateway.load_media": "POST /v1/chat/completions",
+    "gateway.route": "POST /v1/chat/completions",
+    "gateway.generate": "POST /v1/chat/completions",
+    "broker.route": "gateway.route",
+    "broker.rendezvous": "broker.route",
+    "broker.transfer": "broker.route",
+    "gateway.encode": "gateway.generate",
+    "encoder.encode": "gateway.encode",
+    "encoder.preprocess": "encoder.encode",
+    "encoder.triton_infer": "encoder.encode",
+    "transfer.write": "encoder.encode",
+    "language.generate": "gateway.generate",
+    "language.render": "language.generate",
+    "language.receive": "language.generate",
+    "engine.queue": "language.generate",
+    "engine.prefill": "language.generate",
+    "engine.decode": "language.generate",
+}
+
+
+@dataclass
+class Received:
+    component: str
+    span: Span
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver: keeps every span exported to it."""
+
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self.lock = threading.Lock()
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        with self.lock:
+            for resource in request.resource_spans:
+                attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+                for scope in resource.scope_spans:
+                    for span in scope.spans:
+                        self.received.append(Received(attributes["epd.component"], span))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes) -> list[Received]:
+        with self.lock:
+            return [r for r in self.received if r.span.trace_id == trace_id]
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[tuple[Collector, int]]:
+    server = grpc.server(ThreadPoolExecutor(4))
+    receiver = Collector()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield receiver, port
+    server.stop(None)
+
+
+@dataclass
+class Stack:
+    url: str
+    broker: str
+    collector: Collector
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tiny_checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    collector: tuple[Collector, int],
+) -> Iterator[Stack]:
+    receiver, port = collector
+    broker_port = free_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 s
+        env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
+        flags = ("--otlp-endpoint", f"http://127.0.0.1:{port}", "--broker-port", str(broker_port))
+        with served(tiny_checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *flags) as url:
+            yield Stack(url, f"127.0.0.1:{broker_port}", receiver)
+
+
+def _two_images(client: OpenAI, seed: int, **kwargs: Any) -> Any:
+    """Two images of their own (an encoder's cache would skip their encode)."""
+    images = [random_image(160 + 40 * i, 120, seed=seed + i) for i in range(2)]
+    content: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": image_url(i)}} for i in images
+    ]
+    content.append({"type": "text", "text": "What differs?"})
+    return client.chat.completions.create(
+        model=MODEL,
+        max_tokens=8,
+        temperature=0,
+        messages=[{"role": "user", "content": content}],
+        **kwargs,
+    )
+
+
+def _client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _all_steps(collector: Collector, trace_id: bytes) -> list[Received]:
+    """The trace's spans once every expected step has arrived (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        spans = collector.trace(trace_id)
+        names = {r.span.name for r in spans}
+        if set().union(*EXPECTED.values()) <= names or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.1)
+
+
+def test_a_request_with_two_images_is_one_trace_across_every_process(stack: Stack) -> None:
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    reply = _two_images(
+        _client(stack), 10, extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"}
+    )
+    spans = _all_steps(stack.collector, bytes.fromhex(trace_id))
+    for component, names in EXPECTED.items():
+        mine = {r.span.name for r in spans if r.component == component}
+        assert names <= mine, f"{component} is missing {names - mine}"
+    by_name = {r.span.name: r.span for r in spans}
+    root = by_name["POST /v1/chat/completions"]
+    assert root.parent_span_id.hex() == client_span  # the client's traceparent, honoured
+    attributes = {a.key: a.value for a in root.attributes}
+    assert attributes["epd.request_id"].string_value == reply.id
+    assert attributes["http.response.status_code"].int_value == 200
+    by_id = {r.span.span_id: r.span for r in spans}
+    for name, parent in PARENTS.items():
+        assert by_id[by_name[name].parent_span_id].name == parent, name
+    # Every step lies within the request's time, and what runs one after the other
+    # in the gateway adds up to no more than it (1 ms for the clocks' rounding).
+    slack = 1_000_000
+    for r in spans:
+        assert root.start_time_unix_nano - slack <= r.span.start_time_unix_nano, r.span.name
+        assert r.span.end_time_unix_nano <= root.end_time_unix_nano + slack, r.span.name
+    in_turn = ("gateway.load_media", "gateway.route", "gateway.generate")
+    took = sum(by_name[n].end_time_unix_nano - by_name[n].start_time_unix_nano for n in in_turn)
+    assert took <= root.end_time_unix_nano - root.start_time_unix_nano + slack
+    engine = ("engine.queue", "engine.prefill", "engine.decode")
+    for earlier, later in itertools.pairwise(engine):
+        assert by_name[earlier].end_time_unix_nano <= by_name[later].start_time_unix_nano + slack
+    writes = [r.span for r in spans if r.span.name == "transfer.write"]
+    write = {a.key: a.value for a in writes[0].attributes}
+    assert write["epd.transport"].string_value == "shm" and write["epd.bytes"].int_value > 0
+    decode = {a.key: a.value for a in by_name["engine.decode"].attributes}
+    assert decode["epd.tokens"].int_value == reply.usage.completion_tokens - 1
+
+
+def test_a_malformed_traceparent_starts_a_new_trace(stack: Stack) -> None:
+    reply = _two_images(_client(stack), 20, extra_headers={"traceparent": "00-not-a-trace-01"})
+    assert reply.choices[0].message.content
+    deadline = time.monotonic() + 30
+    roots: list[Span] = []
+    while not roots and time.monotonic() < deadline:
+        with stack.collector.lock:
+            roots = [
+                r.span
+                for r in stack.collector.received
+                if any(a.value.string_value == reply.id for a in r.span.attributes)
+                and r.component == "gateway"
+                and r.span.name.startswith("POST")
+            ]
+        time.sleep(0.1)
+    assert len(roots) == 1 and roots[0].parent_span_id == b""
+    assert roots[0].trace_id != bytes(16)
+
+
+def _epd_trace(stack: Stack, request_id: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*EPD, "trace", request_id, "--broker", stack.broker, "--gateway", stack.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "EPD_CLUSTER_TOKEN": TOKEN},
+    )
+
+
+def test_epd_trace_prints_the_steps_in_order(stack: Stack) -> None:
+    reply = _two_images(_client(stack), 30)
+    shown = _epd_trace(stack, reply.id)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith(f"request {reply.id}, trace ")
+    steps = [line.split() for line in lines[3:]]
+    names = [next(w for w in words[3:] if "=" not in w) for words in steps]
+    assert names[0] == "POST", lines  # the root: POST /v1/chat/completions
+    for expected in set().union(*EXPECTED.values()) - {"POST /v1/chat/completions"}:
+        assert expected in names, f"{expected} missing from:\n{shown.stdout}"
+    # Each step's start and duration are numbers; siblings appear in time order.
+    starts = {name: float(words[0]) for name, words in zip(names, steps, strict=True)}
+    assert all(float(words[1]) >= 0 for words in steps)
+    assert starts["gateway.route"] <= starts["gateway.generate"]
+    assert starts["engine.queue"] <= starts["engine.prefill"] <= starts["engine.decode"]
+
+
+def test_epd_trace_of_an_unknown_request_says_so(stack: Stack) -> None:
+    shown = _epd_trace(stack, "chatcmpl-nosuchrequest")
+    assert shown.returncode == 1
+    assert "no spans for request chatcmpl-nosuchrequest" in shown.stdout
