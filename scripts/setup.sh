@@ -41,4 +41,12 @@ if ! command -v kubectl >/dev/null && [[ "$(id -u)" == 0 ]] && command -v apt-ge
     || echo "kubectl could not be installed: tests/test_kubernetes.py will skip"
 fi
 
+# tests/test_observability.py runs a real Prometheus against the stack with the
+# shipped scrape configuration and the dashboards' queries: Debian's package.
+if ! command -v prometheus >/dev/null && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+  apt-get install -y -qq prometheus >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq prometheus >/dev/null 2>&1; } \
+    || echo "prometheus could not be installed: tests/test_observability.py will skip"
+fi
+
 echo "$WANT" > "$STAMP"

@@ -92,3 +92,17 @@ def test_every_service_gets_the_token_and_grpcurl_sends_it(config: dict[str, Any
     assert config["services"]["gateway"]["environment"]["EPD_API_KEY"] == "k3y"
     command = config["services"]["grpcurl"]["command"]
     assert command[command.index("-H") + 1] == "authorization: Bearer t0ken"
+
+
+def test_the_observability_profile_mounts_what_deploy_observability_ships() -> None:
+    result = compose("--profile", "observability", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert services["prometheus"]["profiles"] == ["observability"]
+    assert services["grafana"]["profiles"] == ["observability"]
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            assert Path(volume["source"]).exists(), volume["source"]
+    targets = (REPO_ROOT / "deploy/observability/targets/compose.yaml").read_text()
+    for component in ("gateway:8000", "broker:50151", "encoder:50161", "language:50171"):
+        assert component in targets

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from prometheus_client import CollectorRegistry
-
 from services import env
 from services.broker.broker import Broker
 from services.broker.config import BrokerConfig
@@ -15,7 +13,7 @@ from services.broker.placement import EncoderRouting, LoadBound
 from services.broker.registry import Registry
 from services.broker.rendezvous import Rendezvous
 from services.broker.servicer import BrokerServicer
-from services.grpc_server import GrpcServer
+from services.grpc_server import GrpcServer, metrics_registry
 from services.proto import broker_pb2, broker_pb2_grpc
 from services.security import Security, current
 
@@ -24,7 +22,7 @@ class BrokerServer:
     def __init__(self, config: BrokerConfig, security: Security | None = None) -> None:
         self.config = config
         security = security or current()
-        registry = CollectorRegistry()
+        registry = metrics_registry()
         self.broker = Broker(
             BrokerMetrics(registry),
             heartbeat_interval_s=config.heartbeat_interval_s,

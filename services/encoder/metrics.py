@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.wire.transport import Transport
 
 
 class EncoderMetrics:
@@ -47,3 +51,28 @@ class EncoderMetrics:
         self.triton_seconds = Histogram(
             "epd_encoder_triton_seconds", "Triton round trip per request", registry=registry
         )
+        self.write_bytes = Counter(
+            "epd_encoder_transfer_bytes",
+            "Embedding bytes written into language instances, by transport",
+            ["transport"],
+            registry=registry,
+        )
+        self.write_seconds = Histogram(
+            "epd_encoder_transfer_seconds",
+            "Seconds per write of a transfer part, by transport",
+            ["transport"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+
+    def expect_transports(self, transports: Iterable[Transport]) -> None:
+        """Each transport's series exported at 0 before its first write (a series
+        born at its first value hides that value from rate())."""
+        for transport in transports:
+            self.write_bytes.labels(transport.name.lower())
+            self.write_seconds.labels(transport.name.lower())
+
+    def on_written(self, transport: Transport, num_bytes: int, seconds: float) -> None:
+        name = transport.name.lower()
+        self.write_bytes.labels(name).inc(num_bytes)
+        self.write_seconds.labels(name).observe(seconds)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from prometheus_client import CollectorRegistry
-
 from services.broker.client import BrokerUnavailableError
 from services.encoder.cache import EmbeddingCache
 from services.encoder.config import EncoderConfig
@@ -16,6 +14,7 @@ from services.encoder.preprocess import Preprocessor
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
+from services.grpc_server import metrics_registry
 from services.instance import InstanceServer
 from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
@@ -35,7 +34,7 @@ class EncoderServer(InstanceServer):
         super().__init__(config.instance)
         self.config = config
         spec = load_spec(config.checkpoint)
-        registry = CollectorRegistry()
+        registry = metrics_registry()
         self.metrics = EncoderMetrics(registry)
         self.vit = VitClient(
             config.triton_url,
@@ -79,7 +78,9 @@ class EncoderServer(InstanceServer):
             config.instance.host_id,
             config.transfer_timeout_s,
             on_finished=lambda _, state: self.metrics.transfers.labels(state.name.lower()).inc(),
+            on_written=self.metrics.on_written,
         )
+        self.metrics.expect_transports(config.instance.transports)
         servicer = EncoderServicer(
             self.pipeline,
             self.buffer,

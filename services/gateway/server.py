@@ -7,7 +7,6 @@ import contextlib
 import math
 
 import uvicorn
-from prometheus_client import CollectorRegistry
 
 from services import env
 from services.gateway.app import Gateway, create_app
@@ -15,6 +14,7 @@ from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
+from services.grpc_server import metrics_registry
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
 
@@ -25,7 +25,7 @@ class GatewayServer:
 
     def __init__(self, config: GatewayConfig, backend: GenerationBackend | None = None) -> None:
         self.config = config
-        registry = CollectorRegistry()
+        registry = metrics_registry()
         rule = ImageTokenRule.from_checkpoint(config.checkpoint) if config.checkpoint else None
         video_rule = VideoRule.from_checkpoint(config.checkpoint) if config.checkpoint else None
         self.gateway = Gateway(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -127,6 +127,15 @@ class LanguageMetrics:
         self.embedding_blocks_used.set_function(embedding_blocks_used)
         self.embedding_blocks_quarantined.set_function(embedding_blocks_quarantined)
 
+    def expect_kv(self, direction: str, transports: Iterable[Transport]) -> None:
+        """Every KV series this instance can have, exported at 0 before the first
+        hand-off (a series born at its first value hides that value from rate())."""
+        for transport in transports:
+            name = transport.name.lower()
+            for family in (self.kv_transfer_pages, self.kv_transfer_bytes):
+                family.labels(direction, name)
+            self.kv_transfer_seconds.labels(direction, name)
+
     def kv_transferred(
         self, direction: str, transport: Transport, pages: int, num_bytes: int, seconds: float
     ) -> None:
@@ -134,6 +143,11 @@ class LanguageMetrics:
         self.kv_transfer_pages.labels(direction, name).inc(pages)
         self.kv_transfer_bytes.labels(direction, name).inc(num_bytes)
         self.kv_transfer_seconds.labels(direction, name).observe(seconds)
+
+    def expect_steps(self) -> None:
+        """Both kinds of step exported at 0 before the first (see expect_kv)."""
+        for kind in ("decode", "prefill"):
+            self.step_seconds.labels(kind)
 
     def on_step(self, stats: StepStats, seconds: float) -> None:
         """Called from the engine thread after every step, with how long it took."""

@@ -6,8 +6,8 @@ import logging
 from functools import partial
 
 import torch
-from prometheus_client import CollectorRegistry
 
+from services.grpc_server import metrics_registry
 from services.instance import InstanceServer
 from services.language.config import LanguageConfig
 from services.language.engine.async_engine import AsyncEngine
@@ -47,8 +47,12 @@ class LanguageServer(InstanceServer):
         self.role = config.role
         self.spec = load_spec(config.checkpoint)
         self.tokenizer = load_tokenizer(config.checkpoint)
-        registry = CollectorRegistry()
+        registry = metrics_registry()
         self.metrics = LanguageMetrics(registry)
+        self.metrics.expect_steps()
+        if self.role is not LanguageRole.BOTH:
+            direction = "sent" if self.role is LanguageRole.PREFILL else "received"
+            self.metrics.expect_kv(direction, config.instance.transports)
         weights = load_language_weights(config.checkpoint, self.spec, config.dtype)
         self.ends: dict[Transport, ReceiveEnd] = {}
         kv_memory = self._kv_receive_side if self.role is LanguageRole.DECODE else device_memory
