@@ -21,7 +21,7 @@ import pytest
 from openai import OpenAI
 
 from services.bench.images import random_image
-from services.ports import METRICS_OFFSET, free_port
+from services.ports import METRICS_OFFSET, free_port, free_serve_ports
 from services.proto import broker_pb2, broker_pb2_grpc
 from services.protogen import REPO_ROOT
 from tests.processes import served, wait_for
@@ -44,7 +44,7 @@ def _panel_queries() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    broker_port = free_port()
+    broker_port = free_serve_ports()["broker-port"]  # its metrics port (+100) exists too
     flags = ("--prefill", "1", "--decode", "1", "--broker-port", str(broker_port))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EPD_CLUSTER_TOKEN", TOKEN)

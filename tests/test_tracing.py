@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from services.bench.images import random_image
-from services.ports import free_port
+from services.ports import free_serve_ports
 from tests.processes import served
 from tests.test_serve import image_url
 
@@ -130,7 +130,7 @@ def stack(
     collector: tuple[Collector, int],
 ) -> Iterator[Stack]:
     receiver, port = collector
-    broker_port = free_port()
+    broker_port = free_serve_ports()["broker-port"]  # its metrics port (+100) exists too
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 s
         env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
@@ -186,6 +186,8 @@ def test_a_request_with_two_images_is_one_trace_across_every_process(stack: Stac
     assert attributes["epd.request_id"].string_value == reply.id
     assert attributes["http.response.status_code"].int_value == 200
     by_id = {r.span.span_id: r.span for r in spans}
+    failed = [r.span.name for r in spans if r.span.status.code == r.span.status.STATUS_CODE_ERROR]
+    assert failed == []  # a stream read to its last choice's end is not cut short (no Abort)
     for name, parent in PARENTS.items():
         assert by_id[by_name[name].parent_span_id].name == parent, name
     # Every step lies within the request's time, and what runs one after the other

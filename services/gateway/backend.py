@@ -40,7 +40,13 @@ from services.proto import (
 )
 from services.wire.convert import from_proto, to_proto
 from services.wire.messages import media_key
-from services.wire.request import GenerateError, GenerateRequest, GenerateResponse, SamplingParams
+from services.wire.request import (
+    GenerateComplete,
+    GenerateError,
+    GenerateRequest,
+    GenerateResponse,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +369,7 @@ class Backend:
             if call.media:
                 helpers.add(self._encode(call, request.request_id, route, keys))
         finished = produced = False
+        ends = 0  # choices complete: with every one in, a consumer that stops aborts nothing
         try:
             async for pb in stream:
                 response = from_proto(GenerateResponse, pb)
@@ -373,6 +380,8 @@ class Backend:
                     # prefill instance answers now (or its death) cannot change the request.
                     helpers.release(prefilling)
                 produced = True
+                ends += isinstance(response.kind, GenerateComplete)
+                finished = ends == max(1, request.sampling.n)
                 yield response
             finished = True
         except grpc.aio.AioRpcError as exc:
