@@ -53,6 +53,8 @@ CACHE_START = "<!-- bench/encoder_cache.py: start -->"
 CACHE_END = "<!-- bench/encoder_cache.py: end -->"
 PLANNER_START = "<!-- bench/encoder_planner.py: start -->"
 PLANNER_END = "<!-- bench/encoder_planner.py: end -->"
+TRACING_START = "<!-- bench/tracing.py: start -->"
+TRACING_END = "<!-- bench/tracing.py: end -->"
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ def kept_sections(doc: str) -> str:
             (PD_START, PD_END),
             (CACHE_START, CACHE_END),
             (PLANNER_START, PLANNER_END),
+            (TRACING_START, TRACING_END),
         )
         if start in doc
     )
