@@ -12,22 +12,19 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from openai import OpenAI
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from services.bench.images import random_image
 from services.ports import free_serve_ports
+from tests.otlp import Collector, Received, receiving
 from tests.processes import served
 from tests.test_serve import image_url
 
@@ -76,44 +73,10 @@ PARENTS = {
 }
 
 
-@dataclass
-class Received:
-    component: str
-    span: Span
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver: keeps every span exported to it."""
-
-    def __init__(self) -> None:
-        self.received: list[Received] = []
-        self.lock = threading.Lock()
-
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self.lock:
-            for resource in request.resource_spans:
-                attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
-                for scope in resource.scope_spans:
-                    for span in scope.spans:
-                        self.received.append(Received(attributes["epd.component"], span))
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: bytes) -> list[Received]:
-        with self.lock:
-            return [r for r in self.received if r.span.trace_id == trace_id]
-
-
 @pytest.fixture(scope="module")
 def collector() -> Iterator[tuple[Collector, int]]:
-    server = grpc.server(ThreadPoolExecutor(4))
-    receiver = Collector()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield receiver, port
-    server.stop(None)
+    with receiving() as receiver:
+        yield receiver
 
 
 @dataclass
@@ -159,13 +122,16 @@ def _client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _all_steps(collector: Collector, trace_id: bytes) -> list[Received]:
-    """The trace's spans once every expected step has arrived (30 s at most)."""
+def _all_steps(
+    collector: Collector, trace_id: bytes, expected: set[str] | None = None
+) -> list[Received]:
+    """The trace's spans once every expected step (EXPECTED's by default) has
+    arrived (30 s at most)."""
+    expected = expected or set().union(*EXPECTED.values())
     deadline = time.monotonic() + 30
     while True:
         spans = collector.trace(trace_id)
-        names = {r.span.name for r in spans}
-        if set().union(*EXPECTED.values()) <= names or time.monotonic() > deadline:
+        if expected <= {r.span.name for r in spans} or time.monotonic() > deadline:
             return spans
         time.sleep(0.1)
 
