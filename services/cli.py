@@ -401,6 +401,8 @@ def export_tracing(args: argparse.Namespace) -> None:
         os.environ[env.TRACE.name] = "1"
     if getattr(args, "otlp_endpoint", None):
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = args.otlp_endpoint
+    if getattr(args, "triton_otlp_endpoint", None):
+        os.environ[env.TRITON_OTLP_ENDPOINT.name] = args.triton_otlp_endpoint
 
 
 # Each command: its help, its flags (services/flags.py) and its handler.

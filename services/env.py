@@ -124,6 +124,14 @@ TRACE = EnvVar(
     "OTEL_EXPORTER_OTLP_ENDPOINT also exports them",
 )
 
+TRITON_OTLP_ENDPOINT = EnvVar(
+    "EPD_TRITON_OTLP_ENDPOINT",
+    str,
+    lambda: "",
+    "OTLP/HTTP URL Triton exports its own spans to (http://collector:4318/v1/traces): "
+    "its requests join the encoders' traces, queue and compute times included",
+)
+
 ALL = (
     BROKER,
     TRITON_URL,
@@ -140,4 +148,5 @@ ALL = (
     TLS_KEY,
     TLS_CA,
     TRACE,
+    TRITON_OTLP_ENDPOINT,
 )

@@ -92,6 +92,16 @@ def add_tracing(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_triton_tracing(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--triton-otlp-endpoint",
+        default=env.TRITON_OTLP_ENDPOINT.get(),
+        help="Triton's own traces, over OTLP/HTTP to this URL (e.g. "
+        "http://127.0.0.1:4318/v1/traces): its requests join the encoders' traces "
+        "($EPD_TRITON_OTLP_ENDPOINT)",
+    )
+
+
 def add_limits(p: argparse.ArgumentParser) -> None:
     """ImageLimits' fields, each a flag of its name."""
     from services.encoder.limits import ImageLimits
@@ -331,6 +341,7 @@ def triton(p: argparse.ArgumentParser) -> None:
     field_option(p, TritonConfig, "grpc_port")
     field_option(p, TritonConfig, "metrics_port")
     add_dtype(p, "the vision tower's dtype")
+    add_triton_tracing(p)
 
 
 def encoder(p: argparse.ArgumentParser) -> None:
@@ -558,3 +569,4 @@ def serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
     add_security(p)
     add_tracing(p)
+    add_triton_tracing(p)

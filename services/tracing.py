@@ -282,6 +282,15 @@ def context_for(request_id: str) -> otel_context.Context | None:
     return _requests.get(request_id) or _requests.get(request_id.split("/")[0])
 
 
+def outgoing() -> dict[str, str]:
+    """The current span's context as headers (`traceparent`), for calls made with
+    another client than this project's channels (Triton's); {} when off."""
+    carrier: dict[str, str] = {}
+    if _enabled:
+        propagate.inject(carrier)
+    return carrier
+
+
 def trace_id_hex() -> str:
     """The current trace's id (32 hex digits), or "" without one."""
     if not _enabled:

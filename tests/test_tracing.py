@@ -42,6 +42,7 @@ EXPECTED = {
     },
     "broker": {"broker.route", "broker.rendezvous", "broker.transfer"},
     "encoder": {"encoder.encode", "encoder.preprocess", "encoder.triton_infer", "transfer.write"},
+    "triton": {"InferRequest", "vit", "compute"},  # Triton's own (--triton-otlp-endpoint)
     "language": {
         "language.generate",
         "language.render",
@@ -64,6 +65,9 @@ PARENTS = {
     "encoder.preprocess": "encoder.encode",
     "encoder.triton_infer": "encoder.encode",
     "transfer.write": "encoder.encode",
+    "InferRequest": "encoder.triton_infer",
+    "vit": "InferRequest",
+    "compute": "vit",
     "language.generate": "gateway.generate",
     "language.render": "language.generate",
     "language.receive": "language.generate",
@@ -97,7 +101,10 @@ def stack(
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 s
         env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
-        flags = ("--otlp-endpoint", f"http://127.0.0.1:{port}", "--broker-port", str(broker_port))
+        flags = (
+            *("--otlp-endpoint", f"http://127.0.0.1:{port}", "--broker-port", str(broker_port)),
+            *("--triton-otlp-endpoint", f"http://127.0.0.1:{receiver.http_port}/v1/traces"),
+        )
         with served(tiny_checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *flags) as url:
             yield Stack(url, f"127.0.0.1:{broker_port}", receiver)
 
@@ -171,6 +178,8 @@ def test_a_request_with_two_images_is_one_trace_across_every_process(stack: Stac
     writes = [r.span for r in spans if r.span.name == "transfer.write"]
     write = {a.key: a.value for a in writes[0].attributes}
     assert write["epd.transport"].string_value == "shm" and write["epd.bytes"].int_value > 0
+    queued = next(e.time_unix_nano for e in by_name["vit"].events if e.name == "QUEUE_START")
+    assert queued <= by_name["compute"].start_time_unix_nano  # Triton's queue time, in the trace
     decode = {a.key: a.value for a in by_name["engine.decode"].attributes}
     assert decode["epd.tokens"].int_value == reply.usage.completion_tokens - 1
 
@@ -213,7 +222,8 @@ def test_epd_trace_prints_the_steps_in_order(stack: Stack) -> None:
     steps = [line.split() for line in lines[3:]]
     names = [next(w for w in words[3:] if "=" not in w) for words in steps]
     assert names[0] == "POST", lines  # the root: POST /v1/chat/completions
-    for expected in set().union(*EXPECTED.values()) - {"POST /v1/chat/completions"}:
+    ours = set().union(*(names for c, names in EXPECTED.items() if c != "triton"))
+    for expected in ours - {"POST /v1/chat/completions"}:  # Triton's are the collector's
         assert expected in names, f"{expected} missing from:\n{shown.stdout}"
     # Each step's start and duration are numbers; siblings appear in time order.
     starts = {name: float(words[0]) for name, words in zip(names, steps, strict=True)}

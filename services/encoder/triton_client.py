@@ -20,7 +20,7 @@ import tritonclient.grpc.aio as triton_grpc
 import tritonclient.utils.shared_memory as triton_shm
 from tritonclient.utils import InferenceServerException
 
-from services import env
+from services import env, tracing
 from services.grpc_server import KEEPALIVE_OPTIONS
 from services.transfer.shared_memory import SHM_DIR
 
@@ -228,7 +228,11 @@ class VitClient:
             inputs[0].set_data_from_numpy(pixels)
             inputs[1].set_data_from_numpy(grid)
             result = await self._client.infer(
-                self.model_name, inputs, outputs=outputs, client_timeout=self.timeout_s
+                self.model_name,
+                inputs,
+                outputs=outputs,
+                client_timeout=self.timeout_s,
+                headers=tracing.outgoing() or None,  # Triton joins the trace where it traces
             )
             arrays = [result.as_numpy(n) for n in names]
             tensors = [torch.from_numpy(a.reshape(num_tokens, -1).copy()) for a in arrays]
@@ -246,7 +250,11 @@ class VitClient:
             for out, size, offset in zip(outputs, sizes, offsets, strict=False):
                 out.set_shared_memory(region_out.name, size, offset)
             await self._client.infer(
-                self.model_name, inputs, outputs=outputs, client_timeout=self.timeout_s
+                self.model_name,
+                inputs,
+                outputs=outputs,
+                client_timeout=self.timeout_s,
+                headers=tracing.outgoing() or None,  # Triton joins the trace where it traces
             )
             tensors = [
                 torch.from_numpy(

@@ -72,6 +72,8 @@ class TritonConfig:
     startup_timeout_s: float = 180.0
     log_verbose: int = 0
     dtype: str = field(default_factory=env.DTYPE.get)  # the vision tower's: a name, or auto
+    # Triton's own OpenTelemetry tracing, exported here (OTLP/HTTP); "": off
+    otlp_endpoint: str = field(default_factory=env.TRITON_OTLP_ENDPOINT.get)
 
     def __post_init__(self) -> None:
         if not (self.model_repository / self.model_name / "config.pbtxt").is_file():
@@ -86,6 +88,21 @@ class TritonConfig:
     @property
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+
+def _tracing_flags(endpoint: str) -> list[str]:
+    """Triton's OpenTelemetry mode: every request traced, its span the child of
+    the caller's `traceparent` (the encoder sends it), with the queue and
+    compute times as events and a compute span, exported over OTLP/HTTP."""
+    settings = (
+        "mode=opentelemetry",
+        "rate=1",
+        "level=TIMESTAMPS",
+        f"opentelemetry,url={endpoint}",
+        "opentelemetry,resource=service.name=epd-triton",
+        "opentelemetry,resource=epd.component=triton",
+    )
+    return [arg for setting in settings for arg in ("--trace-config", setting)]
 
 
 def _python_library_dir() -> str:
@@ -202,6 +219,8 @@ class TritonServer:
         ]
         if cfg.model_config_name:
             cmd.append(f"--model-config-name={cfg.model_config_name}")
+        if cfg.otlp_endpoint:
+            cmd += _tracing_flags(cfg.otlp_endpoint)
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [str(install.libs), _python_library_dir(), env.get("LD_LIBRARY_PATH")])
