@@ -109,6 +109,12 @@ class GenerateCall:
         return self.request.is_completion
 
 
+# A language instance's stream ended by these before it produced anything: the
+# instance is gone or going (a gRPC server cancels the calls that arrive while it
+# shuts down; this gateway's own cancels surface as asyncio.CancelledError).
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 class _NothingProduced(Exception):
     """A language instance (`instance_id`) was unavailable before anything was
     produced: the request can start again on others."""
@@ -386,7 +392,7 @@ class Backend:
             finished = True
         except grpc.aio.AioRpcError as exc:
             error = from_grpc(exc, f"language instance {streaming_id}")
-            if not produced and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            if not produced and exc.code() in _GONE:
                 raise _NothingProduced(error, streaming_id) from None
             raise error from None
         except asyncio.CancelledError:
@@ -411,7 +417,7 @@ class Backend:
                 await prefill.Prefill(to_proto(to_prefill), timeout=self.generate_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = from_grpc(exc, f"prefill instance {route.language_id}")
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if exc.code() in _GONE:
                     raise _NothingProduced(error, route.language_id) from None
                 raise error from None
 

@@ -1,13 +1,16 @@
 """A language instance that fails before it produced anything (dead, or not
-reachable: here one the broker lists at an address nobody serves) costs a
-request nothing: it starts again on another instance."""
+reachable: here one the broker lists at an address nobody serves; or one that
+cancels the call, as a gRPC server does with a call that arrives while it shuts
+down) costs a request nothing: it starts again on another instance."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
@@ -15,19 +18,35 @@ from openai import AsyncOpenAI
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
 from services.ports import free_port
+from services.proto import language_pb2_grpc
 from services.wire.messages import Register
 from tests.broker.peers import Peer, attach, language
 from tests.stack import MODEL, start_broker, start_language
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def with_a_ghost(tiny_checkpoint: Path) -> AsyncIterator[tuple[GatewayServer, Peer]]:
+class _Cancelling(language_pb2_grpc.LanguageServicer):
+    """Cancels every call before producing anything."""
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
+
+
+@pytest_asyncio.fixture(loop_scope="session", params=["unreachable", "cancelling"])
+async def with_a_ghost(
+    tiny_checkpoint: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[GatewayServer, Peer]]:
     broker = await start_broker()
     real = await start_language(
         tiny_checkpoint, broker, engine=EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20)
     )
     listed = language("language-ghost", model=MODEL)
-    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
+    server = grpc.aio.server()
+    language_pb2_grpc.add_LanguageServicer_to_server(_Cancelling(), server)
+    if request.param == "cancelling":
+        nobody = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+    else:
+        nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
     ghost = await attach(
         broker,
         Register(
@@ -45,11 +64,12 @@ async def with_a_ghost(tiny_checkpoint: Path) -> AsyncIterator[tuple[GatewayServ
     yield gateway, ghost
     await gateway.stop()
     await ghost.link.close()
+    await server.stop(None)
     await real.stop()
     await broker.stop()
 
 
-async def test_requests_routed_to_an_unreachable_instance_start_again_on_another(
+async def test_requests_routed_to_a_failing_instance_start_again_on_another(
     with_a_ghost: tuple[GatewayServer, Peer], caplog: pytest.LogCaptureFixture
 ) -> None:
     gateway, _ = with_a_ghost
@@ -61,7 +81,7 @@ async def test_requests_routed_to_an_unreachable_instance_start_again_on_another
             )
             assert reply.choices[0].finish_reason in ("stop", "length")
     retried = [r for r in caplog.records if "failed before its first token" in r.getMessage()]
-    assert retried, "some request was routed to the unreachable instance"
+    assert retried, "some request was routed to the failing instance"
     served = [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
     assert [f["status"] for f in served] == [200] * 4
     languages = {f["language"] for f in served}
