@@ -12,8 +12,8 @@ The W3C trace context crosses every gRPC hop in the call's metadata: the
 client interceptors add the current span's `traceparent`, and a server span
 starts from the metadata of the call it serves (`serving`). What a process
 does later for a request (a transfer part, the engine's steps) is parented by
-the context it kept for that request's id while serving it (`remember`), so
-messages the broker relays need no context of their own.
+the context it keeps under that request's id while serving it (`context_for`),
+so messages the broker relays need no context of their own.
 """
 
 from __future__ import annotations
@@ -232,10 +232,6 @@ def current(span: Span) -> contextlib.AbstractContextManager[Span]:
     return trace.use_span(span, end_on_exit=False)
 
 
-def context_of(span: Span) -> otel_context.Context | None:
-    return trace.set_span_in_context(span) if _enabled else None
-
-
 # -- requests served here -------------------------------------------------------------------
 
 
@@ -264,16 +260,6 @@ def serving(
             _requests.pop(request_id, None)
 
 
-def remember(request_id: str) -> None:
-    """The current context becomes the request's (for work done later, elsewhere)."""
-    if _enabled:
-        _requests[request_id] = otel_context.get_current()
-
-
-def forget(request_id: str) -> None:
-    _requests.pop(request_id, None)
-
-
 def context_for(request_id: str) -> otel_context.Context | None:
     """The context a request in flight here is served under (a transfer's id may
     be the request's + /kv)."""
@@ -283,8 +269,8 @@ def context_for(request_id: str) -> otel_context.Context | None:
 
 
 def outgoing() -> dict[str, str]:
-    """The current span's context as headers (`traceparent`), for calls made with
-    another client than this project's channels (Triton's); {} when off."""
+    """The current span's context as headers (`traceparent`): for the channels'
+    interceptors, and for calls made with another client (Triton's); {} when off."""
     carrier: dict[str, str] = {}
     if _enabled:
         propagate.inject(carrier)
@@ -303,8 +289,7 @@ def trace_id_hex() -> str:
 
 
 def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    carrier = outgoing()
     if not carrier:
         return details
     merged = grpc.aio.Metadata(*(details.metadata or ()), *carrier.items())

@@ -7,6 +7,7 @@ prints the same steps from the processes' own records."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -90,23 +91,33 @@ class Stack:
     collector: Collector
 
 
-@pytest.fixture(scope="module")
-def stack(
-    tiny_checkpoint: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    collector: tuple[Collector, int],
+@contextlib.contextmanager
+def traced(
+    checkpoint: Path, logs: Path, collector: tuple[Collector, int], *flags: str
 ) -> Iterator[Stack]:
+    """`epd serve FLAGS` exporting its spans (and Triton's) to the collector."""
     receiver, port = collector
     broker_port = free_serve_ports()["broker-port"]  # its metrics port (+100) exists too
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 s
         env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
         flags = (
+            *flags,
             *("--otlp-endpoint", f"http://127.0.0.1:{port}", "--broker-port", str(broker_port)),
             *("--triton-otlp-endpoint", f"http://127.0.0.1:{receiver.http_port}/v1/traces"),
         )
-        with served(tiny_checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *flags) as url:
+        with served(checkpoint, MODEL, logs, *flags) as url:
             yield Stack(url, f"127.0.0.1:{broker_port}", receiver)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tiny_checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    collector: tuple[Collector, int],
+) -> Iterator[Stack]:
+    with traced(tiny_checkpoint, tmp_path_factory.mktemp("logs"), collector) as started:
+        yield started
 
 
 def _two_images(client: OpenAI, seed: int, **kwargs: Any) -> Any:

@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.ports import free_serve_ports
 from tests.otlp import Collector, receiving
-from tests.processes import served
-from tests.test_tracing import MODEL, TOKEN, Stack, _all_steps, _client, _two_images
+from tests.test_tracing import Stack, _all_steps, _client, _two_images, traced
 
 # Each span's parent, by name, where the name is the only one of its kind.
 PARENTS = {
@@ -41,17 +39,9 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
     collector: tuple[Collector, int],
 ) -> Iterator[Stack]:
-    receiver, port = collector
-    broker_port = free_serve_ports()["broker-port"]
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
-        flags = (
-            *("--prefill", "1", "--decode", "1"),
-            *("--otlp-endpoint", f"http://127.0.0.1:{port}", "--broker-port", str(broker_port)),
-        )
-        with served(tiny_checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *flags) as url:
-            yield Stack(url, f"127.0.0.1:{broker_port}", receiver)
+    logs = tmp_path_factory.mktemp("logs")
+    with traced(tiny_checkpoint, logs, collector, "--prefill", "1", "--decode", "1") as started:
+        yield started
 
 
 def test_prefill_decode_and_the_kv_hand_off_are_in_the_request_trace(stack: Stack) -> None:

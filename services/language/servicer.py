@@ -9,6 +9,7 @@ pages); Abort ends a request wherever it is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -79,22 +80,13 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 "a decode instance takes a request from the prefill instance it names "
                 "(prefill_instance_id); another instance takes none",
             )
-        self._active.add(request.request_id)
-        metadata = context.invocation_metadata()
-        name = "language.decode" if decoding else "language.generate"
-        with tracing.serving(name, metadata, request.request_id, role=self.role.name.lower()):
-            try:
-                typed = from_proto(GenerateRequest, request)
-                stream = self.frontend.decode(typed) if decoding else self.frontend.generate(typed)
-                async for response in stream:
-                    if isinstance(response.kind, GenerateComplete):
-                        self.metrics.requests.labels(response.kind.finish_reason).inc()
-                    yield to_proto(response)
-            except Exception as exc:
-                await self._fail(exc, request.request_id, "generate", context)
-                raise
-            finally:
-                self._active.discard(request.request_id)
+        async with self._serving("decode" if decoding else "generate", request, context):
+            typed = from_proto(GenerateRequest, request)
+            stream = self.frontend.decode(typed) if decoding else self.frontend.generate(typed)
+            async for response in stream:
+                if isinstance(response.kind, GenerateComplete):
+                    self.metrics.requests.labels(response.kind.finish_reason).inc()
+                yield to_proto(response)
 
     async def Prefill(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -106,17 +98,28 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 "Prefill is a prefill instance's, for a request naming its decode instance "
                 f"(decode_instance_id); this is a {self.role.name.lower()} instance",
             )
-        self._active.add(request.request_id)
+        async with self._serving("prefill", request, context):
+            reply = await self.frontend.prefill(from_proto(GenerateRequest, request))
+        return to_proto(reply)
+
+    @contextlib.asynccontextmanager
+    async def _serving(
+        self, call: str, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        """An admitted request while `call` serves it: active (its id taken), traced
+        (span language.CALL), and what fails it aborted with its status."""
+        request_id = request.request_id
+        self._active.add(request_id)
         metadata = context.invocation_metadata()
-        with tracing.serving("language.prefill", metadata, request.request_id):
+        role = self.role.name.lower()
+        with tracing.serving(f"language.{call}", metadata, request_id, role=role):
             try:
-                reply = await self.frontend.prefill(from_proto(GenerateRequest, request))
-                return to_proto(reply)
+                yield
             except Exception as exc:
-                await self._fail(exc, request.request_id, "prefill", context)
+                await self._fail(exc, request_id, call, context)
                 raise
             finally:
-                self._active.discard(request.request_id)
+                self._active.discard(request_id)
 
     async def _admit(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
