@@ -4,9 +4,10 @@ ReceiveEnd. Each transport module implements the two; callers hold them by
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -93,6 +94,26 @@ class WrittenBeforeDone:
 
     def close(self) -> None:
         pass
+
+
+class ThreadCopies:
+    """Copies into a peer's mapped memory, each on a worker thread, which a
+    cancelled write does not stop: the mapping may close only once `settled`
+    returns, or a copy still running writes into memory no longer mapped
+    (SIGSEGV: a prefill instance died so when its decode instance died
+    mid-hand-off)."""
+
+    def __init__(self) -> None:
+        self.running: set[asyncio.Future[None]] = set()
+
+    async def run(self, copy: Callable[..., None], *args: Any) -> None:
+        task = asyncio.ensure_future(asyncio.to_thread(copy, *args))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        await asyncio.shield(task)  # a cancelled caller leaves the copy running, and counted
+
+    async def settled(self) -> None:
+        await asyncio.gather(*self.running, return_exceptions=True)
 
 
 def copy_part(

@@ -5,14 +5,13 @@ a GPU and is covered only by `gpu`-marked tests."""
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
 from services.transfer.transports.base import (
     Part,
+    ThreadCopies,
     WrittenBeforeDone,
     check_compatible,
     copy_part,
@@ -96,7 +95,7 @@ class _OpenedPool:
             else endpoint.device_id
         )
         self._ptrs: list[int] = []
-        self.copies: set[asyncio.Future[None]] = set()  # running in worker threads
+        self.copies = ThreadCopies()
         if len(endpoint.plane_handles) != len(self.layout.planes):
             raise ValueError(
                 f"{peer.instance_id}: {len(endpoint.plane_handles)} handles "
@@ -142,19 +141,14 @@ class CudaIpcWriter:
         if opened is None:
             opened = self._opened[peer.instance_id] = _OpenedPool(peer)
         check_compatible(source.layout, opened.layout, peer.instance_id)
-        # A cancelled write leaves its thread copying: the copy stays in the set
-        # until it is over, not until the caller stops waiting.
-        copy = asyncio.ensure_future(asyncio.to_thread(_copy, source, opened, part))
-        opened.copies.add(copy)
-        copy.add_done_callback(opened.copies.discard)
-        await asyncio.shield(copy)
+        await opened.copies.run(_copy, source, opened, part)
 
     async def forget(self, instance_id: str) -> None:
         """Unmaps a language instance's pool once no copy into it is running (a
         worker thread's copy outlives a cancelled write)."""
         opened = self._opened.pop(instance_id, None)
         if opened is not None:
-            await asyncio.gather(*opened.copies, return_exceptions=True)
+            await opened.copies.settled()
             opened.close()
 
     async def close(self) -> None:

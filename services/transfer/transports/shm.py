@@ -1,21 +1,12 @@
-"""shm: the encoder maps the language pool's shared-memory segments and copies runs.
-
-A copy runs on a thread, which a cancelled write does not stop: a mapping is
-closed (its peer lost, or the writer closing) only once no copy into it runs,
-or the copy would write into memory no longer mapped (a segfault, seen when a
-decode instance died during a KV hand-off)."""
+"""shm: the encoder maps the language pool's shared-memory segments and copies runs."""
 
 from __future__ import annotations
-
-import asyncio
-import concurrent.futures
-import contextlib
-from collections.abc import Callable
 
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.shared_memory import SharedSegment
 from services.transfer.transports.base import (
     Part,
+    ThreadCopies,
     WrittenBeforeDone,
     check_compatible,
     copy_part,
@@ -41,18 +32,7 @@ class _MappedPool:
             segment.tensor(self.layout.dtype, (self.layout.num_rows, plane.width))
             for segment, plane in zip(self.segments, self.layout.planes, strict=True)
         ]
-        self.copying = 0  # copies into it running on a thread now
-        self.idle = asyncio.Event()
-        self.idle.set()
-
-    def copy_started(self) -> None:
-        self.copying += 1
-        self.idle.clear()
-
-    def copy_ended(self) -> None:
-        self.copying -= 1
-        if not self.copying:
-            self.idle.set()
+        self.copies = ThreadCopies()
 
     def close(self) -> None:
         self.tensors = []  # views first: a segment cannot close while one exports its buffer
@@ -74,40 +54,25 @@ class ShmReceiveEnd(WrittenBeforeDone):
         return ShmPool(self.pool.shm_names)
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop, work: Callable[[], None]) -> None:
-    """`work` on the loop, from another thread; nothing if the loop is gone."""
-    with contextlib.suppress(RuntimeError):  # closed: nobody waits any more
-        loop.call_soon_threadsafe(work)
-
-
 class ShmWriter:
     transport = Transport.SHM
 
     def __init__(self) -> None:
         self._mapped: dict[str, _MappedPool] = {}
-        self._threads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="shm-write")
 
     async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
         mapped = self._mapped.get(peer.instance_id)
         if mapped is None:
             mapped = self._mapped[peer.instance_id] = _MappedPool(peer)
         check_compatible(source.layout, mapped.layout, peer.instance_id)
-        loop = asyncio.get_running_loop()
-        mapped.copy_started()
-        copying = self._threads.submit(
-            copy_part, source, mapped.tensors, mapped.layout.block_size, part
-        )
-        # when the thread is done with it, not when this write is cancelled
-        copying.add_done_callback(lambda _: _on_loop(loop, mapped.copy_ended))
-        await asyncio.wrap_future(copying)
+        await mapped.copies.run(copy_part, source, mapped.tensors, mapped.layout.block_size, part)
 
     async def forget(self, instance_id: str) -> None:
         mapped = self._mapped.pop(instance_id, None)
         if mapped is not None:
-            await mapped.idle.wait()
+            await mapped.copies.settled()
             mapped.close()
 
     async def close(self) -> None:
         for instance_id in list(self._mapped):
             await self.forget(instance_id)
-        self._threads.shutdown(wait=False)
