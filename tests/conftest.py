@@ -11,6 +11,7 @@ import pytest
 from services.model.demo import build_demo_checkpoint
 from services.ports import free_port
 from services.triton.launcher import TritonConfig, TritonServer
+from tests.otlp import Collector, receiving
 
 # Token-exact tests compare with HF in float32: every component a test starts
 # (in-process or as `epd ...`) uses it, whatever `auto` would pick on this CPU.
@@ -27,6 +28,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # a marker, not a parameter id
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[tuple[Collector, int]]:
+    """An OTLP receiver (gRPC on the port given, HTTP on its `http_port`), one a module."""
+    with receiving() as receiver:
+        yield receiver
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from services.bench.images import random_image
 from services.ports import free_serve_ports
-from tests.otlp import Collector, Received, receiving
+from tests.otlp import Collector, Received
 from tests.processes import served
 from tests.test_serve import image_url
 
@@ -76,12 +76,6 @@ PARENTS = {
     "engine.prefill": "language.generate",
     "engine.decode": "language.generate",
 }
-
-
-@pytest.fixture(scope="module")
-def collector() -> Iterator[tuple[Collector, int]]:
-    with receiving() as receiver:
-        yield receiver
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.otlp import Collector, receiving
+from tests.otlp import Collector
 from tests.test_tracing import Stack, _all_steps, _client, _two_images, traced
 
 # Each span's parent, by name, where the name is the only one of its kind.
@@ -25,12 +25,6 @@ PARENTS = {
     "engine.decode": "language.decode",
     "encoder.encode": "gateway.encode",
 }
-
-
-@pytest.fixture(scope="module")
-def collector() -> Iterator[tuple[Collector, int]]:
-    with receiving() as receiver:
-        yield receiver
 
 
 @pytest.fixture(scope="module")

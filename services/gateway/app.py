@@ -111,7 +111,11 @@ class InFlight:
         scope.setdefault("state", {})["record"] = record  # the handlers' request.state.record
         self.active += 1
         metrics.in_flight.inc()
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        headers = (  # for the client's traceparent; not read when tracing is off
+            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+            if tracing.enabled()
+            else None
+        )
         with tracing.serving(f"POST {scope['path']}", headers) as span:
             record.trace_id = tracing.trace_id_hex()
             try:
