@@ -38,6 +38,22 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def listened_on(host: str, ports: Sequence[int]) -> list[int]:
+    """The ports of `ports` that a server already listens on at `host`: a server
+    about to bind there would fail, and a readiness check on them would ask that
+    other server. (SO_REUSEADDR: connections a stopped server left in TIME_WAIT
+    do not count; a listening socket does.)"""
+    taken = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                taken.append(port)
+    return taken
+
+
 def free_port() -> int:
     """A free port on loopback, outside the kernel's ephemeral range when it
     can: a port from that range may be taken by any outgoing connection between

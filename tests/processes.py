@@ -48,22 +48,31 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 
 
 @contextlib.contextmanager
-def served(checkpoint: Path, model_name: str, logs: Path, *flags: str) -> Iterator[str]:
+def served(
+    checkpoint: Path,
+    model_name: str,
+    logs: Path,
+    *flags: str,
+    ports: dict[str, int] | None = None,
+) -> Iterator[str]:
     """`epd serve` on a checkpoint (context 512 tokens, a 64 MB KV cache, `flags`
-    added: `--monolithic`, ...) until the block ends, then stopped cleanly; its URL."""
-    from services.ports import free_port
+    added: `--monolithic`, ...) until the block ends, then stopped cleanly; its URL.
+    Every component on a port of `ports` (`free_serve_ports()`; a free block for
+    two encoders and two language instances when not given): a default port may
+    be held by a stack that is still stopping, or by anything else on the machine."""
+    from services.ports import free_serve_ports, serve_port_args
     from services.serve import launch
 
-    port = free_port()
+    ports = ports or free_serve_ports(encoders=2, languages=2)
+    port = ports["port"]
     process = launch(
         [
+            *serve_port_args(ports),
             *flags,
             "--model",
             str(checkpoint),
             "--model-name",
             model_name,
-            "--port",
-            str(port),
             "--max-model-len",
             "512",
             "--kv-cache-mb",

@@ -44,12 +44,13 @@ def _panel_queries() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    broker_port = free_serve_ports()["broker-port"]  # its metrics port (+100) exists too
-    flags = ("--prefill", "1", "--decode", "1", "--broker-port", str(broker_port))
+    ports = free_serve_ports(languages=2)
+    flags = ("--prefill", "1", "--decode", "1")
+    logs = tmp_path_factory.mktemp("logs")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
-        with served(tiny_checkpoint, MODEL, tmp_path_factory.mktemp("logs"), *flags) as url:
-            yield url, broker_port
+        with served(tiny_checkpoint, MODEL, logs, *flags, ports=ports) as url:
+            yield url, ports["broker-port"]
 
 
 def _targets(url: str, broker_port: int) -> list[dict[str, Any]]:

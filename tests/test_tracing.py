@@ -91,17 +91,17 @@ def traced(
 ) -> Iterator[Stack]:
     """`epd serve FLAGS` exporting its spans (and Triton's) to the collector."""
     receiver, port = collector
-    broker_port = free_serve_ports()["broker-port"]  # its metrics port (+100) exists too
+    ports = free_serve_ports(encoders=2, languages=2)  # E/P/D runs two language instances
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5 s
         env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
         flags = (
             *flags,
-            *("--otlp-endpoint", f"http://127.0.0.1:{port}", "--broker-port", str(broker_port)),
+            *("--otlp-endpoint", f"http://127.0.0.1:{port}"),
             *("--triton-otlp-endpoint", f"http://127.0.0.1:{receiver.http_port}/v1/traces"),
         )
-        with served(checkpoint, MODEL, logs, *flags) as url:
-            yield Stack(url, f"127.0.0.1:{broker_port}", receiver)
+        with served(checkpoint, MODEL, logs, *flags, ports=ports) as url:
+            yield Stack(url, f"127.0.0.1:{ports['broker-port']}", receiver)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +154,7 @@ def test_a_request_with_two_images_is_one_trace_across_every_process(stack: Stac
         _client(stack), 10, extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"}
     )
     spans = _all_steps(stack.collector, bytes.fromhex(trace_id))
+    assert stack.collector.refused == []  # every export was read
     for component, names in EXPECTED.items():
         mine = {r.span.name for r in spans if r.component == component}
         assert names <= mine, f"{component} is missing {names - mine}"

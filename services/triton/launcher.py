@@ -33,7 +33,7 @@ from pathlib import Path
 
 from services import env
 from services.children import die_with_parent
-from services.ports import TRITON_GRPC_PORT, TRITON_HTTP_PORT, TRITON_METRICS_PORT
+from services.ports import TRITON_GRPC_PORT, TRITON_HTTP_PORT, TRITON_METRICS_PORT, listened_on
 from services.transfer.shared_memory import remove_segments
 
 logger = logging.getLogger(__name__)
@@ -187,9 +187,17 @@ class TritonServer:
 
     def start(self) -> None:
         install = TritonInstall.find()
+        cfg = self.config
+        ports = (cfg.http_port, cfg.grpc_port, cfg.metrics_port)
+        if taken := listened_on(cfg.host, ports):
+            # Readiness is asked over HTTP: another server on these ports would
+            # answer for a tritonserver that then fails to bind and exits.
+            raise TritonError(
+                f"port(s) {', '.join(map(str, taken))} on {cfg.host} are in use "
+                "(another tritonserver?): give Triton free ports"
+            )
         self._workdir = Path(tempfile.mkdtemp(prefix="epd-triton-"))
         backends = self._prepare_backends(install, self._workdir)
-        cfg = self.config
         cmd = [
             str(install.binary),
             f"--model-repository={cfg.model_repository}",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +77,30 @@ def test_a_model_that_fails_to_load_is_a_clear_error(tmp_path: Path) -> None:
     assert "no-such-checkpoint" in str(info.value)
     assert time.monotonic() - started < 60
     assert not server.running
+
+
+def test_ports_another_server_holds_are_refused(tiny_checkpoint: Path) -> None:
+    """A server that answers every GET with 200 on Triton's HTTP port would pass
+    the readiness check for a tritonserver that cannot bind it: refused, named,
+    before anything starts."""
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    try:
+        server = TritonServer(_config(tiny_checkpoint, http_port=port))
+        with pytest.raises(TritonError, match=f"port\\(s\\) {port} on 127.0.0.1 are in use"):
+            server.start()
+        assert not server.running
+    finally:
+        other.shutdown()
+        other.server_close()
 
 
 def test_stop_removes_the_backend_shared_memory(tiny_checkpoint: Path) -> None:
