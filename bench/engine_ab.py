@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.engine_ab ops torch cpu [--waves 5] [--concurrency 16]
         [--prompt-len 220] [--output-len 64] [--size small] [--arch qwen2_5_vl]
+        [--dtype float32]
 
 Changes of a few percent are lost in this machine's run-to-run noise (±25%)
 when each setting runs in its own process at its own time. Here two engines,
@@ -17,6 +18,8 @@ import argparse
 import dataclasses
 import statistics
 import time
+
+import torch
 
 from bench.engine import load_engine
 from services.language.engine.config import EngineConfig
@@ -47,11 +50,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=220)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
 
     folder = cached_demo_checkpoint(args.size, args.arch)
     base = EngineConfig(
-        max_model_len=2048, kv_cache_bytes=1 << 29, scheduler=SchedulerConfig(max_num_seqs=64)
+        max_model_len=2048,
+        kv_cache_bytes=1 << 29,
+        scheduler=SchedulerConfig(max_num_seqs=64),
+        dtype=getattr(torch, args.dtype),
     )
     engines = []
     for value in (args.a, args.b):
@@ -82,8 +89,9 @@ def main() -> None:
                 decode[1].append(seconds[1])
 
     print(
-        f"checkpoint: demo {args.arch} {args.size}; {args.waves} waves of {args.concurrency} "
-        f"requests, {args.prompt_len}-token prompts, {args.output_len} output tokens"
+        f"checkpoint: demo {args.arch} {args.size}, {args.dtype}; {args.waves} waves of "
+        f"{args.concurrency} requests, {args.prompt_len}-token prompts, "
+        f"{args.output_len} output tokens"
     )
     print(
         f"{'':>22} {args.setting + '=' + args.a:>14} {args.setting + '=' + args.b:>14} {'B/A':>7}"
