@@ -173,9 +173,8 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         EngineConfig,
         "attention",
         choices=("auto", "torch", "cpu", "flashinfer"),
-        help="auto: FlashInfer on CUDA; on CPU in float32 the compiled paged decode kernel "
-        "(built on first use with the machine's C compiler; cpu: also in bfloat16), "
-        "else torch (SDPA)",
+        help="auto: FlashInfer on CUDA; on CPU in float32 or bfloat16 the compiled paged "
+        "decode kernel (built on first use with the machine's C compiler), else torch (SDPA)",
     )
     p.add_argument(
         "--no-cuda-graphs",

@@ -147,11 +147,11 @@ def test_without_a_compiler_the_engine_keeps_torch(
         backend("cpu", torch.float32, cpu)
 
 
-def test_the_cpu_default_is_the_kernel_in_float32(kernel: cpu_kernels.Kernel) -> None:
-    """bfloat16 runs it when asked (`--attention cpu`), not by default."""
+def test_the_cpu_default_is_the_kernel(kernel: cpu_kernels.Kernel) -> None:
+    """In both dtypes it has (test_bfloat16 holds it to HF's bfloat16 generate())."""
     cpu = torch.device("cpu")
     assert attention_backend("auto", torch.float32, cpu) == "cpu"
-    assert attention_backend("auto", torch.bfloat16, cpu) == "torch"
+    assert attention_backend("auto", torch.bfloat16, cpu) == "cpu"
     assert attention_backend("cpu", torch.bfloat16, cpu) == "cpu"
     assert attention_backend("torch", torch.float32, cpu) == "torch"
     assert attention_backend("auto", torch.float16, cpu) == "torch"

@@ -30,7 +30,7 @@ class EngineConfig:
     device: str = "cpu"
     # "torch", "cpu" (torch's, decodes in the compiled paged kernel; float32 or
     # bfloat16), "flashinfer", or "auto": FlashInfer on CUDA, "cpu" on a CPU in
-    # float32, else torch
+    # float32 or bfloat16 where the kernel builds, else torch
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
@@ -66,9 +66,7 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
         raise ValueError(
             "the compiled paged attention needs a CPU, float32 or bfloat16, and a C compiler"
         )
-    # bfloat16 only when asked: its rounding strays from HF's bfloat16 (SDPA's)
-    # more than test_bfloat16's top-5 contract allows on the small demo
-    if choice == "auto" and compiled and dtype == torch.float32:
+    if choice == "auto" and compiled:
         choice = "cpu" if paged_decode_attention() is not None else "torch"
     return _auto(choice, dtype, device, "attention")
 
