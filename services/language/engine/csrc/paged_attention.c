@@ -13,8 +13,10 @@
  * a page's keys (then values) front to back, every head at once: a whole token
  * row is one contiguous run, which the hardware prefetches well (one task per
  * KV head read a quarter of each row and was ~1.5x slower on a cold cache).
- * Softmax in two passes: the scores, then their maximum, exponentials and sum;
- * then the values weighed by the exponentials, divided by the sum at the end.
+ * Softmax in two passes: the scores, then their maximum, exponentials and sum
+ * (a vectorized e^x: libm's expf, called once a score, was a quarter of the
+ * kernel's time); then the values weighed by the exponentials, divided by the
+ * sum at the end.
  * bfloat16 tensors are read into float32 a token row at a time and computed in
  * float32, rounding where SDPA's CPU kernel rounds: the exponentials before they
  * weigh the values, and the output.
@@ -60,6 +62,26 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* e^x for x <= 0 (a score less the row's maximum), as plain arithmetic that
+ * vectorizes (libm's expf does not): Cephes' expf, within 2 ulp of it; below
+ * -87.3 (a weight under 1e-38) it stays at e^-87.3 instead of going to 0. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f); /* x = n ln2 + r */
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23; /* 2^n */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return y * two_n;
+}
+
 struct shape {
     int64_t num_heads, num_kv_heads, head_dim, page_size;
     float scale;
@@ -89,11 +111,16 @@ static void attend(float *out, const float *q, const void *keys, const void *val
         float *s = scores + h * len;
         float max = s[0], sum = 0.0f;
         for (int64_t t = 1; t < len; t++) max = s[t] > max ? s[t] : max;
+        const float scale = sh->scale;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {
-            s[t] = expf((s[t] - max) * sh->scale);
+            s[t] = exp_nonpositive((s[t] - max) * scale);
             sum += s[t];
-            if (sh->bf16) s[t] = bf16_to_float(float_to_bf16(s[t])); /* as SDPA weighs values */
         }
+        if (sh->bf16) /* rounded as SDPA weighs values */
+#pragma omp simd
+            for (int64_t t = 0; t < len; t++)
+                s[t] = bf16_to_float(float_to_bf16(s[t]));
         sums[h] = sum;
     }
     for (int64_t i = 0; i < sh->num_heads * dim; i++) out[i] = 0.0f;
