@@ -1,9 +1,9 @@
 """The compiled fused operations (csrc/fused_ops.c) against the model's torch
-code: rotary embedding bit-equal, in place, on the fused QKV projection's
-strided rows and on contiguous heads; RMSNorm within a float32 rounding of
-torch's (only the order of the sum of squares differs), its residual add
-bit-equal. Then where the model uses them, and when the engine does (without
-a compiler: test_cpu_attention.py)."""
+code, in float32 and in bfloat16: rotary embedding bit-equal, in place, on the
+fused QKV projection's strided rows and on contiguous heads; RMSNorm within a
+rounding of torch's (only the order of the sum of squares differs), its
+residual add bit-equal. Then where the model uses them, and when the engine
+does (without a compiler: test_cpu_attention.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from services.language.engine.config import ops_backend
 from services.language.engine.model import RMSNorm, apply_rotary
 
 HEADS, KV_HEADS, DIM = 8, 4, 64
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 
 
 @pytest.fixture(scope="module")
@@ -24,27 +25,30 @@ def ops() -> cpu_kernels.FusedOps:
     return built
 
 
-def cos_sin(tokens: int, dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    tokens: int, dim: int = DIM, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As MRotaryEmbedding makes them: each frequency's angle twice, [tokens, dim]."""
     angles = torch.randn(tokens, dim // 2) * 10
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def norm(size: int) -> RMSNorm:
+def norm(size: int, dtype: torch.dtype = torch.float32) -> RMSNorm:
     module = RMSNorm(size, 1e-6)
     module.weight.data = torch.randn(size)
-    return module
+    return module.to(dtype)
 
 
+@DTYPES
 @pytest.mark.parametrize("tokens", [1, 16, 300, 2048])
 def test_rotary_on_the_qkv_rows_equals_torch_bit_for_bit(
-    ops: cpu_kernels.FusedOps, tokens: int
+    ops: cpu_kernels.FusedOps, tokens: int, dtype: torch.dtype
 ) -> None:
     """q and k rotated in place in the projection's output, v left alone."""
     torch.manual_seed(tokens)
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM)
-    cos, sin = cos_sin(tokens)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM).to(dtype)
+    cos, sin = cos_sin(tokens, dtype=dtype)
     q, k, v = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
     want_q = apply_rotary(q.reshape(tokens, HEADS, DIM), cos, sin)
     want_k = apply_rotary(k.reshape(tokens, KV_HEADS, DIM), cos, sin)
@@ -56,38 +60,46 @@ def test_rotary_on_the_qkv_rows_equals_torch_bit_for_bit(
     assert torch.equal(v, want_v)
 
 
+@DTYPES
 @pytest.mark.parametrize("dim", [64, 128])
 def test_rotary_on_contiguous_heads_equals_torch_bit_for_bit(
-    ops: cpu_kernels.FusedOps, dim: int
+    ops: cpu_kernels.FusedOps, dim: int, dtype: torch.dtype
 ) -> None:
     """As Qwen3's q/k norms leave them: their own tensors."""
     torch.manual_seed(dim)
-    x = torch.randn(37, 5, dim)
-    cos, sin = cos_sin(37, dim)
+    x = torch.randn(37, 5, dim).to(dtype)
+    cos, sin = cos_sin(37, dim, dtype)
     want = apply_rotary(x, cos, sin)
     assert torch.equal(ops.rotary(x, cos, sin), want)
 
 
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 16, 2048])
 @pytest.mark.parametrize("size", [64, 512, 1000])
-def test_rms_norm_matches_torch(ops: cpu_kernels.FusedOps, rows: int, size: int) -> None:
+def test_rms_norm_matches_torch(
+    ops: cpu_kernels.FusedOps, rows: int, size: int, dtype: torch.dtype
+) -> None:
     torch.manual_seed(rows + size)
-    module = norm(size)
-    x = torch.randn(rows, size) * 3
+    module = norm(size, dtype)
+    x = (torch.randn(rows, size) * 3).to(dtype)
     torch.testing.assert_close(ops.rms_norm(x, module.weight, module.eps), module(x))
 
 
-def test_rms_norm_reads_rows_strided_apart(ops: cpu_kernels.FusedOps) -> None:
-    module = norm(64)
-    wide = torch.randn(10, 200)
-    rows = wide[:, 100:164]  # 64 floats, rows 200 apart
+@DTYPES
+def test_rms_norm_reads_rows_strided_apart(ops: cpu_kernels.FusedOps, dtype: torch.dtype) -> None:
+    module = norm(64, dtype)
+    wide = torch.randn(10, 200).to(dtype)
+    rows = wide[:, 100:164]  # 64 elements, rows 200 apart
     torch.testing.assert_close(ops.rms_norm(rows, module.weight, module.eps), module(rows))
 
 
-def test_add_rms_norm_adds_exactly_then_normalises(ops: cpu_kernels.FusedOps) -> None:
+@DTYPES
+def test_add_rms_norm_adds_exactly_then_normalises(
+    ops: cpu_kernels.FusedOps, dtype: torch.dtype
+) -> None:
     torch.manual_seed(0)
-    module = norm(512)
-    x, delta = torch.randn(33, 512), torch.randn(33, 512)
+    module = norm(512, dtype)
+    x, delta = torch.randn(33, 512).to(dtype), torch.randn(33, 512).to(dtype)
     total, normed = ops.add_rms_norm(x, delta, module.weight, module.eps)
     assert torch.equal(total, x + delta)
     torch.testing.assert_close(normed, module(x + delta))
@@ -96,8 +108,8 @@ def test_add_rms_norm_adds_exactly_then_normalises(ops: cpu_kernels.FusedOps) ->
 def test_the_model_modules_use_them_where_they_take_the_tensors(
     ops: cpu_kernels.FusedOps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """2-D float32 rows go to the kernel; bfloat16 and 3-D heads (Qwen3's q/k
-    norms) stay on torch, with torch's result."""
+    """2-D rows go to the kernel (float32 and bfloat16); 3-D heads (Qwen3's
+    q/k norms) and float16 stay on torch, with torch's result."""
     calls: list[str] = []
     monkeypatch.setattr(ops, "_rms_norm", lambda *args: calls.append("kernel"), raising=True)
     module = norm(64)
@@ -106,9 +118,11 @@ def test_the_model_modules_use_them_where_they_take_the_tensors(
     assert calls == ["kernel"]
     heads = torch.randn(4, 3, 64)
     torch.testing.assert_close(module(heads), norm_like(module)(heads))
-    half = torch.randn(4, 64, dtype=torch.bfloat16)
-    assert torch.equal(module.to(torch.bfloat16)(half), norm_like(module)(half))
-    assert calls == ["kernel"]
+    module.to(torch.bfloat16)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert calls == ["kernel", "kernel"]
+    half = torch.randn(4, 64, dtype=torch.float16)
+    assert torch.equal(module.to(torch.float16)(half), norm_like(module)(half))
+    assert calls == ["kernel", "kernel"]
 
 
 def norm_like(module: RMSNorm) -> RMSNorm:
@@ -118,10 +132,11 @@ def norm_like(module: RMSNorm) -> RMSNorm:
     return twin
 
 
-def test_the_cpu_default_is_the_fused_ops_in_float32(ops: cpu_kernels.FusedOps) -> None:
+def test_the_cpu_default_is_the_fused_ops(ops: cpu_kernels.FusedOps) -> None:
     cpu = torch.device("cpu")
     assert ops_backend("auto", torch.float32, cpu) == "cpu"
-    assert ops_backend("auto", torch.bfloat16, cpu) == "torch"
+    assert ops_backend("auto", torch.bfloat16, cpu) == "cpu"
+    assert ops_backend("auto", torch.float16, cpu) == "torch"
     assert ops_backend("torch", torch.float32, cpu) == "torch"
-    with pytest.raises(ValueError, match="float32"):
-        ops_backend("cpu", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops_backend("cpu", torch.float16, cpu)

@@ -37,8 +37,8 @@ class EngineConfig:
     # (packed), or "auto": "cpu" on a CPU in float32 where the kernel builds,
     # else oneDNN where it packs the dtype, else torch (linear.py)
     linear: str = "auto"
-    # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32),
-    # or "auto" ("cpu" on a CPU in float32 where the kernels build, else torch)
+    # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32 or
+    # bfloat16), or "auto" ("cpu" on a CPU where the kernels build, else torch)
     ops: str = "auto"
     cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
     prefix_caching: bool = True  # prompts share the KV pages of the text they begin with
@@ -86,9 +86,11 @@ def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str
 
 def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
     """ "torch" or "cpu" for EngineConfig.ops."""
-    built = device.type == "cpu" and dtype == torch.float32 and fused_ops() is not None
+    built = device.type == "cpu" and dtype in KERNEL_DTYPES and fused_ops() is not None
     if choice == "cpu" and not built:
-        raise ValueError("the fused CPU operations need a CPU, float32 and a C compiler")
+        raise ValueError(
+            "the fused CPU operations need a CPU, float32 or bfloat16, and a C compiler"
+        )
     if choice == "auto":
         return "cpu" if built else "torch"
     return choice

@@ -124,25 +124,26 @@ def paged_decode_attention() -> Kernel | None:
 
 
 class FusedOps:
-    """csrc/fused_ops.c's operations on float32 tensors, each one call. They
+    """csrc/fused_ops.c's operations on float32 or bfloat16 tensors, each one call. They
     take rows whose elements are contiguous; `rms_norm` and `rotary` also take
     rows (tokens) strided apart, as a split of the fused QKV projection leaves
     them."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._rms_norm = library.rms_norm
-        self._rms_norm.argtypes = [_ptr] * 3 + [_i64] * 3 + [_f32, _int]
+        self._rms_norm.argtypes = [_ptr] * 3 + [_i64] * 3 + [_f32, _int, _int]
         self._add_rms_norm = library.add_rms_norm
-        self._add_rms_norm.argtypes = [_ptr] * 5 + [_i64] * 2 + [_f32, _int]
+        self._add_rms_norm.argtypes = [_ptr] * 5 + [_i64] * 2 + [_f32, _int, _int]
         self._rotary = library.rotary
-        self._rotary.argtypes = [_ptr] * 3 + [_i64] * 4 + [_int]
+        self._rotary.argtypes = [_ptr] * 3 + [_i64] * 4 + [_int, _int]
         for function in (self._rms_norm, self._add_rms_norm, self._rotary):
             function.restype = None
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
-        """Whether these kernels take x: float32 on the CPU, its last dimension contiguous."""
-        return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+        """Whether these kernels take x: float32 or bfloat16 on the CPU, its last
+        dimension contiguous."""
+        return x.dtype in KERNEL_DTYPES and x.device.type == "cpu" and x.stride(-1) == 1
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x [rows, n] (rows may be strided apart) -> a new [rows, n]."""
@@ -158,6 +159,7 @@ class FusedOps:
             n,
             x.stride(0),
             eps,
+            int(x.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
         return out
@@ -179,6 +181,7 @@ class FusedOps:
             rows,
             n,
             eps,
+            int(x.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
         return total, out
@@ -199,6 +202,7 @@ class FusedOps:
             heads,
             dim,
             x.stride(0),
+            int(x.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
         return x

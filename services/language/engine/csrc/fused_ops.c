@@ -1,4 +1,5 @@
-/* The language model's small float32 operations, each one pass over its rows.
+/* The language model's small operations, float32 or bfloat16, each one pass
+ * over its rows.
  *
  * torch runs RMSNorm as five or six operators (square, mean, add, rsqrt, two
  * multiplies) and rotary embedding as eight (two slices, a negation, a concat,
@@ -12,6 +13,10 @@
  * add are bit-equal to torch's, and RMSNorm differs only in the order in which
  * a row's squares are summed.
  *
+ * bfloat16 tensors are computed in float32 and rounded (to nearest even) where
+ * torch rounds each operator's bfloat16 result: rotary embedding and the
+ * residual add stay bit-equal to torch's in bfloat16 too.
+ *
  * Rows are split across OpenMP threads (torch's libgomp) only where a call is
  * big enough to pay for waking them (PARALLEL_MIN elements).
  */
@@ -21,55 +26,133 @@
 
 #define PARALLEL_MIN 65536
 
-/* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps): HF's Qwen2RMSNorm in float32 */
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float round_bf16(float f) { /* to the nearest bfloat16, as torch rounds */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits = isnan(f) ? 0x7FC00000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* n elements of a float32 or bfloat16 (bf16) tensor from `at`, as float32 in buf */
+static void load(float *restrict buf, const void *tensor, int64_t at, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)tensor + at;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_float(src[i]);
+    } else {
+        memcpy(buf, (const float *)tensor + at, sizeof(float) * n);
+    }
+}
+
+/* buf's n values (bfloat16 ones already rounded) into the tensor from `at` */
+static void store(void *tensor, int64_t at, const float *restrict buf, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)tensor + at;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, &buf[i], sizeof bits);
+            dst[i] = (uint16_t)(bits >> 16);
+        }
+    } else {
+        memcpy((float *)tensor + at, buf, sizeof(float) * n);
+    }
+}
+
+/* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps): HF's Qwen2RMSNorm, whose
+ * x * r is in float32 and (bf16) rounded before the weight scales it */
 static void norm_row(float *restrict out, const float *restrict x, const float *restrict w,
-                     int64_t n, float eps) {
+                     int64_t n, float eps, int bf16) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
     const float r = 1.0f / sqrtf(sum / (float)n + eps);
+    if (bf16) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+        for (int64_t i = 0; i < n; i++) out[i] = round_bf16(w[i] * round_bf16(x[i] * r));
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+    }
 }
 
-/* out [rows][n] = RMSNorm of x's rows (x_stride floats apart). */
-void rms_norm(float *out, const float *x, const float *w, int64_t rows, int64_t n,
-              int64_t x_stride, float eps, int num_threads) {
+/* out [rows][n] = RMSNorm of x's rows (x_stride elements apart). */
+void rms_norm(void *out, const void *x, const void *w, int64_t rows, int64_t n,
+              int64_t x_stride, float eps, int bf16, int num_threads) {
+    float weight[n];
+    load(weight, w, 0, n, bf16);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) norm_row(out + r * n, x + r * x_stride, w, n, eps);
+    for (int64_t r = 0; r < rows; r++) {
+        float row[n], normed[n];
+        load(row, x, r * x_stride, n, bf16);
+        norm_row(normed, row, weight, n, eps, bf16);
+        store(out, r * n, normed, n, bf16);
+    }
 }
 
 /* sum = x + delta, out = RMSNorm(sum), all [rows][n]: a residual add and the next norm. */
-void add_rms_norm(float *sum, float *out, const float *x, const float *delta, const float *w,
-                  int64_t rows, int64_t n, float eps, int num_threads) {
+void add_rms_norm(void *sum, void *out, const void *x, const void *delta, const void *w,
+                  int64_t rows, int64_t n, float eps, int bf16, int num_threads) {
+    float weight[n];
+    load(weight, w, 0, n, bf16);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        float *s = sum + r * n;
-        const float *a = x + r * n, *b = delta + r * n;
+        float a[n], b[n];
+        load(a, x, r * n, n, bf16);
+        load(b, delta, r * n, n, bf16);
+        if (bf16) {
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) s[i] = a[i] + b[i];
-        norm_row(out + r * n, s, w, n, eps);
+            for (int64_t i = 0; i < n; i++) a[i] = round_bf16(a[i] + b[i]);
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) a[i] += b[i];
+        }
+        store(sum, r * n, a, n, bf16);
+        norm_row(b, a, weight, n, eps, bf16);
+        store(out, r * n, b, n, bf16);
     }
 }
 
 /* Rotates heads [tokens][heads][dim] in place (a token's heads contiguous, tokens
- * token_stride floats apart) by cos/sin [tokens][dim], as HF's rotate_half does:
- * out = x * cos + cat(-x2, x1) * sin for the halves x1, x2 of each head. */
-void rotary(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
-            int64_t dim, int64_t token_stride, int num_threads) {
+ * token_stride elements apart) by cos/sin [tokens][dim], as HF's rotate_half does:
+ * out = x * cos + cat(-x2, x1) * sin for the halves x1, x2 of each head (bf16:
+ * each product and the sum rounded, as torch's three operators round them). */
+void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads,
+            int64_t dim, int64_t token_stride, int bf16, int num_threads) {
     const int64_t half = dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (tokens * heads * dim >= PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * dim, *s = sin + t * dim;
+        float c[dim], s[dim], row[dim];
+        load(c, cos, t * dim, dim, bf16);
+        load(s, sin, t * dim, dim, bf16);
         for (int64_t h = 0; h < heads; h++) {
-            float *row = x + t * token_stride + h * dim;
+            const int64_t at = t * token_stride + h * dim;
+            load(row, x, at, dim, bf16);
+            if (bf16) {
 #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = row[i], b = row[i + half];
-                row[i] = a * c[i] + (-b) * s[i];
-                row[i + half] = b * c[i + half] + a * s[i + half];
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = row[i], b = row[i + half];
+                    row[i] = round_bf16(round_bf16(a * c[i]) + round_bf16((-b) * s[i]));
+                    row[i + half] =
+                        round_bf16(round_bf16(b * c[i + half]) + round_bf16(a * s[i + half]));
+                }
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = row[i], b = row[i + half];
+                    row[i] = a * c[i] + (-b) * s[i];
+                    row[i + half] = b * c[i + half] + a * s[i + half];
+                }
             }
+            store(x, at, row, dim, bf16);
         }
     }
 }
