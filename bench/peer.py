@@ -46,10 +46,12 @@ from services.bench.command import first_model, strict_json
 from services.bench.runner import RunConfig, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
+from services.cli import build_parser
 from services.language.engine.config import EngineConfig
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import ARCHS, cached_demo_checkpoint
 from services.model.tokenizer import build_prompt
+from services.wire.dtypes import resolve_dtype
 
 CONCURRENCY = 16
 
@@ -94,12 +96,15 @@ def drive(base_url: str, quick: bool) -> dict[str, Any]:
     return out
 
 
-def engine_alone(checkpoint: Path, workload: Workload) -> float:
-    """Output tokens/s of the language engine alone (`epd serve`'s engine settings,
-    no gRPC, gateway or client) on the workload's prompts, as many at a time as
-    the client keeps in flight."""
+def engine_alone(checkpoint: Path, workload: Workload, dtype: str) -> float:
+    """Output tokens/s of the language engine alone (`epd serve`'s engine settings
+    and dtype, no gRPC, gateway or client) on the workload's prompts, as many at
+    a time as the client keeps in flight."""
     engine = load_engine(
-        checkpoint, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=CONCURRENCY))
+        checkpoint,
+        EngineConfig(
+            scheduler=SchedulerConfig(max_num_seqs=CONCURRENCY), dtype=resolve_dtype(dtype)
+        ),
     )
     engine.warm_up()
     ids = [
@@ -212,7 +217,9 @@ def main() -> None:
         with serve(Setup("epd", epd_args), Path(logs), max_num_batched_tokens=None) as (url, _pid):
             startup = time.monotonic() - started
             results["epd"] = drive(url, args.quick) | {"startup_s": startup}
-    results["epd"]["engine_alone_tok_s"] = engine_alone(checkpoint, workloads(args.quick)["text"])
+    dtype = build_parser().parse_args(["serve", *epd_args]).dtype  # what `epd serve` ran
+    text = workloads(args.quick)["text"]
+    results["epd"]["engine_alone_tok_s"] = engine_alone(checkpoint, text, dtype)
     print(f"  engine alone: {results['epd']['engine_alone_tok_s']:.1f} tok/s", flush=True)
     print(args.peer_name, flush=True)
     started = time.monotonic()
