@@ -25,7 +25,7 @@ from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
 from services.instance import InstanceConfig
 from services.model.checkpoint import load_vision_tower
-from services.model.demo import cached_demo_checkpoint
+from services.model.demo import SIZES, cached_demo_checkpoint
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.ports import free_port
@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    parser.add_argument("--size", default="small", choices=tuple(SIZES))
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--resolution", type=int, default=448)
     parser.add_argument("--concurrency", type=int, default=8)

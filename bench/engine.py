@@ -22,7 +22,7 @@ from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.checkpoint import load_language_weights
-from services.model.demo import ARCHS, cached_demo_checkpoint
+from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
 
@@ -110,7 +110,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS)
-    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    parser.add_argument("--size", default="small", choices=tuple(SIZES))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(

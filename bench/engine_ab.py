@@ -26,7 +26,7 @@ from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
-from services.model.demo import ARCHS, cached_demo_checkpoint
+from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 
 SETTINGS = ("linear", "attention", "ops")
 
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("a", help="its value in engine A (the baseline)")
     parser.add_argument("b", help="its value in engine B")
     parser.add_argument("--arch", default="qwen2_5_vl", choices=ARCHS)
-    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    parser.add_argument("--size", default="small", choices=tuple(SIZES))
     parser.add_argument("--waves", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=220)

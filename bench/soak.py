@@ -38,7 +38,7 @@ import httpx
 
 from services.bench.images import encode_image, random_image
 from services.bench.stats import percentile
-from services.model.demo import cached_demo_checkpoint
+from services.model.demo import SIZES, cached_demo_checkpoint
 from services.ports import free_port_block
 from services.serve import launch
 
@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--freeze-seconds", type=float, default=20.0)
     parser.add_argument("--workers", type=int, default=6, help="requests kept in flight")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--demo-size", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--demo-size", choices=tuple(SIZES), default="tiny")
     args = parser.parse_args()
 
     ports = Ports()

@@ -266,7 +266,7 @@ def protos(p: argparse.ArgumentParser) -> None:
 
 def demo_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output folder")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--size", choices=("tiny", "small", "medium"), default="tiny")
     p.add_argument(
         "--arch", choices=("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), default="qwen2_5_vl"
     )
@@ -451,7 +451,7 @@ def serve(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
     p.add_argument("--model-name", help="served model name (default: the folder's name)")
-    p.add_argument("--demo-size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--demo-size", choices=("tiny", "small", "medium"), default="tiny")
     p.add_argument(
         "--monolithic",
         action="store_true",

@@ -93,6 +93,9 @@ class DemoSize:
 SIZES = {
     "tiny": DemoSize(128, 2, 4, 2, 256, 64, 2, 2, 128, 4),
     "small": DemoSize(512, 8, 8, 4, 1376, 512, 8, 8, 1024, 8),
+    # ~0.32 B parameters (text 0.24 B, vision 0.08 B): where a decode step is bound
+    # by its GEMMs' weights, as a real checkpoint's is, not by per-step overhead
+    "medium": DemoSize(1024, 20, 16, 8, 2816, 768, 12, 12, 3072, 8),
 }
 
 

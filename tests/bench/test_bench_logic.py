@@ -153,6 +153,27 @@ def test_the_peer_section_survives_a_regenerated_report() -> None:
     assert peer_section("# regenerated\n\n" + kept + "\n") == kept
 
 
+def test_each_cpu_class_and_demo_size_has_its_own_peer_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run replaces the section of its CPU class and demo size only; all stay
+    in bench/peer.py's block, which a regenerated report keeps."""
+    from bench import peer
+    from bench.report import kept_sections
+
+    doc = "# Performance\n"
+    for cpu, size, run in [("AVX2", "small", 1), ("AVX512-BF16", "small", 1), ("AVX2", "small", 2)]:
+        monkeypatch.setattr(peer, "cpu_class", lambda cpu=cpu: cpu)
+        doc = peer.with_peer_section(doc, f"{cpu} {size}: run {run}", size)
+    monkeypatch.setattr(peer, "cpu_class", lambda: "AVX512-BF16")
+    doc = peer.with_peer_section(doc, "AVX512-BF16 medium: run 1", "medium")
+    assert "AVX2 small: run 1" not in doc
+    sections = ["AVX2 small: run 2", "AVX512-BF16 small: run 1", "AVX512-BF16 medium: run 1"]
+    assert [doc.index(s) for s in sections] == sorted(doc.index(s) for s in sections)
+    kept = kept_sections(doc)
+    assert all(kept.count(s) == 1 for s in sections)
+
+
 def test_the_pd_section_is_kept_beside_the_peer_section() -> None:
     """bench/pd.py's section has its own markers: writing it leaves the peer's
     alone, and a regenerated report keeps both (and the encoder benchmarks')."""

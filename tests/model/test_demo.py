@@ -68,3 +68,12 @@ def test_a_cached_demo_from_an_older_version_is_rebuilt(
     cached_demo_checkpoint("tiny", "qwen3_vl")
     assert isinstance(VideoRule.from_checkpoint(folder), Qwen3VideoRule)
     assert (folder / "epd_demo_version").read_text().strip() == str(DEMO_VERSION)
+
+
+def test_every_demo_size_is_a_choice_of_the_cli() -> None:
+    from services.cli import build_parser
+    from services.model.demo import SIZES
+
+    for size in SIZES:
+        assert build_parser().parse_args(["serve", "--demo-size", size]).demo_size == size
+        assert build_parser().parse_args(["demo-model", "out", "--size", size]).size == size
