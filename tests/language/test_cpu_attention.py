@@ -43,6 +43,8 @@ def kernel() -> cpu_kernels.Kernel:
         (6, 2, 64, 5, torch.float32),
         (8, 2, 64, 16, torch.bfloat16),
         (28, 4, 128, 16, torch.bfloat16),
+        (6, 2, 64, 5, torch.bfloat16),  # blocks of 16 tokens across pages of 5
+        (4, 2, 80, 16, torch.bfloat16),  # not a multiple of 32: the float32 loop, on any CPU
     ],
 )
 def test_paged_kernel_equals_gathered_sdpa(
