@@ -41,28 +41,30 @@ static inline float round_bf16(float f) { /* to the nearest bfloat16, as torch r
     return f;
 }
 
-/* n elements of a float32 or bfloat16 (bf16) tensor from `at`, as float32 in buf */
-static void load(float *restrict buf, const void *tensor, int64_t at, int64_t n, int bf16) {
-    if (bf16) {
-        const uint16_t *src = (const uint16_t *)tensor + at;
+/* n elements of a float32 or bfloat16 (bf16) tensor from `at` as float32: in
+ * place, or converted into buf */
+static const float *as_float(const void *tensor, int64_t at, int64_t n, int bf16, float *buf) {
+    if (!bf16) return (const float *)tensor + at;
+    const uint16_t *src = (const uint16_t *)tensor + at;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_float(src[i]);
-    } else {
-        memcpy(buf, (const float *)tensor + at, sizeof(float) * n);
-    }
+    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_float(src[i]);
+    return buf;
 }
 
-/* buf's n values (bfloat16 ones already rounded) into the tensor from `at` */
+/* Where a row of results is computed: in the float32 tensor, or in buf for `store` */
+static float *result_row(void *tensor, int64_t at, int bf16, float *buf) {
+    return bf16 ? buf : (float *)tensor + at;
+}
+
+/* A bfloat16 tensor's row from buf's n values (already rounded); float32 rows were
+ * computed in place */
 static void store(void *tensor, int64_t at, const float *restrict buf, int64_t n, int bf16) {
-    if (bf16) {
-        uint16_t *dst = (uint16_t *)tensor + at;
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t bits;
-            memcpy(&bits, &buf[i], sizeof bits);
-            dst[i] = (uint16_t)(bits >> 16);
-        }
-    } else {
-        memcpy((float *)tensor + at, buf, sizeof(float) * n);
+    if (!bf16) return;
+    uint16_t *dst = (uint16_t *)tensor + at;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &buf[i], sizeof bits);
+        dst[i] = (uint16_t)(bits >> 16);
     }
 }
 
@@ -86,37 +88,37 @@ static void norm_row(float *restrict out, const float *restrict x, const float *
 /* out [rows][n] = RMSNorm of x's rows (x_stride elements apart). */
 void rms_norm(void *out, const void *x, const void *w, int64_t rows, int64_t n,
               int64_t x_stride, float eps, int bf16, int num_threads) {
-    float weight[n];
-    load(weight, w, 0, n, bf16);
+    float weights[n];
+    const float *weight = as_float(w, 0, n, bf16, weights);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        float row[n], normed[n];
-        load(row, x, r * x_stride, n, bf16);
-        norm_row(normed, row, weight, n, eps, bf16);
-        store(out, r * n, normed, n, bf16);
+        float in[n], normed[n];
+        float *o = result_row(out, r * n, bf16, normed);
+        norm_row(o, as_float(x, r * x_stride, n, bf16, in), weight, n, eps, bf16);
+        store(out, r * n, o, n, bf16);
     }
 }
 
 /* sum = x + delta, out = RMSNorm(sum), all [rows][n]: a residual add and the next norm. */
 void add_rms_norm(void *sum, void *out, const void *x, const void *delta, const void *w,
                   int64_t rows, int64_t n, float eps, int bf16, int num_threads) {
-    float weight[n];
-    load(weight, w, 0, n, bf16);
+    float weights[n];
+    const float *weight = as_float(w, 0, n, bf16, weights);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        float a[n], b[n];
-        load(a, x, r * n, n, bf16);
-        load(b, delta, r * n, n, bf16);
+        float xb[n], db[n], sb[n], ob[n];
+        const float *a = as_float(x, r * n, n, bf16, xb), *b = as_float(delta, r * n, n, bf16, db);
+        float *s = result_row(sum, r * n, bf16, sb), *o = result_row(out, r * n, bf16, ob);
         if (bf16) {
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) a[i] = round_bf16(a[i] + b[i]);
+            for (int64_t i = 0; i < n; i++) s[i] = round_bf16(a[i] + b[i]);
         } else {
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) a[i] += b[i];
+            for (int64_t i = 0; i < n; i++) s[i] = a[i] + b[i];
         }
-        store(sum, r * n, a, n, bf16);
-        norm_row(b, a, weight, n, eps, bf16);
-        store(out, r * n, b, n, bf16);
+        store(sum, r * n, s, n, bf16);
+        norm_row(o, s, weight, n, eps, bf16);
+        store(out, r * n, o, n, bf16);
     }
 }
 
@@ -130,12 +132,13 @@ void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t h
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (tokens * heads * dim >= PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
-        float c[dim], s[dim], row[dim];
-        load(c, cos, t * dim, dim, bf16);
-        load(s, sin, t * dim, dim, bf16);
+        float cb[dim], sb[dim], buf[dim];
+        const float *c = as_float(cos, t * dim, dim, bf16, cb);
+        const float *s = as_float(sin, t * dim, dim, bf16, sb);
         for (int64_t h = 0; h < heads; h++) {
             const int64_t at = t * token_stride + h * dim;
-            load(row, x, at, dim, bf16);
+            float *row = result_row(x, at, bf16, buf);
+            as_float(x, at, dim, bf16, buf); /* bf16: the head into buf (float32: in place) */
             if (bf16) {
 #pragma omp simd
                 for (int64_t i = 0; i < half; i++) {
