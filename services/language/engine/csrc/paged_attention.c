@@ -145,8 +145,9 @@ struct shape {
     int bf16;
 };
 
-/* One sequence: q and out [num_heads][head_dim] in float32; scores
- * [num_heads][len] and row [num_kv_heads * head_dim] are the task's scratch. */
+/* One sequence: q and out [num_heads][head_dim] in float32 (q16: q as given, for
+ * the bfloat16 scores; NULL in float32); scores [num_heads][len] and row
+ * [num_kv_heads * head_dim] are the task's scratch. */
 static void attend(float *out, const float *q, const void *q16, const void *keys,
                    const void *values, const int64_t *pages, int64_t len, const struct shape *sh,
                    float *scores, float *row) {
@@ -222,7 +223,7 @@ int paged_decode_attention(void *out, const void *q, const void *keys, const voi
         float *qf = row + num_kv_heads * head_dim, *of = qf + size;
         const float *query = as_float(q, s * size, size, bf16, qf);
         float *output = bf16 ? of : (float *)out + s * size;
-        attend(output, query, (const uint16_t *)q + s * size, keys, values,
+        attend(output, query, bf16 ? (const uint16_t *)q + s * size : NULL, keys, values,
                block_tables + s * max_pages, seq_lens[s], &sh, scores, row);
         if (bf16)
             for (int64_t i = 0; i < size; i++) ((uint16_t *)out)[s * size + i] = float_to_bf16(of[i]);
