@@ -29,10 +29,14 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def _bindable(port: int) -> bool:
+def _bindable(port: int, host: str = "127.0.0.1", reuse: bool = False) -> bool:
+    """Whether a socket binds to the port now (`reuse`: with SO_REUSEADDR, which
+    a stopped server's connections in TIME_WAIT do not refuse; a listener does)."""
     with socket.socket() as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
         return True
@@ -41,17 +45,8 @@ def _bindable(port: int) -> bool:
 def listened_on(host: str, ports: Sequence[int]) -> list[int]:
     """The ports of `ports` that a server already listens on at `host`: a server
     about to bind there would fail, and a readiness check on them would ask that
-    other server. (SO_REUSEADDR: connections a stopped server left in TIME_WAIT
-    do not count; a listening socket does.)"""
-    taken = []
-    for port in ports:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                taken.append(port)
-    return taken
+    other server."""
+    return [port for port in ports if not _bindable(port, host, reuse=True)]
 
 
 def free_port() -> int:
