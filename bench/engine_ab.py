@@ -19,14 +19,14 @@ import dataclasses
 import statistics
 import time
 
-import torch
-
 from bench.engine import load_engine
+from services.flags import DTYPE_CHOICES
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
+from services.wire.dtypes import resolve_dtype
 
 SETTINGS = ("linear", "attention", "ops")
 
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=220)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     args = parser.parse_args()
 
     folder = cached_demo_checkpoint(args.size, args.arch)
@@ -58,7 +58,7 @@ def main() -> None:
         max_model_len=2048,
         kv_cache_bytes=1 << 29,
         scheduler=SchedulerConfig(max_num_seqs=64),
-        dtype=getattr(torch, args.dtype),
+        dtype=resolve_dtype(args.dtype),
     )
     engines = []
     for value in (args.a, args.b):
