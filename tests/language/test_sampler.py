@@ -1,5 +1,6 @@
 """The sampler: one request's failure stays its own; its logits processors
-equal Hugging Face's (and OpenAI's definitions) on the same logits."""
+equal Hugging Face's (and OpenAI's definitions) on the same logits; the rows of
+a batch are drawn at once, each from its own temperature, top-k and top-p."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
+from services.language.engine import sampler as sampler_module
 from services.language.engine.request import Request, SamplingParams
 from services.language.engine.sampler import Sample, Sampler, SamplingError, apply_processors
 
@@ -35,6 +37,107 @@ def test_a_tiny_temperature_samples_greedily() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
     samples = Sampler().sample(logits, [_request(SamplingParams(temperature=1e-40, seed=1))])
     assert samples == [Sample(1)]
+
+
+def _draws(logits: torch.Tensor, params: list[SamplingParams], times: int) -> torch.Tensor:
+    """[times, rows]: the tokens of `times` steps of one batch, a request per row."""
+    requests = [_request(p) for p in params]
+    steps = []
+    for _ in range(times):
+        samples = Sampler().sample(logits, requests)
+        assert all(isinstance(s, Sample) for s in samples)
+        steps.append([s.token_id for s in samples])  # type: ignore[union-attr]
+    return torch.tensor(steps)
+
+
+def test_a_batch_draws_each_row_from_its_own_distribution() -> None:
+    """Rows of different temperatures, drawn together: each token's frequency is
+    its softmax(logits / T) probability within four standard errors."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]] * 3)
+    temperatures = [1.0, 0.5, 2.0]
+    times = 4000
+    drawn = _draws(logits, [SamplingParams(temperature=t) for t in temperatures], times)
+    for row, t in enumerate(temperatures):
+        expected = torch.softmax(logits[row] / t, dim=-1)
+        seen = torch.bincount(drawn[:, row], minlength=5) / times
+        error = (expected * (1 - expected) / times).sqrt()
+        assert ((seen - expected).abs() <= 4 * error + 1e-9).all(), (t, seen, expected)
+
+
+def test_top_k_and_top_p_keep_each_row_within_its_own_set() -> None:
+    """A greedy row, a top-k row, a top-p row and one with both, in one batch:
+    each draws only from its own set (top-p keeps the token crossing it), and
+    every token of that set is drawn."""
+    torch.manual_seed(1)
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02])
+    logits = probs.log().repeat(4, 1)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.7),  # 0.4 + 0.25 < 0.7: the third is kept
+        SamplingParams(
+            temperature=1.0, top_k=3, top_p=0.7
+        ),  # of the top 3: 0.4/0.8 + 0.25/0.8 > 0.7
+    ]
+    drawn = _draws(logits, params, 600)
+    assert set(drawn[:, 0].tolist()) == {0}
+    assert set(drawn[:, 1].tolist()) == {0, 1, 2}
+    assert set(drawn[:, 2].tolist()) == {0, 1, 2}
+    assert set(drawn[:, 3].tolist()) == {0, 1}
+
+
+def test_top_p_sorts_the_whole_row_when_the_candidates_fall_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flat distribution whose nucleus is larger than the candidates looked at
+    first: the row is sorted whole, and the nucleus is still exactly kept."""
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", 4)
+    torch.manual_seed(2)
+    logits = torch.zeros(2, 20)
+    logits[:, 10:] = -2.0  # ten likely tokens, ten unlikely
+    drawn = _draws(logits, [SamplingParams(temperature=1.0, top_p=0.85)] * 2, 400)
+    assert set(drawn.flatten().tolist()) == set(range(10))
+
+
+def test_a_seeded_row_draws_the_same_tokens_in_any_batch() -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+
+    def run(others: int) -> list[int]:
+        subject = _request(seeded)
+        batch = [_request(SamplingParams(temperature=0.8)) for _ in range(others)] + [subject]
+        tokens = []
+        for _ in range(20):
+            rows = torch.cat([logits[:others], logits[-1:]])  # the subject's row last
+            sample = Sampler().sample(rows, batch)[-1]
+            assert isinstance(sample, Sample)
+            tokens.append(sample.token_id)
+        return tokens
+
+    assert run(0) == run(5)
+    assert len(set(run(0))) > 1
+
+
+def test_a_row_left_with_no_token_fails_alone() -> None:
+    """min_tokens holding back stop tokens that are the whole vocabulary leaves
+    nothing to draw from: that request gets a SamplingError, the other its token."""
+    nothing = _request(
+        SamplingParams(temperature=1.0, stop_token_ids=tuple(range(8)), min_tokens=2)
+    )
+    fine = _request(SamplingParams(temperature=1.0))
+    empty, drawn = Sampler().sample(torch.randn(2, 8), [nothing, fine])
+    assert isinstance(empty, SamplingError) and "no token is left" in str(empty)
+    assert isinstance(drawn, Sample)
+
+
+def test_a_uniform_at_the_top_draws_the_last_token_with_mass() -> None:
+    """Rounding can put a uniform at the row's total: it draws the last token
+    that has probability, never a masked one after it."""
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    assert sampler_module._inverse_cdf(probs, torch.tensor([1.0, 1.0])) == [1, 2]
+    assert sampler_module._inverse_cdf(probs, torch.tensor([0.0, 0.0])) == [0, 2]
+    assert sampler_module._inverse_cdf(probs, torch.tensor([0.5, 0.99])) == [1, 2]
 
 
 # Logits processors against Hugging Face's on the same logits: a prompt and some
