@@ -100,6 +100,27 @@ def test_top_p_sorts_the_whole_row_when_the_candidates_fall_short(
     assert set(drawn.flatten().tolist()) == set(range(10))
 
 
+def test_top_p_sorts_no_row_whose_nucleus_the_candidates_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peaked row with top-p beside one without: the nucleus is found among the
+    candidates, and nothing sorts a whole row (a row without top-p needs none)."""
+    monkeypatch.setattr(sampler_module, "NUCLEUS_CANDIDATES", 4)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a whole row was sorted")
+
+    monkeypatch.setattr(torch, "sort", refuse)
+    torch.manual_seed(4)
+    logits = torch.full((2, 20), -1.0)  # probabilities 0.55, 0.20, 0.07, then 0.01 each
+    logits[:, :3] = torch.tensor([3.0, 2.0, 1.0])
+    drawn = _draws(
+        logits, [SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.0)], 200
+    )
+    assert set(drawn[:, 0].tolist()) == {0, 1}
+    assert len(set(drawn[:, 1].tolist())) > 3  # the other row keeps its whole distribution
+
+
 def test_a_seeded_row_draws_the_same_tokens_in_any_batch() -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
     logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))

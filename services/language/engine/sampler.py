@@ -93,7 +93,8 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, candidates: int) -> torch
     vocab = probs.shape[-1]
     values, order = torch.topk(probs, min(candidates, vocab), dim=-1)
     cumulative = torch.cumsum(values, dim=-1)
-    if values.shape[-1] < vocab and not bool((cumulative[:, -1:] > top_p).all()):
+    covered = (cumulative[:, -1:] > top_p) | (top_p >= 1.0)  # a row at 1.0 keeps its probs
+    if values.shape[-1] < vocab and not bool(covered.all()):
         values, order = torch.sort(probs, dim=-1, descending=True)
         cumulative = torch.cumsum(values, dim=-1)
     kept = values.masked_fill(cumulative - values > top_p, 0.0)
