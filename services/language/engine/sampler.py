@@ -135,16 +135,15 @@ class Sampler:
         )
         logits, failed = self._processed(logits, requests)
         skip = set(failed) | {i for i, ok in enumerate(finite) if not ok}
-        tokens: dict[int, int | SamplingError] = dict(enumerate(logits.argmax(dim=-1).tolist()))
+        tokens = _argmax(logits, [i for i, r in enumerate(requests) if r.sampling.is_greedy])
         tokens.update(_draw(logits, requests, skip))
         samples: list[Sample | SamplingError] = []
         for i, request in enumerate(requests):
-            token = tokens[i]
             if i in failed:
                 samples.append(failed[i])
             elif not finite[i]:
                 samples.append(SamplingError("the model produced non-finite logits"))
-            elif isinstance(token, SamplingError):
+            elif isinstance(token := tokens[i], SamplingError):
                 samples.append(token)
             else:
                 samples.append(_with_logprobs(token, request.sampling, logprobs, i))
@@ -178,6 +177,14 @@ class Sampler:
             except (RuntimeError, IndexError, ValueError) as exc:
                 failed[i] = SamplingError(f"the logits processors failed: {exc}")
         return logits, failed
+
+
+def _argmax(logits: torch.Tensor, rows: list[int]) -> dict[int, int | SamplingError]:
+    """The greedy rows' tokens (none computed for rows that sample)."""
+    if not rows:
+        return {}
+    chosen = logits if len(rows) == logits.shape[0] else logits[rows]
+    return dict(zip(rows, chosen.argmax(dim=-1).tolist(), strict=True))
 
 
 def _draw(
