@@ -23,6 +23,8 @@ MIB = 1024 * 1024
 # torch (checked equal by the tests); each process resolves the name where it
 # knows its device.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# services.model.demo's SIZES, spelled out for the same reason
+DEMO_SIZES = ("tiny", "small", "medium", "tiny-gpu")
 
 # What compose's required EPD_API_KEY is set to for a gateway open to anyone.
 NO_API_KEY = "disabled"
@@ -266,7 +268,7 @@ def protos(p: argparse.ArgumentParser) -> None:
 
 def demo_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output folder")
-    p.add_argument("--size", choices=("tiny", "small", "medium"), default="tiny")
+    p.add_argument("--size", choices=DEMO_SIZES, default="tiny")
     p.add_argument(
         "--arch", choices=("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), default="qwen2_5_vl"
     )
@@ -451,7 +453,7 @@ def serve(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
     p.add_argument("--model-name", help="served model name (default: the folder's name)")
-    p.add_argument("--demo-size", choices=("tiny", "small", "medium"), default="tiny")
+    p.add_argument("--demo-size", choices=DEMO_SIZES, default="tiny")
     p.add_argument(
         "--monolithic",
         action="store_true",

@@ -47,6 +47,13 @@ def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_checkpoint(tmp_path_factory.mktemp("small"), size="small", seed=0)
 
 
+@pytest.fixture(scope="session")
+def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo at head_dim 128 (FlashInfer takes 64 and up), 8 query heads a
+    KV head: the engine's gpu tests run on it."""
+    return build_demo_checkpoint(tmp_path_factory.mktemp("tiny-gpu"), size="tiny-gpu", seed=0)
+
+
 @pytest.fixture(scope="session", params=["qwen3_vl", "qwen3_vl_moe"])
 def qwen3_checkpoint(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory

@@ -65,6 +65,22 @@ def hf_greedy_logprobs(
     ]
 
 
+def assert_close_to_hf(
+    got: Sequence[tuple[int, set[int]]], expected: Sequence[tuple[int, set[int]]], label: str
+) -> None:
+    """The bf16 contract (vLLM's model tests'): per step (greedy token, its top
+    few), the tokens are equal up to the first difference, and there each side's
+    token is among the other's most likely few; past it nothing is compared."""
+    for step, ((ours, our_top), (theirs, their_top)) in enumerate(zip(got, expected, strict=False)):
+        if ours == theirs:
+            continue
+        assert theirs in our_top and ours in their_top, (
+            f"{label}, step {step}: engine {ours} (top {our_top}), HF {theirs} (top {their_top})"
+        )
+        return
+    assert len(got) == len(expected), f"{label}: same tokens, different lengths"
+
+
 @dataclass(frozen=True)
 class HfVideo:
     """A video as transformers' processor hands it to the model: its pixel rows

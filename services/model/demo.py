@@ -12,7 +12,7 @@ gives the same files.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,19 @@ SIZES = {
     # ~0.32 B parameters (text 0.24 B, vision 0.08 B): where a decode step is bound
     # by its GEMMs' weights, as a real checkpoint's is, not by per-step overhead
     "medium": DemoSize(1024, 20, 16, 8, 2816, 768, 12, 12, 3072, 8),
+    # For GPUs: FlashInfer's kernels take head_dim 64 and up (fa2's prefill rejects
+    # tiny's 32), and real checkpoints decode with head_dim 128 and 4 to 8 query
+    # heads a KV head (Qwen2.5-VL-3B and Qwen3-VL-30B-A3B: 8; 7B: 7); this is the
+    # tiny model at those shapes (`gpu_size` for other head ratios)
+    "tiny-gpu": DemoSize(1024, 2, 8, 1, 512, 64, 2, 2, 128, 4),
 }
+
+
+def gpu_size(heads_per_kv_head: int) -> DemoSize:
+    """tiny-gpu with another query/KV head ratio (head_dim 128, one KV head)."""
+    return replace(
+        SIZES["tiny-gpu"], text_hidden=128 * heads_per_kv_head, text_heads=heads_per_kv_head
+    )
 
 
 def build_tokenizer(out_dir: Path) -> dict[str, int]:
@@ -195,16 +207,17 @@ def cached_demo_checkpoint(size: str, arch: str = "qwen2_5_vl") -> Path:
 
 
 def build_demo_checkpoint(
-    out_dir: Path, size: str = "tiny", seed: int = 0, arch: str = "qwen2_5_vl"
+    out_dir: Path, size: str | DemoSize = "tiny", seed: int = 0, arch: str = "qwen2_5_vl"
 ) -> Path:
-    """Writes a complete checkpoint folder and returns it."""
+    """Writes a complete checkpoint folder and returns it (`size`: a name in SIZES,
+    or the layer sizes themselves)."""
     from transformers import GenerationConfig
 
-    if size not in SIZES:
+    if isinstance(size, str) and size not in SIZES:
         raise ValueError(f"unknown demo size {size!r}; choose from {sorted(SIZES)}")
     if arch not in ARCHS:
         raise ValueError(f"unknown demo architecture {arch!r}; choose from {ARCHS}")
-    spec = SIZES[size]
+    spec = SIZES[size] if isinstance(size, str) else size
     out_dir.mkdir(parents=True, exist_ok=True)
 
     ids = build_tokenizer(out_dir)

@@ -117,5 +117,25 @@ def tokens(outputs: list[RequestOutput]) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 
 
+def count_replays(engine: LLMEngine) -> list[int]:
+    """The bucket of every decode step the engine replays from a CUDA graph, from now on."""
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.graphs, "no decode graphs were captured"
+    replayed: list[int] = []
+    replay = graphs.replay
+
+    def counting(size: int, *args: Any) -> torch.Tensor:
+        replayed.append(size)
+        return replay(size, *args)
+
+    graphs.replay = counting  # type: ignore[method-assign]
+    return replayed
+
+
+def top_tokens(outputs: list[RequestOutput]) -> list[tuple[int, set[int]]]:
+    """Per token: it and its top logprobs' ids (what assert_close_to_hf compares)."""
+    return [(lp.token_id, {t for t, _, _ in lp.top}) for o in outputs for lp in o.logprobs]
+
+
 def text(outputs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outputs)

@@ -16,8 +16,13 @@ import torch
 
 from services.bench.images import random_image
 from services.language.engine.request import SamplingParams
-from tests.language.engine_fixtures import make_engine, make_request, run_to_completion
-from tests.reference import chat, hf_greedy_logprobs
+from tests.language.engine_fixtures import (
+    make_engine,
+    make_request,
+    run_to_completion,
+    top_tokens,
+)
+from tests.reference import assert_close_to_hf, chat, hf_greedy_logprobs
 
 TOP = 5
 CASES = [
@@ -41,20 +46,5 @@ def test_bfloat16_engine_close_to_hf_bfloat16(
         expected = hf_greedy_logprobs(folder, torch.bfloat16, messages, images, 16, TOP)
         sampling = SamplingParams(max_tokens=16, logprobs=True, top_logprobs=TOP)
         req = make_request(folder, f"r{i}", messages, images, sampling, dtype=torch.bfloat16)
-        got = [
-            (lp.token_id, {t for t, _, _ in lp.top})
-            for out in run_to_completion(engine, [req])[f"r{i}"]
-            for lp in out.logprobs
-        ]
-        for step, ((ours, our_top), (theirs, their_top)) in enumerate(
-            zip(got, expected, strict=False)
-        ):
-            if ours == theirs:
-                continue
-            assert theirs in our_top and ours in their_top, (
-                f"{prompt!r}, step {step}: engine {ours} (top {our_top}), "
-                f"HF {theirs} (top {their_top})"
-            )
-            break
-        else:
-            assert len(got) == len(expected), f"{prompt!r}: same tokens, different lengths"
+        got = top_tokens(run_to_completion(engine, [req])[f"r{i}"])
+        assert_close_to_hf(got, expected, repr(prompt))

@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
-from services.model.demo import DEMO_VERSION, cached_demo_checkpoint
+from services.flags import DEMO_SIZES
+from services.model.demo import (
+    DEMO_VERSION,
+    SIZES,
+    build_demo_checkpoint,
+    cached_demo_checkpoint,
+    gpu_size,
+)
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.model.video import Qwen3VideoRule, VideoRule
@@ -48,6 +55,23 @@ def test_sizes(small_checkpoint: Path, tiny_checkpoint: Path) -> None:
     assert (tiny.text.hidden_size, tiny.text.num_layers) == (128, 2)
     assert (small.text.hidden_size, small.text.num_layers) == (512, 8)
     assert small.vision.out_hidden_size == 512
+
+
+def test_the_flags_offer_every_size() -> None:
+    assert set(DEMO_SIZES) == set(SIZES)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("ratio", [4, 7, 8])
+def test_gpu_sizes_have_the_head_shapes_flashinfer_takes(
+    tmp_path: Path, arch: str, ratio: int
+) -> None:
+    """head_dim 128 (FlashInfer's prefill rejects head dims under 64), one KV head
+    for `ratio` query heads; tiny-gpu itself is Qwen3-VL-30B-A3B's ratio, 8."""
+    size = SIZES["tiny-gpu"] if ratio == 8 else gpu_size(ratio)
+    text = load_spec(build_demo_checkpoint(tmp_path, size=size, arch=arch)).text
+    assert text.head_dim == 128
+    assert (text.num_heads, text.num_kv_heads) == (ratio, 1)
 
 
 def test_a_cached_demo_from_an_older_version_is_rebuilt(
