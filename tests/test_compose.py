@@ -73,6 +73,19 @@ def test_gpus_ipc_and_the_model_volume(config: dict[str, Any]) -> None:
     assert "--model-config-name=gpu" in services["triton"]["command"]
 
 
+def test_flashinfers_builds_outlive_the_container_and_fit_the_start_window(
+    config: dict[str, Any],
+) -> None:
+    """What FlashInfer compiles at warm-up (what its prebuilt cache lacks) goes to a
+    named volume, and the health check waits long enough for a cold build."""
+    language = config["services"]["language"]
+    base = language["environment"]["FLASHINFER_WORKSPACE_BASE"]
+    mounts = {v["target"]: v for v in language["volumes"]}
+    assert mounts[base]["type"] == "volume" and mounts[base]["source"] == "flashinfer-cache"
+    assert "/models/checkpoint" in mounts  # the model mount is kept beside it
+    assert language["healthcheck"]["start_period"] == "20m0s"
+
+
 def test_every_service_restarts_when_it_dies(config: dict[str, Any]) -> None:
     for name in ("triton", "broker", "encoder", "language", "gateway"):
         assert config["services"][name]["restart"] == "unless-stopped", name
