@@ -3,7 +3,10 @@ and FlashInfer's fused kernel (GPU only) against the grouped torch experts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from services.language.engine.config import moe_backend
 from services.language.engine.cpu_kernels import linear_kernel
 from services.language.engine.linear import KernelExperts, PackedExperts
 from services.language.engine.model import Experts, LanguageModel
-from services.language.engine.moe import FlashInferExperts, fuse_experts
+from services.language.engine.moe import FlashInferExperts, autotuning, fuse_experts
 from services.model.checkpoint import load_language_weights
 from services.model.demo import build_demo_checkpoint
 from services.model.spec import MoeSpec, TextSpec, load_spec
@@ -61,7 +64,7 @@ def _routing(
 def test_fused_layout_is_the_checkpoints_with_gate_and_up_swapped(moe_checkpoint: Path) -> None:
     """fc1 is the checkpoint's gate_up_proj with its halves swapped; fc2 is down_proj."""
     experts = _experts(load_spec(moe_checkpoint).text, 16, 8, 4, 2, CPU)
-    fused = FlashInferExperts(experts)
+    fused = FlashInferExperts(experts, torch.empty(0, dtype=torch.uint8), 16)
     gate, up = experts.gate_up_proj.chunk(2, dim=1)
     assert torch.equal(fused.fc1[:, :8], up) and torch.equal(fused.fc1[:, 8:], gate)
     assert torch.equal(fused.fc2, experts.down_proj)
@@ -115,7 +118,21 @@ def test_flashinfer_experts_match_the_grouped_torch_experts(
     x = torch.randn(tokens, hidden, device=CUDA, dtype=dtype)
     chosen, weights = _routing(tokens, num_experts, top_k, CUDA)
     expected = experts(x, chosen, weights)
-    got = FlashInferExperts(experts)(x, chosen, weights)
+    from flashinfer.fused_moe import cutlass_fused_moe_workspace_size
+
+    size = cutlass_fused_moe_workspace_size(
+        tokens,
+        hidden,
+        inter,
+        num_experts,
+        top_k,
+        x_dtype=dtype,
+        weight_dtype=dtype,
+        output_dtype=dtype,
+        device=CUDA,
+    )
+    workspace = torch.empty(size, dtype=torch.uint8, device=CUDA)
+    got = FlashInferExperts(experts, workspace, tokens)(x, chosen, weights)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
@@ -127,4 +144,64 @@ def test_every_sparse_layer_is_fused_on_cuda(moe_checkpoint: Path) -> None:
         spec.text, {k: v.to(torch.bfloat16) for k, v in weights.items()}, CUDA
     )
     assert spec.text.moe is not None
-    assert fuse_experts(model) == len(spec.text.moe.layers)
+    assert fuse_experts(model, 2048) == len(spec.text.moe.layers)
+    fused = [m for m in model.modules() if isinstance(m, FlashInferExperts)]
+    assert len({id(m.workspace) for m in fused}) == 1
+
+
+class _FusedMoeStandIn:
+    """Stands in for flashinfer (not installed without CUDA): records what the
+    engine's MoE code asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, object]] = []
+        self.tuning = 0
+
+    def cutlass_fused_moe_workspace_size(
+        self, max_num_tokens: int, *args: object, **kw: object
+    ) -> int:
+        return 1000 + max_num_tokens
+
+    def cutlass_fused_moe(self, **kwargs: object) -> None:
+        self.calls.append(kwargs)
+
+    @contextlib.contextmanager
+    def autotune(self, tune_mode: bool) -> Iterator[None]:
+        assert tune_mode
+        self.tuning += 1
+        yield
+        self.tuning -= 1
+
+
+def test_every_layer_runs_on_one_workspace_and_warm_up_autotunes(
+    moe_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused kernel allocates several GiB per call without a workspace: every
+    layer gets the one allocated for the engine's token budget, and the calls
+    made under `autotuning` (the engine's warm-up) are FlashInfer's tuning runs."""
+    stand_in = _FusedMoeStandIn()
+    for name in ("flashinfer", "flashinfer.fused_moe", "flashinfer.autotuner"):
+        monkeypatch.setitem(sys.modules, name, stand_in)  # type: ignore[arg-type]
+    spec = load_spec(moe_checkpoint)
+    model = LanguageModel.from_weights(spec.text, load_language_weights(moe_checkpoint, spec), CPU)
+    assert fuse_experts(model, 2048) == len(spec.text.moe.layers)  # type: ignore[union-attr]
+    fused = [m for m in model.modules() if isinstance(m, FlashInferExperts)]
+    workspace = fused[0].workspace
+    assert workspace.numel() == 1000 + 2048 and workspace.dtype == torch.uint8
+    x = torch.randn(3, spec.text.hidden_size)
+    chosen, weights = _routing(3, spec.text.moe.num_experts, spec.text.moe.top_k, CPU)  # type: ignore[union-attr]
+    with autotuning(model):
+        assert stand_in.tuning == 1
+        for experts in fused:
+            experts(x, chosen, weights)
+    assert stand_in.tuning == 0
+    assert [c["workspace_buffer"] for c in stand_in.calls] == [workspace] * len(fused)
+    assert {c["tune_max_num_tokens"] for c in stand_in.calls} == {2048}
+
+
+def test_no_autotuning_without_fused_experts(moe_checkpoint: Path) -> None:
+    """On the CPU (no flashinfer to import) warm-up runs as it is."""
+    spec = load_spec(moe_checkpoint)
+    model = LanguageModel.from_weights(spec.text, load_language_weights(moe_checkpoint, spec), CPU)
+    with autotuning(model):
+        pass

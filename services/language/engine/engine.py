@@ -31,7 +31,7 @@ from services.language.engine.kv_cache import (
 )
 from services.language.engine.linear import pack_linears, use_linear_kernel
 from services.language.engine.model import LanguageModel
-from services.language.engine.moe import fuse_experts
+from services.language.engine.moe import autotuning, fuse_experts
 from services.language.engine.request import Request, RequestStatus, new_request
 from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
@@ -190,7 +190,7 @@ class LLMEngine:
             and moe_backend(config.moe, config.dtype, device) == "flashinfer"
         )
         if fused_moe:
-            fuse_experts(model)
+            fuse_experts(model, config.scheduler.max_num_batched_tokens)
         linear = linear_backend(config.linear, config.dtype, device)
         if linear == "onednn":
             pack_linears(model)
@@ -302,18 +302,20 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Two short requests through a prefill-only, a mixed and a decode-only
         step, before serving: kernels (on CUDA, FlashInfer's, compiled on first
-        use) are built and loaded now, not on the first client's time. Then, on
-        CUDA, the decode graphs are captured."""
+        use) are built and loaded now, not on the first client's time, and
+        FlashInfer's fused MoE is autotuned. Then, on CUDA, the decode graphs
+        are captured."""
         started = time.perf_counter()
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)
         length = min(16, self.config.max_model_len - sampling.max_tokens)
         text = self.tokenizer.encode("An engine warms up. " * length, add_special_tokens=False)
-        for i in range(2):
-            ids = text[: length >> i]
-            self.add_request(new_request(f"warm-up-{i}", ids, sampling, self.spec))
-            self.step()
-        while self.has_work():
-            self.step()
+        with autotuning(self.runner.model):
+            for i in range(2):
+                ids = text[: length >> i]
+                self.add_request(new_request(f"warm-up-{i}", ids, sampling, self.spec))
+                self.step()
+            while self.has_work():
+                self.step()
         self.runner.capture_graphs()
         logger.info("engine warmed up in %.2f s", time.perf_counter() - started)
 
