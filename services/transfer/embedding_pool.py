@@ -132,11 +132,26 @@ class EmbeddingPool:
         """A copy of tokens [start, start + count) of the block list, per plane,
         finished when this returns: the blocks may be freed and written again (on a
         GPU, by another process over CUDA IPC) straight away."""
+        parts, copied = self.stage(blocks, start, count)
+        if copied is not None:
+            copied.synchronize()
+        return parts
+
+    def stage(
+        self, blocks: Sequence[int], start: int, count: int
+    ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """`read` without waiting: in host memory the copies are done (None); on a
+        GPU they are queued on the device's stream, behind what it holds (the
+        engine's step in flight), and the event marks their end: only then may the
+        blocks be written again. Work queued on that stream later (the engine's
+        use of the copies) sees them whole."""
         bs = self.layout.block_size
         parts = [read_tokens(rows, blocks, bs, start, count) for rows in self.tensors]
-        if self.tensors and self.tensors[0].is_cuda:  # the copies are queued, not done
-            torch.cuda.current_stream(self.tensors[0].device).synchronize()
-        return parts
+        if not (self.tensors and self.tensors[0].is_cuda):
+            return parts, None
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.tensors[0].device))
+        return parts, copied
 
     def close(self) -> None:
         # Views first: a segment cannot close while a tensor still exports its buffer.

@@ -121,6 +121,8 @@ class ReceiverDriver:
         self._on_finished = on_finished
         self._done: dict[str, asyncio.Future[TransferMeta]] = {}
         self._staged: dict[str, list[Planes]] = {}
+        # blocks staged out of a GPU pool, and the event of their copy (EmbeddingPool.stage)
+        self._copying: dict[tuple[int, ...], torch.cuda.Event] = {}
         self._kept: dict[str, list[int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -251,12 +253,18 @@ class ReceiverDriver:
                 case Allocate():
                     self._spawn(self._allocate(action))
                 case Free(blocks):
-                    self.blocks.free(list(blocks))
+                    copying = self._copying.pop(blocks, None)
+                    if copying is None:
+                        self.blocks.free(list(blocks))
+                    else:
+                        self._spawn(self._free_once_copied(blocks, copying))
                 case Stage(request_id, blocks, num_tokens):
                     parent = tracing.context_for(request_id)
                     with tracing.span("transfer.stage", parent, tokens=num_tokens):
-                        part = self.pool.read(list(blocks), 0, num_tokens)
+                        part, copying = self.pool.stage(list(blocks), 0, num_tokens)
                     self._staged.setdefault(request_id, []).append(part)
+                    if copying is not None:  # the Free that follows waits for it
+                        self._copying[blocks] = copying
                 case Keep(request_id, blocks):
                     self._kept[request_id] = list(blocks)
                 case Confirm(request_id, transport, _, sent_tokens):
@@ -316,6 +324,12 @@ class ReceiverDriver:
             self._run(self.machine.arrival_failed(action.request_id, str(exc)))
             return
         self._run(self.machine.arrived(action.request_id, action.sent_tokens))
+
+    async def _free_once_copied(self, blocks: tuple[int, ...], copying: torch.cuda.Event) -> None:
+        """Frees blocks staged out of a GPU pool once the copy has run: it waits on a
+        worker thread, not the event loop (the copy may queue behind an engine step)."""
+        await asyncio.to_thread(copying.synchronize)
+        self.blocks.free(list(blocks))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -29,6 +29,7 @@ from services.triton.launcher import TritonConfig, TritonServer
 from services.wire.messages import media_key
 from tests.bad_images import gif, png_header_only, truncated_png
 from tests.stack import broker_stub, encoder_stub, start_broker, start_encoder
+from tests.until import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -405,10 +406,10 @@ async def test_the_broker_hears_what_enters_and_leaves_the_cache(
 
     try:
         await stub.Encode(encoder_pb2.EncodeRequest(images=[a]))
-        await _until(lambda: held() == {media_key(a)})
+        await until(lambda: held() == {media_key(a)})
         server.pipeline.cache.max_bytes = 2 * server.pipeline.cache.bytes_used  # room for two
         await stub.Encode(encoder_pb2.EncodeRequest(images=[b, c]))
-        await _until(lambda: held() == {media_key(b), media_key(c)})  # a was evicted
+        await until(lambda: held() == {media_key(b), media_key(c)})  # a was evicted
         await stub.Encode(encoder_pb2.EncodeRequest(images=[b]))
 
         async def load() -> broker_pb2.Heartbeat:
@@ -421,17 +422,10 @@ async def test_the_broker_hears_what_enters_and_leaves_the_cache(
 
         await broker.stop()  # a new broker knows nothing: the encoder tells it everything
         broker = await start_broker(port=port)
-        await _until(lambda: held() == {media_key(b), media_key(c)}, timeout_s=15)
+        await until(lambda: held() == {media_key(b), media_key(c)}, timeout_s=15)
     finally:
         await server.stop()
         await broker.stop()
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def _until_async(condition: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:

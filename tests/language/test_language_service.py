@@ -30,6 +30,7 @@ from tests.stack import (
     language_stub,
     start_language,
 )
+from tests.until import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -264,7 +265,7 @@ async def test_cancelled_generate_frees_everything(
             sampling=common_pb2.SamplingParams(max_tokens=5),
         )
     )
-    await _until(lambda: "cancel-receiving" in language.receiver.transfers)
+    await until(lambda: "cancel-receiving" in language.receiver.transfers)
     assert language.pool.allocator.num_used_blocks > 0
     waiting.cancel()
     # A long text-only request, cancelled mid-stream.
@@ -279,7 +280,7 @@ async def test_cancelled_generate_frees_everything(
         if response.HasField("chunk"):
             break
     streaming.cancel()
-    await _until(
+    await until(
         lambda: (
             language.pool.allocator.num_used_blocks == 0
             and language.engine.engine.blocks.num_used_pages == 0
@@ -356,14 +357,6 @@ async def test_grpcurl_generate_and_metrics(
     assert steps["prefill"] >= 1 and steps["decode"] >= 3  # this request's, at least
 
 
-async def _until(condition: Any, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
 async def test_a_duplicate_request_id_is_refused_and_the_first_goes_on(
     stack: tuple[BrokerServer, EncoderServer, LanguageServer],
 ) -> None:
@@ -421,7 +414,7 @@ async def test_requests_beyond_the_admission_limit_are_refused_fast(
         assert asyncio.get_running_loop().time() - started < 1
         for call in busy:
             call.cancel()
-        await _until(lambda: not limited.engine.engine.requests)
+        await until(lambda: not limited.engine.engine.requests)
         assert token_ids([r async for r in long("after", 3)])
     finally:
         await limited.stop()
