@@ -103,3 +103,20 @@ def test_a_schema_xgrammar_cannot_use_is_a_value_error(tiny_checkpoint: Path) ->
     grammars = Grammars(load_tokenizer(tiny_checkpoint), load_spec(tiny_checkpoint))
     with pytest.raises(ValueError, match="unusable JSON schema"):
         asyncio.run(grammars.compile(SamplingParams(json_schema='{"type": "no such type"}')))
+
+
+@pytest.mark.gpu
+def test_a_json_schema_row_beside_a_seeded_one_on_cuda_logits(tiny_checkpoint: Path) -> None:
+    """xgrammar's bitmask (allocated on the CPU) masks CUDA logits, with logprobs,
+    beside a seeded row that samples."""
+    tokenizer, spec = load_tokenizer(tiny_checkpoint), load_spec(tiny_checkpoint)
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}})
+    params = SamplingParams(json_schema=schema, logprobs=True, top_logprobs=2)
+    grammar = asyncio.run(Grammars(tokenizer, spec).compile(params))
+    guided = _request(params, grammar)
+    seeded = _request(SamplingParams(temperature=0.7, seed=3))
+    logits = torch.randn(2, spec.text.vocab_size, device="cuda")
+    samples = Sampler().sample(logits, [guided, seeded])
+    assert isinstance(samples[0], Sample) and isinstance(samples[1], Sample)
+    assert tokenizer.decode([samples[0].token_id]).lstrip().startswith("{")
+    assert len(samples[0].top) == 2
