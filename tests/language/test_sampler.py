@@ -16,7 +16,13 @@ from transformers.generation.logits_process import (
 
 from services.language.engine import sampler as sampler_module
 from services.language.engine.request import Request, SamplingParams
-from services.language.engine.sampler import Sample, Sampler, SamplingError, apply_processors
+from services.language.engine.sampler import (
+    Sample,
+    Sampler,
+    SamplingError,
+    _filtered_probs,
+    apply_processors,
+)
 
 
 def _request(sampling: SamplingParams) -> Request:
@@ -257,6 +263,17 @@ def test_processors_make_every_tensor_on_the_logits_device() -> None:
     )
     apply_processors(row, params, [1, 2, 3], [4, 4, 5], {7, 8})
     assert row.device.type == "meta"
+
+
+def test_the_filters_make_every_tensor_on_the_logits_device() -> None:
+    """Temperature and top-k of rows that differ, on the meta device (top-p reads a
+    flag back to the host, which meta cannot give: the gpu test below covers it)."""
+    params = [
+        SamplingParams(temperature=0.5, top_k=5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=2),
+    ]
+    assert _filtered_probs(torch.zeros(3, 64, device="meta"), params).device.type == "meta"
 
 
 def test_the_grammar_mask_goes_to_the_logits_device(monkeypatch: pytest.MonkeyPatch) -> None:
