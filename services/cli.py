@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -187,6 +188,9 @@ def _language(args: argparse.Namespace) -> int:
     from services.language.server import LanguageServer
     from services.wire.messages import LanguageRole
 
+    engine = _engine_config(args)
+    role = LanguageRole[args.role.upper()]
+    auto = role is LanguageRole.BOTH and engine.device == "cpu"
     config = LanguageConfig(
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
@@ -196,10 +200,13 @@ def _language(args: argparse.Namespace) -> int:
         max_active_requests=args.max_active_requests,
         pool_wait_s=args.pool_wait,
         quarantine_s=args.quarantine,
-        engine=_engine_config(args),
-        role=LanguageRole[args.role.upper()],
+        engine=engine,
+        role=role,
+        engine_process=args.engine_process == "on" or (args.engine_process == "auto" and auto),
     )
-    return run_until_signalled(lambda: LanguageServer(config))
+    # an instance whose engine process died cannot serve: it leaves, to be restarted
+    lost = partial(os.kill, os.getpid(), signal.SIGTERM)
+    return run_until_signalled(lambda: LanguageServer(config, on_engine_lost=lost))
 
 
 def _gateway_config(args: argparse.Namespace) -> Any:

@@ -388,6 +388,13 @@ def language(p: argparse.ArgumentParser) -> None:
     )
     add_engine(p)
     add_dtype(p, "model dtype (and the embeddings')")
+    p.add_argument(
+        "--engine-process",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the engine loop in a child process, away from the GIL the gRPC threads "
+        "take (auto: on for a CPU instance that does prefill and decode both)",
+    )
     field_option(p, LanguageConfig, "embedding_pool_tokens")
     field_option(p, LanguageConfig, "default_allocate_tokens")
     field_option(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from services.encoder.server import EncoderConfig, EncoderServer
 from services.grpc_server import channel
 from services.instance import InstanceConfig
 from services.language.engine.config import EngineConfig
-from services.language.server import LanguageConfig, LanguageServer
+from services.language.server import LanguageConfig, LanguageServer, noop
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
 from services.security import Security, current
 from services.triton.launcher import TritonServer
@@ -62,6 +62,7 @@ async def start_language(
     checkpoint: Path,
     broker: BrokerServer | None = None,
     engine: EngineConfig | None = None,
+    on_engine_lost: Callable[[], None] = noop,
     **overrides: Any,
 ) -> LanguageServer:
     config = LanguageConfig(
@@ -71,7 +72,7 @@ async def start_language(
         engine=engine or EngineConfig(max_model_len=2048, kv_cache_bytes=64 * 1024 * 1024),
         **overrides,
     )
-    server = LanguageServer(config)
+    server = LanguageServer(config, on_engine_lost)
     await server.start()
     return server
 
@@ -89,12 +90,14 @@ def _channel(address: str) -> grpc.aio.Channel:
 
 @contextlib.asynccontextmanager
 async def backend(
-    checkpoint: Path, triton: TritonServer
+    checkpoint: Path, triton: TritonServer, **language_overrides: Any
 ) -> AsyncIterator[tuple[BrokerServer, EncoderServer, LanguageServer]]:
     """A broker, an encoder and a language instance (shared memory between them)."""
     broker = await start_broker()
     encoder = await start_encoder(checkpoint, triton, broker)
-    language = await start_language(checkpoint, broker, transports=(Transport.SHM,))
+    language = await start_language(
+        checkpoint, broker, transports=(Transport.SHM,), **language_overrides
+    )
     try:
         yield broker, encoder, language
     finally:

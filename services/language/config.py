@@ -37,10 +37,17 @@ class LanguageConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # E/P/D: prefill and decode as their own instances (both: one does both)
     role: LanguageRole = LanguageRole.BOTH
+    # The engine loop in a child process (EngineProcess), out of reach of the
+    # GIL that gRPC's threads take; else on a thread of this one (AsyncEngine).
+    # Prefill and decode instances hand KV pages over from the engine's own
+    # cache, so theirs stays here.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.embedding_pool_tokens < self.embedding_block_size:
             raise ValueError("embedding_pool_tokens must hold at least one block")
+        if self.engine_process and self.role is not LanguageRole.BOTH:
+            raise ValueError("a prefill or decode instance runs its engine in its own process")
 
     @property
     def dtype(self) -> torch.dtype:

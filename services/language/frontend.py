@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from services import tracing
-from services.language.engine.async_engine import AsyncEngine
+from services.language.engine.async_engine import Engine
 from services.language.engine.engine import RequestOutput
 from services.language.engine.request import Request, new_request, prefilled_request
 from services.language.kv_handoff import KVHandoff, KVObserver, first_token, wire_first_tokens
@@ -219,7 +219,7 @@ def _trace_engine(request: Request) -> None:
 class Frontend:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: Engine,
         tokenizer: Any,
         spec: ModelSpec,
         receiver: ReceiverDriver | None = None,

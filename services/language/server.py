@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -10,9 +11,10 @@ import torch
 from services.grpc_server import metrics_registry
 from services.instance import InstanceServer
 from services.language.config import LanguageConfig
-from services.language.engine.async_engine import AsyncEngine
+from services.language.engine.async_engine import AsyncEngine, Engine
 from services.language.engine.engine import LLMEngine
 from services.language.engine.kv_cache import device_memory
+from services.language.engine.process import EngineProcess
 from services.language.frontend import Frontend
 from services.language.kv_handoff import KVHandoff, KVPages, KVSource, LanguageDrivers
 from services.language.metrics import LanguageMetrics
@@ -34,6 +36,10 @@ from services.wire.transport import Transport
 logger = logging.getLogger(__name__)
 
 
+def noop() -> None:
+    pass
+
+
 class LanguageServer(InstanceServer):
     """A language instance in its role: `both` receives embeddings into its
     embedding pool and generates; `prefill` does the same up to the first
@@ -41,7 +47,7 @@ class LanguageServer(InstanceServer):
     `decode` receives KV pages straight into its KV cache, which lives where
     the transports reach it, and generates from there."""
 
-    def __init__(self, config: LanguageConfig) -> None:
+    def __init__(self, config: LanguageConfig, on_engine_lost: Callable[[], None] = noop) -> None:
         super().__init__(config.instance)
         self.config = config
         self.role = config.role
@@ -53,17 +59,34 @@ class LanguageServer(InstanceServer):
         if self.role is not LanguageRole.BOTH:
             direction = "sent" if self.role is LanguageRole.PREFILL else "received"
             self.metrics.expect_kv(direction, config.instance.transports)
-        weights = load_language_weights(config.checkpoint, self.spec, config.dtype)
         self.ends: dict[Transport, ReceiveEnd] = {}
-        kv_memory = self._kv_receive_side if self.role is LanguageRole.DECODE else device_memory
-        llm = LLMEngine(self.spec, weights, self.tokenizer, config.engine, kv_memory=kv_memory)
-        self.engine = AsyncEngine(llm, self.metrics.on_step)
-        if self.role is LanguageRole.DECODE:
-            self.pool = llm.runner.kv_cache.pool
-        else:
+        kv: KVHandoff | None = None
+        self.kv_layout: PoolLayout | None = None  # the KV cache's, where this process has it
+        if config.engine_process:
+            self.engine: Engine = EngineProcess(
+                config.checkpoint,
+                config.engine,
+                self.spec,
+                self.tokenizer,
+                self.metrics.on_step,
+                on_engine_lost,
+            )
             self.pool, self.ends = self._embedding_receive_side()
-        self.receiver = self._receiver()
-        kv = self._kv_handoff(llm) if self.role is LanguageRole.PREFILL else None
+            self.receiver = self._receiver(None)
+        else:
+            weights = load_language_weights(config.checkpoint, self.spec, config.dtype)
+            decode = self.role is LanguageRole.DECODE
+            kv_memory = self._kv_receive_side if decode else device_memory
+            llm = LLMEngine(self.spec, weights, self.tokenizer, config.engine, kv_memory=kv_memory)
+            self.engine = engine = AsyncEngine(llm, self.metrics.on_step)
+            self.kv_layout = llm.runner.kv_cache.pool.layout
+            if decode:
+                self.pool = llm.runner.kv_cache.pool
+            else:
+                self.pool, self.ends = self._embedding_receive_side()
+            self.receiver = self._receiver(KVPages(engine) if decode else None)
+            if self.role is LanguageRole.PREFILL:
+                kv = self._kv_handoff(llm, engine)
         self.driver = LanguageDrivers(self.receiver, kv.sender if kv is not None else None)
         self.frontend = Frontend(
             self.engine,
@@ -108,7 +131,9 @@ class LanguageServer(InstanceServer):
             layout, device, instance.transports, instance.instance_id, lambda: self.grpc.address
         )
 
-    def _receiver(self) -> ReceiverDriver:
+    def _receiver(self, blocks: KVPages | None) -> ReceiverDriver:
+        """Receive blocks from the embedding pool, or (`blocks`: a decode instance)
+        KV pages from its engine."""
         config = self.config
         return ReceiverDriver(
             self.pool,
@@ -119,14 +144,14 @@ class LanguageServer(InstanceServer):
             on_finished=lambda state: self.metrics.transfers.labels(state.name.lower()).inc(),
             pool_wait_s=config.pool_wait_s,
             quarantine_s=config.quarantine_s,
-            blocks=KVPages(self.engine) if self.role is LanguageRole.DECODE else None,
+            blocks=blocks,
         )
 
-    def _kv_handoff(self, llm: LLMEngine) -> KVHandoff:
+    def _kv_handoff(self, llm: LLMEngine, engine: AsyncEngine) -> KVHandoff:
         """A prefill instance's KV sender, its writes reading the KV cache."""
         config, instance = self.config, self.config.instance
         kv = llm.runner.kv_cache.pool
-        source = KVSource(kv, self.engine)
+        source = KVSource(kv, engine)
         sender = SenderDriver(
             source,
             self.to_broker,
@@ -139,7 +164,8 @@ class LanguageServer(InstanceServer):
     def _kv_observed(
         self, direction: str, transport: Transport, tokens: int, seconds: float
     ) -> None:
-        layout = self.engine.engine.runner.kv_cache.pool.layout
+        layout = self.kv_layout
+        assert layout is not None, "KV pages cross only between engines in this process"
         pages = -(-tokens // layout.block_size)
         self.metrics.kv_transferred(
             direction, transport, pages, tokens * layout.token_bytes, seconds

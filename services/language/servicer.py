@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from services import tracing
-from services.language.engine.engine import RequestFailedError
+from services.language.engine.engine import EngineLostError, RequestFailedError
 from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
 from services.proto import language_pb2, language_pb2_grpc
@@ -40,6 +40,7 @@ _STATUS = (
     (UnknownPeerError, grpc.StatusCode.UNAVAILABLE, "KV pages: "),
     (TransferError, grpc.StatusCode.UNAVAILABLE, "KV pages: "),
     (MediaMismatchError, grpc.StatusCode.FAILED_PRECONDITION, ""),
+    (EngineLostError, grpc.StatusCode.UNAVAILABLE, "generation failed: "),
     (RequestFailedError, grpc.StatusCode.INTERNAL, "generation failed: "),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT, ""),
 )

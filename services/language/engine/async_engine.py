@@ -9,9 +9,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from services.language.engine.engine import (
+    EngineLoad,
     FirstToken,
     LLMEngine,
     RequestFailedError,
@@ -78,6 +79,41 @@ class _FreePages:
 
 
 _Message = _Add | _AddPrefilled | _Abort | _Release | _Reserve | _Unreserve | _FreePages
+
+
+class Engine(Protocol):
+    """What the language service's frontend and servicer ask of an engine:
+    AsyncEngine (its loop on a thread of this process) or EngineProcess (in a
+    child process). `load`: the engine's as of its last step."""
+
+    load: EngineLoad
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def num_kv_pages(self) -> int: ...
+
+    @property
+    def num_requests(self) -> int: ...
+
+    def check_sampling(self, params: SamplingParams) -> None: ...
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None: ...
+
+    async def compile_grammar(self, params: SamplingParams) -> Any: ...
+
+    def generate(
+        self, request: Request, firsts: Sequence[FirstToken] = ()
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class AsyncEngine:

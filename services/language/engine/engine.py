@@ -73,6 +73,10 @@ class RequestFailedError(RuntimeError):
     """The engine ended this one request with an error (the others go on)."""
 
 
+class EngineLostError(RequestFailedError):
+    """The engine's process died: what it ran is lost; another instance may serve it."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
@@ -120,6 +124,26 @@ class EngineLoad:
     waiting: int = 0
     kv_pages_used: int = 0
     kv_pages_shared: int = 0
+
+
+def check_fits(config: EngineConfig, num_prompt_tokens: int, max_tokens: int) -> None:
+    """ValueError unless the request fits the context (and so the cache, alone)."""
+    if num_prompt_tokens + max_tokens > config.max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"context length of {config.max_model_len} tokens"
+        )
+
+
+def check_sampling(spec: ModelSpec, config: EngineConfig, params: SamplingParams) -> None:
+    """ValueError unless the token ids the parameters name are in the vocabulary
+    and its choices fit a batch."""
+    vocab = spec.text.vocab_size
+    if any(not 0 <= t < vocab for t in params.token_ids):
+        raise ValueError(f"token ids in logit_bias and stop_token_ids must be in [0, {vocab})")
+    seats = config.scheduler.max_num_seqs
+    if params.n > seats:
+        raise ValueError(f"n ({params.n}) exceeds the {seats} sequences a batch holds")
 
 
 class LLMEngine:
@@ -215,21 +239,10 @@ class LLMEngine:
         return TorchAttention(scale, paged_decode_attention() if backend == "cpu" else None)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """ValueError unless the request fits the context (and so the cache, alone)."""
-        if num_prompt_tokens + max_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context length of {self.config.max_model_len} tokens"
-            )
+        check_fits(self.config, num_prompt_tokens, max_tokens)
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """ValueError unless the token ids the parameters name are in the vocabulary."""
-        vocab = self.spec.text.vocab_size
-        if any(not 0 <= t < vocab for t in params.token_ids):
-            raise ValueError(f"token ids in logit_bias and stop_token_ids must be in [0, {vocab})")
-        seats = self.config.scheduler.max_num_seqs
-        if params.n > seats:
-            raise ValueError(f"n ({params.n}) exceeds the {seats} sequences a batch holds")
+        check_sampling(self.spec, self.config, params)
 
     def check(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)

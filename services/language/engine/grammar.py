@@ -26,6 +26,7 @@ class Grammars:
             tokenizer, vocab_size=spec.text.vocab_size, stop_token_ids=list(spec.eos_token_ids)
         )
         self.vocab_size = info.vocab_size
+        self.tokenizer_info = info
         # The compiler caches what it compiled, keyed by the schema.
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -49,6 +50,10 @@ class Grammars:
             return await asyncio.get_running_loop().run_in_executor(self._pool, build)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"{unusable}: {exc}") from None
+
+    def deserialize(self, serialized: str) -> xgr.CompiledGrammar:
+        """A grammar another process compiled (CompiledGrammar.serialize_json)."""
+        return xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
 
 
 def mask_logits(logits: torch.Tensor, requests: list[Request]) -> None:

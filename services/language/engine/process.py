@@ -1,0 +1,424 @@
+"""EngineProcess: the engine loop in a process of its own, for asyncio callers.
+
+In one process, the engine thread releases and takes back the GIL around
+every torch op and kernel call, and the threads that stream each token (the
+event loop, gRPC's poller) take it in between: a decode step of 16 sequences
+ran ~20 ms in the language service against ~10 ms alone (docs/performance.md).
+As vLLM V1 runs its EngineCore, the child owns the LLMEngine (weights, KV
+cache, scheduler, sampler, detokenizers) and the parent keeps everything else
+(gRPC, rendering, receiving embeddings). They talk over a pipe:
+
+    parent: event loop                               child: engine loop
+      generate(request) ──── _Add(request) ─────────▶ add_request
+      abort(request_id) ──── _Abort(request_id) ────▶ abort_request
+      its request's queue ◀── _Outputs (one a step) ── step()
+
+The child has no other thread that takes the GIL. It ends with its pipe: when
+the parent stops it, closes it, or dies (then the kernel also kills it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from subprocess import DEVNULL
+from typing import Any
+
+from services import env, logs
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import (
+    EngineLoad,
+    EngineLostError,
+    FirstToken,
+    LLMEngine,
+    RequestFailedError,
+    RequestOutput,
+    StepStats,
+    check_fits,
+    check_sampling,
+)
+from services.language.engine.grammar import Grammars
+from services.language.engine.request import Request
+from services.model.spec import ModelSpec
+from services.wire.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # weights, warm-up and kernels built on first use
+
+
+# -- the messages ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request: Request  # as `_portable` made it
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    num_kv_pages: int
+    load: EngineLoad
+
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    """What the engine noted of a finished request, for its trace (Frontend)."""
+
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    num_prefill_steps: int
+    num_cached_pages: int
+    num_preemptions: int
+    output_token_ids: list[int]
+
+
+# an output (or the error that ends the request), and with a request's last, its timing
+_Item = tuple[str, RequestOutput | Exception, _Timing | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outputs:
+    items: list[_Item]
+    load: EngineLoad
+    step: tuple[StepStats, float] | None = None  # a step's, with its seconds
+
+
+def _put(conn: Connection, message: object) -> None:
+    """Plain pickle, tensors inline: Connection.send's pickler would pass torch's
+    storages as file descriptors, which only multiprocessing's own children
+    (sharing its authentication key) can take."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _get(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _portable(request: Request) -> Request:
+    """The request as it crosses to the child: its generator and grammar matcher
+    are rebuilt there (from its seed and grammar), its grammar travels serialized."""
+    out = copy.copy(request)
+    out.generator = out.matcher = None
+    if request.grammar is not None:
+        out.grammar = request.grammar.serialize_json()
+    return out
+
+
+def _restored(request: Request, grammars: Grammars) -> Request:
+    if request.grammar is not None:
+        request.grammar = grammars.deserialize(request.grammar)
+    request.__post_init__()  # the generator and the matcher
+    return request
+
+
+def _timing(request: Request) -> _Timing:
+    return _Timing(
+        request.first_scheduled_time,
+        request.first_token_time,
+        request.num_prefill_steps,
+        request.num_cached_pages,
+        request.num_preemptions,
+        request.output_token_ids,
+    )
+
+
+def _apply(timing: _Timing, request: Request) -> None:
+    request.first_scheduled_time = timing.first_scheduled_time
+    request.first_token_time = timing.first_token_time
+    request.num_prefill_steps = timing.num_prefill_steps
+    request.num_cached_pages = timing.num_cached_pages
+    request.num_preemptions = timing.num_preemptions
+    request.output_token_ids = timing.output_token_ids
+
+
+# -- the child ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    checkpoint: Path
+    config: EngineConfig
+    log_level: int
+
+
+def _bound_to(parent: int) -> None:
+    """Killed with its parent; deaf to the signals that stop its parent (a Ctrl-C
+    reaches the whole process group): the parent stops it over the pipe, once
+    its requests in flight are done."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        raise SystemExit("the parent died before its engine process started")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+# The child's program (not `-m` this module: it would be __main__, and the
+# messages it unpickles would name other classes than its own).
+_CHILD = "from services.language.engine.process import main; main()"
+
+
+def main(argv: Sequence[str] = sys.argv[1:]) -> None:
+    """The child, given FD (its end of the pipe: a socket the parent passed it)
+    and PARENT_PID."""
+    fd, parent = map(int, argv)
+    _bound_to(parent)
+    conn = Connection(fd)
+    start = _get(conn)
+    assert isinstance(start, _Start)
+    logs.configure(logging.getLevelName(start.log_level), env.LOG_FORMAT.get())
+    from services.model.checkpoint import load_language_weights
+    from services.model.spec import load_spec
+    from services.model.tokenizer import load_tokenizer
+
+    spec = load_spec(start.checkpoint)
+    weights = load_language_weights(start.checkpoint, spec, start.config.dtype)
+    engine = LLMEngine(spec, weights, load_tokenizer(start.checkpoint), start.config)
+    engine.warm_up()
+    _put(conn, _Ready(engine.blocks.allocator.num_blocks, engine.load()))
+    _EngineLoop(engine, conn).run()
+
+
+class _EngineLoop:
+    """The child's loop: the pipe's messages, then a step, while there is work."""
+
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.requests: dict[str, Request] = {}  # choice 0 of each, for its timing
+
+    def run(self) -> None:
+        try:
+            while True:
+                if not self.engine.has_work():
+                    self.conn.poll(None)  # a message, or EOF
+                items = self._drain()
+                if not self.engine.has_work():
+                    self._send(_Outputs(items, self.engine.load()))
+                    continue
+                started = time.perf_counter()
+                outputs, stats = self._step()
+                seconds = time.perf_counter() - started
+                self._send(_Outputs(items + outputs, self.engine.load(), (stats, seconds)))
+        except (EOFError, OSError):  # the parent closed the pipe, or is gone
+            return
+
+    def _send(self, outputs: _Outputs) -> None:
+        if outputs.items or outputs.step is not None:
+            _put(self.conn, outputs)
+
+    def _drain(self) -> list[_Item]:
+        items: list[_Item] = []
+        while self.conn.poll():
+            match _get(self.conn):
+                case _Add(request):
+                    request = _restored(request, self.engine.grammars)
+                    try:
+                        self.engine.add_request(request)
+                    except ValueError as exc:
+                        items.append((request.request_id, exc, None))
+                    else:
+                        self.requests[request.request_id] = request
+                case _Abort(request_id):
+                    items += self._items(self.engine.abort_request(request_id))
+        return items
+
+    def _step(self) -> tuple[list[_Item], StepStats]:
+        try:
+            outputs, stats = self.engine.step()
+        except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
+            logger.exception("engine step failed")
+            failed = list(self.engine.requests)
+            for request_id in failed:
+                self.engine.abort_request(request_id)
+                self.requests.pop(request_id, None)
+            error = RuntimeError(f"engine step failed: {exc}")
+            return [(request_id, error, None) for request_id in failed], StepStats(0, 0, [], [])
+        return self._items(outputs), stats
+
+    def _items(self, outputs: list[RequestOutput]) -> list[_Item]:
+        items: list[_Item] = []
+        for output in outputs:
+            timing = None
+            if output.finished and output.index == 0:
+                request = self.requests.pop(output.request_id, None)
+                timing = _timing(request) if request is not None else None
+            items.append((output.request_id, output, timing))
+        return items
+
+
+# -- the parent --------------------------------------------------------------------
+
+
+class EngineProcess:
+    """The engine in a child process, with AsyncEngine's interface for the
+    frontend (Engine): requests in through `generate`, their outputs back on
+    per-request queues filled from the pipe by the event loop itself (a reader
+    on its file descriptor, no thread). Checks and grammar compilation happen
+    here, before a request crosses. `on_lost`: called once if the child dies."""
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        config: EngineConfig,
+        spec: ModelSpec,
+        tokenizer: Any,
+        on_step: Callable[[StepStats, float], None] = lambda stats, seconds: None,
+        on_lost: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.spec = spec
+        self.grammars = Grammars(tokenizer, spec)
+        self._on_step = on_step
+        self._on_lost = on_lost
+        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._requests: dict[str, Request] = {}
+        self._conn: Connection | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lost = False
+        self.num_kv_pages = 0
+        self.load = EngineLoad()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        check_sampling(self.spec, self.config, params)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        check_fits(self.config, num_prompt_tokens, max_tokens)
+
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        return await self.grammars.compile(params)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
+
+    def start(self) -> None:
+        """Starts the child and waits until it has warmed its engine up. A plain
+        Python child (spawned, not forked: this process runs gRPC's threads; and not
+        multiprocessing's spawn, which imports this program's main module again)."""
+        ours, theirs = socket.socketpair()
+        command = [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid())]
+        self._process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=DEVNULL)
+        theirs.close()
+        conn = Connection(ours.detach())
+        level = logging.getLogger().getEffectiveLevel()
+        _put(conn, _Start(self.checkpoint, self.config, level))
+        if not conn.poll(READY_TIMEOUT_S):
+            self._process.kill()
+            raise RuntimeError(f"the engine process was not ready within {READY_TIMEOUT_S:g}s")
+        try:
+            ready = _get(conn)
+        except EOFError:
+            code = self._process.wait()
+            raise RuntimeError(f"the engine process exited during start-up ({code})") from None
+        assert isinstance(ready, _Ready)
+        self.num_kv_pages, self.load = ready.num_kv_pages, ready.load
+        self._conn = conn
+        asyncio.get_running_loop().add_reader(conn.fileno(), self._receive)
+
+    async def stop(self) -> None:
+        if self._conn is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._conn.fileno())
+        self._conn.close()  # the child's loop ends at EOF
+        self._conn = None
+        process = self._process
+        assert process is not None
+        try:
+            await asyncio.to_thread(process.wait, 10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+
+    def _receive(self) -> None:
+        assert self._conn is not None
+        try:
+            while self._conn.poll():
+                outputs = _get(self._conn)
+                for request_id, item, timing in outputs.items:
+                    if timing is not None and (request := self._requests.get(request_id)):
+                        _apply(timing, request)
+                    if (q := self._queues.get(request_id)) is not None:
+                        q.put_nowait(item)
+                self.load = outputs.load
+                if outputs.step is not None:
+                    self._on_step(*outputs.step)
+        except (EOFError, OSError):
+            self._died()
+
+    def _died(self) -> None:
+        """The child is gone: every request fails, and nothing new is taken."""
+        assert self._conn is not None
+        asyncio.get_running_loop().remove_reader(self._conn.fileno())
+        self._lost = True
+        code = self._process.poll() if self._process is not None else None
+        logger.error("the engine process died (exit code %s): failing its requests", code)
+        for q in self._queues.values():
+            q.put_nowait(EngineLostError("the engine process died"))
+        self._on_lost()
+
+    def _send(self, message: _Add | _Abort) -> None:
+        if self._lost or self._conn is None:
+            raise EngineLostError("the engine process is not running")
+        _put(self._conn, message)
+
+    async def generate(
+        self, request: Request, firsts: Sequence[FirstToken] = ()
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, its choices interleaved, until every choice
+        finishes; leaving early aborts it. Its timing is noted on `request` before
+        its last output comes (as the engine notes it in process)."""
+        assert not firsts, "a prefilled request needs the engine's KV cache in this process"
+        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.check_sampling(request.sampling)
+        if request.request_id in self._queues:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._send(_Add(_portable(request)))
+        q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._queues[request.request_id] = q
+        self._requests[request.request_id] = request
+        going = request.sampling.n
+        try:
+            while going:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
+                going -= item.finished
+                yield item
+        finally:
+            del self._queues[request.request_id]
+            del self._requests[request.request_id]
+            if going and not self._lost:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        if not self._lost and self._conn is not None:
+            _put(self._conn, _Abort(request_id))
