@@ -365,7 +365,11 @@ def _serve(args: argparse.Namespace) -> int:
                 broker=args.broker,
                 advertise_host=args.advertise_host,
                 api_key=args.api_key,
-                language_args=(*flags.engine_args(args), *transports),
+                language_args=(
+                    *flags.engine_args(args),
+                    *(() if args.monolithic else ("--engine-process", args.engine_process)),
+                    *transports,
+                ),
                 dtype=dtype,
                 gateway_args=tuple(gateway),
                 encoder_args=("--cache-mb", str(args.encoder_cache_mb))

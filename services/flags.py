@@ -191,6 +191,16 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_engine_process(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine-process",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run a language instance's engine loop in a child process, away from the GIL "
+        "the gRPC threads take (auto: on for a CPU instance that does prefill and decode both)",
+    )
+
+
 def engine_args(args: argparse.Namespace) -> list[str]:
     """The engine flags `epd serve` passes on to its language (or monolithic) instances."""
     return [
@@ -388,13 +398,7 @@ def language(p: argparse.ArgumentParser) -> None:
     )
     add_engine(p)
     add_dtype(p, "model dtype (and the embeddings')")
-    p.add_argument(
-        "--engine-process",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run the engine loop in a child process, away from the GIL the gRPC threads "
-        "take (auto: on for a CPU instance that does prefill and decode both)",
-    )
+    add_engine_process(p)
     field_option(p, LanguageConfig, "embedding_pool_tokens")
     field_option(p, LanguageConfig, "default_allocate_tokens")
     field_option(
@@ -537,6 +541,7 @@ def serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton-grpc-port", type=int, default=grpc)
     p.add_argument("--triton-metrics-port", type=int, default=metrics)
     add_engine(p)
+    add_engine_process(p)
     add_dtype(p, "dtype of the vision tower, the embeddings and the language model")
     field_option(
         p,

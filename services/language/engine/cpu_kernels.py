@@ -40,7 +40,18 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+# -fno-trapping-math: no kernel reads the floating-point exception flags, and
+# without it GCC keeps a loop that converts floats to integers (the softmax's
+# e^x) from being vectorized
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+]
 # products rounded before they are added, as torch's separate operators round them
 FUSED_OPS_FLAGS = ("-ffp-contract=off",)
 
