@@ -112,6 +112,23 @@ def test_a_language_instance_killed(stack: Stack) -> None:
     assert len(failed) <= load.workers + 2
 
 
+def test_a_language_instances_engine_process_killed(stack: Stack) -> None:
+    """kill -9 the engine process of a language instance (engine/process.py): the
+    requests it held fail cleanly (those with no answer yet move to the other
+    instance), the instance leaves, is restarted, and serves again."""
+    parent = stack.pid("services.cli language", "--instance-id language-1")
+    with Load(stack.url) as load:
+        time.sleep(2)
+        killed = _kill(stack, "services.language.engine.process import main", f" {parent} ")
+        wait_for(lambda: not Path(f"/proc/{parent}").exists(), BOUND_S, "language-1 to leave")
+        _recovered(stack, "language-1")
+        _served_after(load, time.monotonic())
+    _assert_failures_are_clean(load.outcomes)
+    failed = [o for o in load.outcomes if o.status != 200]
+    assert all(o.in_flight_at(killed) or o.started - killed < 1.0 for o in failed), failed
+    assert len(failed) <= load.workers + 2
+
+
 def test_the_broker_killed(stack: Stack) -> None:
     """A text request already streaming finishes; new requests get a fast 503 until
     the broker is back and every instance has attached to it again."""
