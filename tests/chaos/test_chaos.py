@@ -50,6 +50,14 @@ def _recovered(stack: Stack, name: str, instances: int = 4) -> None:
     )
 
 
+def _only_what_was_on_it(load: Load, killed: float) -> None:
+    """The requests that failed were on the killed instance: in flight when it
+    died, or routed in the instant before the broker saw its stream close."""
+    failed = [o for o in load.outcomes if o.status != 200]
+    assert all(o.in_flight_at(killed) or o.started - killed < 1.0 for o in failed), failed
+    assert len(failed) <= load.workers + 2
+
+
 def _served_after(load: Load, moment: float, kinds: tuple[str, ...] = ("text", "image")) -> None:
     """Requests started after the recovery all succeed."""
     deadline = time.monotonic() + RECOVERY_S
@@ -105,11 +113,7 @@ def test_a_language_instance_killed(stack: Stack) -> None:
         _recovered(stack, "language-1")
         _served_after(load, time.monotonic())
     _assert_failures_are_clean(load.outcomes)
-    failed = [o for o in load.outcomes if o.status != 200]
-    # Only what was on it: in flight when it died, or routed in the instant before
-    # the broker saw its stream close.
-    assert all(o.in_flight_at(killed) or o.started - killed < 1.0 for o in failed), failed
-    assert len(failed) <= load.workers + 2
+    _only_what_was_on_it(load, killed)
 
 
 def test_a_language_instances_engine_process_killed(stack: Stack) -> None:
@@ -124,9 +128,7 @@ def test_a_language_instances_engine_process_killed(stack: Stack) -> None:
         _recovered(stack, "language-1")
         _served_after(load, time.monotonic())
     _assert_failures_are_clean(load.outcomes)
-    failed = [o for o in load.outcomes if o.status != 200]
-    assert all(o.in_flight_at(killed) or o.started - killed < 1.0 for o in failed), failed
-    assert len(failed) <= load.workers + 2
+    _only_what_was_on_it(load, killed)
 
 
 def test_the_broker_killed(stack: Stack) -> None:

@@ -81,6 +81,27 @@ class _FreePages:
 _Message = _Add | _AddPrefilled | _Abort | _Release | _Reserve | _Unreserve | _FreePages
 
 
+@dataclass(slots=True)
+class Going:
+    """A request's choices still going, counted down as its outputs are taken."""
+
+    choices: int
+
+    async def outputs(
+        self, q: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        """Its outputs from the queue its engine fills, until every choice has
+        finished; an error the engine put there, or an output that failed, raises."""
+        while self.choices:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.error is not None:
+                raise RequestFailedError(item.error)
+            self.choices -= item.finished
+            yield item
+
+
 class Engine(Protocol):
     """What the language service's frontend and servicer ask of an engine:
     AsyncEngine (its loop on a thread of this process) or EngineProcess (in a
@@ -276,19 +297,13 @@ class AsyncEngine:
         self._queues[request.request_id] = q
         self._inbox.put(_AddPrefilled(request, tuple(firsts)) if firsts else _Add(request))
         self._wake.set()
-        going = request.sampling.n
+        going = Going(request.sampling.n)
         try:
-            while going:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
-                going -= item.finished
-                yield item
+            async for output in going.outputs(q):
+                yield output
         finally:
             del self._queues[request.request_id]
-            if going:
+            if going.choices:
                 self.abort(request.request_id)
 
     def _reserve(self) -> None:

@@ -38,13 +38,13 @@ from subprocess import DEVNULL
 from typing import Any
 
 from services import env, logs
+from services.language.engine.async_engine import Going
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import (
     EngineLoad,
     EngineLostError,
     FirstToken,
     LLMEngine,
-    RequestFailedError,
     RequestOutput,
     StepStats,
     check_fits,
@@ -290,7 +290,7 @@ class EngineProcess:
         self.grammars = Grammars(tokenizer, spec)
         self._on_step = on_step
         self._on_lost = on_lost
-        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._requests: dict[str, Request] = {}
         self._conn: Connection | None = None
         self._process: subprocess.Popen[bytes] | None = None
@@ -400,23 +400,17 @@ class EngineProcess:
         if request.request_id in self._queues:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self._send(_Add(_portable(request)))
-        q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
         self._requests[request.request_id] = request
-        going = request.sampling.n
+        going = Going(request.sampling.n)
         try:
-            while going:
-                item = await q.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
-                going -= item.finished
-                yield item
+            async for output in going.outputs(q):
+                yield output
         finally:
             del self._queues[request.request_id]
             del self._requests[request.request_id]
-            if going and not self._lost:
+            if going.choices:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
