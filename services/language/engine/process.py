@@ -2,9 +2,11 @@
 
 In one process, the engine thread releases and takes back the GIL around
 every torch op and kernel call, and the threads that stream each token (the
-event loop, gRPC's poller) take it in between: a decode step of 16 sequences
-ran ~20 ms in the language service against ~10 ms alone (docs/performance.md).
-As vLLM V1 runs its EngineCore, the child owns the LLMEngine (weights, KV
+event loop, gRPC's poller) take it in between (py-spy: 39 % of the forward's
+samples waiting for the GIL). In a child of its own the decode steps of the
+small demo's text workload are ~10 % shorter (docs/performance.md has the rest
+of what the stack costs the engine). As vLLM V1 runs its EngineCore, the child
+owns the LLMEngine (weights, KV
 cache, scheduler, sampler, detokenizers) and the parent keeps everything else
 (gRPC, rendering, receiving embeddings). They talk over a pipe:
 
@@ -195,6 +197,11 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> None:
     engine.warm_up()
     _put(conn, _Ready(engine.blocks.allocator.num_blocks, engine.load()))
     _EngineLoop(engine, conn).run()
+    # Done: leave without the interpreter's teardown (torch's and the thread pools'
+    # state cost seconds of CPU to free, which a stack stopping at once pays in wall
+    # time; services.cli.exit_now does the same for every epd process).
+    logging.shutdown()
+    os._exit(0)
 
 
 class _EngineLoop:
