@@ -31,8 +31,11 @@ def _give(future: asyncio.Future[list[int]], pages: list[int]) -> None:
         future.set_result(pages)
 
 
+# What an engine's owner sends it (AsyncEngine's inbox, EngineProcess's pipe)
+
+
 @dataclass(frozen=True, slots=True)
-class _Add:
+class AddRequest:
     request: Request
 
 
@@ -43,7 +46,7 @@ class _AddPrefilled:
 
 
 @dataclass(frozen=True, slots=True)
-class _Abort:
+class AbortRequest:
     request_id: str
 
 
@@ -78,7 +81,7 @@ class _FreePages:
     pages: tuple[int, ...]
 
 
-_Message = _Add | _AddPrefilled | _Abort | _Release | _Reserve | _Unreserve | _FreePages
+_Message = AddRequest | _AddPrefilled | AbortRequest | _Release | _Reserve | _Unreserve | _FreePages
 
 
 @dataclass(slots=True)
@@ -248,7 +251,7 @@ class AsyncEngine:
                 break
             drained = True
             match message:
-                case _Add(request):
+                case AddRequest(request):
                     try:
                         self.engine.add_request(request)
                     except ValueError as exc:
@@ -260,7 +263,7 @@ class AsyncEngine:
                         replies.append((request.request_id, exc))
                     else:
                         replies += [(request.request_id, output) for output in outputs]
-                case _Abort(request_id):
+                case AbortRequest(request_id):
                     outputs = self.engine.abort_request(request_id)
                     replies += [(request_id, output) for output in outputs]
                 case _Release(request_id):
@@ -295,7 +298,7 @@ class AsyncEngine:
             raise
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
-        self._inbox.put(_AddPrefilled(request, tuple(firsts)) if firsts else _Add(request))
+        self._inbox.put(_AddPrefilled(request, tuple(firsts)) if firsts else AddRequest(request))
         self._wake.set()
         going = Going(request.sampling.n)
         try:
@@ -350,7 +353,7 @@ class AsyncEngine:
             self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(AbortRequest(request_id))
         self._wake.set()
 
     def release(self, request_id: str) -> None:

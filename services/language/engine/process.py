@@ -11,8 +11,8 @@ cache, scheduler, sampler, detokenizers) and the parent keeps everything else
 (gRPC, rendering, receiving embeddings). They talk over a pipe:
 
     parent: event loop                               child: engine loop
-      generate(request) ──── _Add(request) ─────────▶ add_request
-      abort(request_id) ──── _Abort(request_id) ────▶ abort_request
+      generate(request) ── AddRequest(request) ──────▶ add_request
+      abort(request_id) ── AbortRequest(request_id) ─▶ abort_request
       its request's queue ◀── _Outputs (one a step) ── step()
 
 The child has no other thread that takes the GIL. It ends with its pipe: when
@@ -40,7 +40,7 @@ from subprocess import DEVNULL
 from typing import Any
 
 from services import env, logs
-from services.language.engine.async_engine import Going
+from services.language.engine.async_engine import AbortRequest, AddRequest, Going
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import (
     EngineLoad,
@@ -63,16 +63,6 @@ READY_TIMEOUT_S = 600.0  # weights, warm-up and kernels built on first use
 
 
 # -- the messages ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    request: Request  # as `_portable` made it
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +226,7 @@ class _EngineLoop:
         items: list[_Item] = []
         while self.conn.poll():
             match _get(self.conn):
-                case _Add(request):
+                case AddRequest(request):
                     request = _restored(request, self.engine.grammars)
                     try:
                         self.engine.add_request(request)
@@ -244,7 +234,7 @@ class _EngineLoop:
                         items.append((request.request_id, exc, None))
                     else:
                         self.requests[request.request_id] = request
-                case _Abort(request_id):
+                case AbortRequest(request_id):
                     items += self._items(self.engine.abort_request(request_id))
         return items
 
@@ -390,7 +380,7 @@ class EngineProcess:
             q.put_nowait(EngineLostError("the engine process died"))
         self._on_lost()
 
-    def _send(self, message: _Add | _Abort) -> None:
+    def _send(self, message: AddRequest | AbortRequest) -> None:
         if self._lost or self._conn is None:
             raise EngineLostError("the engine process is not running")
         _put(self._conn, message)
@@ -406,7 +396,7 @@ class EngineProcess:
         self.check_sampling(request.sampling)
         if request.request_id in self._queues:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self._send(_Add(_portable(request)))
+        self._send(AddRequest(_portable(request)))  # what crosses: _portable's
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request.request_id] = q
         self._requests[request.request_id] = request
@@ -422,4 +412,4 @@ class EngineProcess:
 
     def abort(self, request_id: str) -> None:
         if not self._lost and self._conn is not None:
-            _put(self._conn, _Abort(request_id))
+            _put(self._conn, AbortRequest(request_id))
