@@ -138,29 +138,26 @@ async def test_bad_requests_are_refused_before_they_cross(stack: Stack) -> None:
     assert "exceeds the context length" in (info.value.details() or "")
 
 
+def _endless(request_id: str) -> language_pb2.GenerateRequest:
+    """A text request that runs until it is stopped."""
+    return language_pb2.GenerateRequest(
+        request_id=request_id,
+        messages=proto_messages("Tell me everything.", []),
+        sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
+    )
+
+
 async def test_cancelled_and_aborted_requests_free_the_childs_pages(stack: Stack) -> None:
     language = stack[2]
     stub = language_stub(language)
-    streaming = stub.Generate(
-        language_pb2.GenerateRequest(
-            request_id="cancel-me",
-            messages=proto_messages("Tell me everything.", []),
-            sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
-        )
-    )
+    streaming = stub.Generate(_endless("cancel-me"))
     async for response in streaming:
         if response.HasField("chunk"):
             break
     assert language.engine.load.kv_pages_used > 0
     streaming.cancel()
     await _idle(language)
-    aborted = stub.Generate(
-        language_pb2.GenerateRequest(
-            request_id="abort-me",
-            messages=proto_messages("Go on forever.", []),
-            sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
-        )
-    )
+    aborted = stub.Generate(_endless("abort-me"))
     responses = []
     async for response in aborted:
         responses.append(response)
@@ -184,13 +181,7 @@ async def test_a_killed_engine_process_fails_its_requests(
         engine = language.engine
         assert isinstance(engine, EngineProcess)
         stub = language_stub(language)
-        call = stub.Generate(
-            language_pb2.GenerateRequest(
-                request_id="doomed",
-                messages=proto_messages("Tell me everything.", []),
-                sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True),
-            )
-        )
+        call = stub.Generate(_endless("doomed"))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for response in call:
                 if response.HasField("chunk"):

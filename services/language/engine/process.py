@@ -287,8 +287,8 @@ class EngineProcess:
         self.grammars = Grammars(tokenizer, spec)
         self._on_step = on_step
         self._on_lost = on_lost
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._requests: dict[str, Request] = {}
+        # each request in flight, and the queue its outputs go to
+        self._waiting: dict[str, tuple[Request, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._conn: Connection | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._lost = False
@@ -309,11 +309,11 @@ class EngineProcess:
         return await self.grammars.compile(params)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._queues
+        return request_id in self._waiting
 
     @property
     def num_requests(self) -> int:
-        return len(self._queues)
+        return len(self._waiting)
 
     def start(self) -> None:
         """Starts the child and waits until it has warmed its engine up. A plain
@@ -359,9 +359,10 @@ class EngineProcess:
             while self._conn.poll():
                 outputs = _get(self._conn)
                 for request_id, item, timing in outputs.items:
-                    if timing is not None and (request := self._requests.get(request_id)):
-                        _apply(timing, request)
-                    if (q := self._queues.get(request_id)) is not None:
+                    if (waiting := self._waiting.get(request_id)) is not None:
+                        request, q = waiting
+                        if timing is not None:
+                            _apply(timing, request)
                         q.put_nowait(item)
                 self.load = outputs.load
                 if outputs.step is not None:
@@ -376,7 +377,7 @@ class EngineProcess:
         self._lost = True
         code = self._process.poll() if self._process is not None else None
         logger.error("the engine process died (exit code %s): failing its requests", code)
-        for q in self._queues.values():
+        for _, q in self._waiting.values():
             q.put_nowait(EngineLostError("the engine process died"))
         self._on_lost()
 
@@ -394,19 +395,17 @@ class EngineProcess:
         assert not firsts, "a prefilled request needs the engine's KV cache in this process"
         self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
         self.check_sampling(request.sampling)
-        if request.request_id in self._queues:
+        if request.request_id in self._waiting:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self._send(AddRequest(_portable(request)))  # what crosses: _portable's
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request.request_id] = q
-        self._requests[request.request_id] = request
+        self._waiting[request.request_id] = (request, q)
         going = Going(request.sampling.n)
         try:
             async for output in going.outputs(q):
                 yield output
         finally:
-            del self._queues[request.request_id]
-            del self._requests[request.request_id]
+            del self._waiting[request.request_id]
             if going.choices:
                 self.abort(request.request_id)
 
