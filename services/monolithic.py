@@ -26,6 +26,7 @@ from services.language.engine.engine import LLMEngine, RequestFailedError
 from services.language.engine.vision import VisionTower
 from services.language.frontend import Frontend, Media
 from services.model.checkpoint import load_language_weights, load_vision_tower
+from services.model.fused_vision import fuse_vision_attention
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 
@@ -39,6 +40,7 @@ class LocalBackend:
         tokenizer = load_tokenizer(checkpoint)
         device = torch.device(engine.device)
         tower = load_vision_tower(checkpoint, spec, dtype=engine.dtype, device=device)
+        fuse_vision_attention(tower)  # as Triton's tower is
         vision = VisionTower(tower, spec.vision.spatial_merge_size, device)
         weights = load_language_weights(checkpoint, spec, engine.dtype)
         self.engine = AsyncEngine(LLMEngine(spec, weights, tokenizer, engine, vision))

@@ -74,6 +74,28 @@ def test_rotary_on_contiguous_heads_equals_torch_bit_for_bit(
 
 
 @DTYPES
+def test_rotary_by_float32_cos_equals_hf_vision_rotary_bit_for_bit(
+    ops: cpu_kernels.FusedOps, dtype: torch.dtype
+) -> None:
+    """With float32 cos/sin, x of either dtype is rotated in float32 and rounded
+    once, as HF's vision towers do (not per operator, as bfloat16 cos/sin are)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    torch.manual_seed(5)
+    qkv = torch.randn(300, 3 * HEADS, DIM).to(dtype)
+    cos, sin = cos_sin(300)
+    q, k = qkv[:, :HEADS].clone(), qkv[:, HEADS : 2 * HEADS].clone()
+    want_q, want_k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    v = qkv[:, 2 * HEADS :].clone()
+    ops.rotary(qkv[:, : 2 * HEADS], cos, sin)
+    assert torch.equal(qkv[:, :HEADS], want_q) and torch.equal(qkv[:, HEADS : 2 * HEADS], want_k)
+    assert torch.equal(qkv[:, 2 * HEADS :], v)
+    if dtype == torch.bfloat16:  # the other rounding, the language model's, differs here
+        per_operator = apply_rotary(q, cos.to(dtype), sin.to(dtype))
+        assert not torch.equal(per_operator, want_q)
+
+
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 16, 2048])
 @pytest.mark.parametrize("size", [64, 512, 1000])
 def test_rms_norm_matches_torch(

@@ -146,7 +146,7 @@ class FusedOps:
         self._add_rms_norm = library.add_rms_norm
         self._add_rms_norm.argtypes = [_ptr] * 5 + [_i64] * 2 + [_f32, _int, _int]
         self._rotary = library.rotary
-        self._rotary.argtypes = [_ptr] * 3 + [_i64] * 4 + [_int, _int]
+        self._rotary.argtypes = [_ptr] * 3 + [_i64] * 4 + [_int, _int, _int]
         for function in (self._rms_norm, self._add_rms_norm, self._rotary):
             function.restype = None
 
@@ -199,9 +199,12 @@ class FusedOps:
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates x [tokens, heads, dim] in place (a token's heads contiguous) by
-        cos/sin [tokens, dim]; returns x."""
+        cos/sin [tokens, dim], in their precision: x's dtype (the language model's
+        rotary embedding) or float32 (the vision towers', which HF computes in
+        float32 and rounds once to x's dtype); returns x."""
         tokens, heads, dim = x.shape
-        assert self.supports(x) and x.stride(1) == dim and cos.dtype == sin.dtype == x.dtype
+        assert self.supports(x) and x.stride(1) == dim and cos.dtype == sin.dtype
+        assert cos.dtype in (x.dtype, torch.float32)
         assert (
             cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape == (tokens, dim)
         )
@@ -214,6 +217,7 @@ class FusedOps:
             dim,
             x.stride(0),
             int(x.dtype == torch.bfloat16),
+            int(cos.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
         return x

@@ -51,6 +51,12 @@ static const float *as_float(const void *tensor, int64_t at, int64_t n, int bf16
     return buf;
 }
 
+/* n float32 values rounded to their nearest bfloat16, in place (for `store`) */
+static void round_row(float *restrict row, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) row[i] = round_bf16(row[i]);
+}
+
 /* Where a row of results is computed: in the float32 tensor, or in buf for `store` */
 static float *result_row(void *tensor, int64_t at, int bf16, float *buf) {
     return bf16 ? buf : (float *)tensor + at;
@@ -124,22 +130,25 @@ void add_rms_norm(void *sum, void *out, const void *x, const void *delta, const 
 
 /* Rotates heads [tokens][heads][dim] in place (a token's heads contiguous, tokens
  * token_stride elements apart) by cos/sin [tokens][dim], as HF's rotate_half does:
- * out = x * cos + cat(-x2, x1) * sin for the halves x1, x2 of each head (bf16:
- * each product and the sum rounded, as torch's three operators round them). */
+ * out = x * cos + cat(-x2, x1) * sin for the halves x1, x2 of each head, in the
+ * precision of cos/sin: bf16 x by bf16 cos/sin (the language model's) has each
+ * product and the sum rounded, as torch's three operators round them; by float32
+ * cos/sin (cos_bf16 = 0: HF's vision towers, which rotate in float32) it is
+ * computed in float32 and rounded once. */
 void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads,
-            int64_t dim, int64_t token_stride, int bf16, int num_threads) {
+            int64_t dim, int64_t token_stride, int bf16, int cos_bf16, int num_threads) {
     const int64_t half = dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (tokens * heads * dim >= PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
         float cb[dim], sb[dim], buf[dim];
-        const float *c = as_float(cos, t * dim, dim, bf16, cb);
-        const float *s = as_float(sin, t * dim, dim, bf16, sb);
+        const float *c = as_float(cos, t * dim, dim, cos_bf16, cb);
+        const float *s = as_float(sin, t * dim, dim, cos_bf16, sb);
         for (int64_t h = 0; h < heads; h++) {
             const int64_t at = t * token_stride + h * dim;
             float *row = result_row(x, at, bf16, buf);
             as_float(x, at, dim, bf16, buf); /* bf16: the head into buf (float32: in place) */
-            if (bf16) {
+            if (cos_bf16) {
 #pragma omp simd
                 for (int64_t i = 0; i < half; i++) {
                     const float a = row[i], b = row[i + half];
@@ -154,6 +163,7 @@ void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t h
                     row[i] = a * c[i] + (-b) * s[i];
                     row[i + half] = b * c[i + half] + a * s[i + half];
                 }
+                if (bf16) round_row(row, dim);
             }
             store(x, at, row, dim, bf16);
         }
