@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.vision [--images 4] [--size 448] [--repeat 4]
 
 One forward of a batch of square images through each demo's vision tower
-(services/model/fused_vision.py), in float32 and in the dtype `--dtype auto`
+(services/language/engine/fused_vision.py), in float32 and in the dtype `--dtype auto`
 picks here, the two towers taking turns in the same run; ms per image, the best
 of `--repeat` forwards each.
 """
@@ -16,9 +16,9 @@ import time
 import torch
 
 from bench.report import machine
+from services.language.engine.fused_vision import fuse_vision_attention
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import cached_demo_checkpoint
-from services.model.fused_vision import fuse_vision_attention
 from services.model.spec import load_spec
 from services.wire.dtypes import resolve_dtype
 

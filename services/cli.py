@@ -264,6 +264,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         attention=args.attention,
         cuda_graphs=not args.no_cuda_graphs,
         prefix_caching=not args.no_prefix_caching,
+        threads_while_encoding=getattr(args, "threads_while_encoding", 0),
     )
 
 
@@ -383,6 +384,7 @@ def _serve(args: argparse.Namespace) -> int:
                 encoder_cpus=args.encoder_cpus,
                 language_cpus=args.language_cpus,
                 encoder_nice=args.encoder_nice,
+                threads_while_encoding=args.threads_while_encoding,
                 max_restarts=args.max_restarts,
                 restart_window_s=args.restart_window,
                 shutdown_grace_s=args.shutdown_grace,

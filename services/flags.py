@@ -201,6 +201,22 @@ def add_engine_process(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_threads_while_encoding(p: argparse.ArgumentParser, serve: bool) -> None:
+    auto = (
+        " (default: half the CPUs where the language instance shares its cores with the "
+        "vision side, one language instance and no --encoder-cpus/--language-cpus; else all)"
+        if serve
+        else " (0: all)"
+    )
+    p.add_argument(
+        "--threads-while-encoding",
+        type=int,
+        default=None if serve else 0,
+        help="OpenMP threads of the language engine's steps while its requests await their "
+        "embeddings: where the vision tower computes on the same cores, the two split them" + auto,
+    )
+
+
 def engine_args(args: argparse.Namespace) -> list[str]:
     """The engine flags `epd serve` passes on to its language (or monolithic) instances."""
     return [
@@ -399,6 +415,7 @@ def language(p: argparse.ArgumentParser) -> None:
     add_engine(p)
     add_dtype(p, "model dtype (and the embeddings')")
     add_engine_process(p)
+    add_threads_while_encoding(p, serve=False)
     field_option(p, LanguageConfig, "embedding_pool_tokens")
     field_option(p, LanguageConfig, "default_allocate_tokens")
     field_option(
@@ -542,6 +559,7 @@ def serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton-metrics-port", type=int, default=metrics)
     add_engine(p)
     add_engine_process(p)
+    add_threads_while_encoding(p, serve=True)
     add_dtype(p, "dtype of the vision tower, the embeddings and the language model")
     field_option(
         p,

@@ -237,6 +237,7 @@ class Frontend:
         self.kv = kv  # a prefill instance's
         self._on_kv_received = on_kv_received
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._awaiting_media = 0  # requests in `receive`: the engine is told when any are
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """The whole path of a request whose embeddings an encoder sends."""
@@ -366,6 +367,9 @@ class Frontend:
         embeddings and takes them out of the pool (its blocks are free again)."""
         assert self.receiver is not None, "a frontend without a receiver takes pixels"
         request_id = rendered.request_id
+        self._awaiting_media += 1
+        if self._awaiting_media == 1:
+            self.engine.set_encoding(True)
         try:
             with tracing.span("language.receive", hinted_tokens=sum(rendered.hints)):
                 await self.receiver.expect(request_id, sum(rendered.hints))
@@ -373,6 +377,9 @@ class Frontend:
                 planes = await self.receiver.take(request_id)
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
+            self._awaiting_media -= 1
+            if not self._awaiting_media:
+                self.engine.set_encoding(False)
         assert isinstance(meta, EmbeddingMeta)
         return Media(meta.grids, planes["embeddings"], planes.get("deepstack"))
 

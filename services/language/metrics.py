@@ -21,6 +21,11 @@ class LanguageMetrics:
         self.running = gauge("epd_language_running_requests", "Requests in the running batch")
         self.waiting = gauge("epd_language_waiting_requests", "Requests queued for the engine")
         self.receiving = gauge("epd_language_receiving_requests", "Requests waiting for embeddings")
+        self.engine_threads = gauge(
+            "epd_language_engine_threads",
+            "OpenMP threads of the engine's last step (fewer while requests wait for "
+            "embeddings, with --threads-while-encoding)",
+        )
         self.kv_pages_used = gauge("epd_language_kv_blocks_used", "KV cache pages in use")
         self.kv_pages_total = gauge("epd_language_kv_blocks_total", "KV cache pages")
         self.kv_pages_shared = gauge(
@@ -153,6 +158,7 @@ class LanguageMetrics:
         """Called from the engine thread after every step, with how long it took."""
         kind = "decode" if stats.num_tokens == stats.num_generated else "prefill"
         self.step_seconds.labels(kind).observe(seconds)
+        self.engine_threads.set(stats.threads)
         self.generated_tokens.inc(stats.num_generated)
         self.prompt_tokens.inc(stats.num_tokens - stats.num_generated)
         self.prefix_cached_tokens.inc(stats.num_cached_tokens)

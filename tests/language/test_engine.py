@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from services.bench.images import random_image
-from services.language.engine.request import SamplingParams
+from services.language.engine.request import Request, SamplingParams
 from tests.language.engine_fixtures import (
     check_batch,
     make_engine,
@@ -247,6 +248,34 @@ def test_abort_frees_the_pages(tiny_checkpoint: Path) -> None:
     assert final.finish_reason == "abort"
     assert engine.blocks.num_used_pages == 0
     assert not engine.has_work()
+
+
+def test_steps_run_on_fewer_threads_while_the_vision_side_encodes(tiny_checkpoint: Path) -> None:
+    """threads_while_encoding: a step taken while `encoding` runs on that many
+    OpenMP threads (set on the stepping thread, here this one), the next one after
+    it back on all; the outputs do not change."""
+
+    def request() -> Request:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        return make_request(tiny_checkpoint, "t", chat("Hello"), [], params)
+
+    want = run_to_completion(make_engine(tiny_checkpoint), [request()])
+    threads = torch.get_num_threads()
+    engine = make_engine(tiny_checkpoint)
+    engine.config = dataclasses.replace(engine.config, threads_while_encoding=1)
+    engine.add_request(request())
+    try:
+        engine.encoding = True
+        first, _ = engine.step()
+        assert torch.get_num_threads() == 1
+        engine.encoding = False
+        second, _ = engine.step()
+        assert torch.get_num_threads() == threads
+        engine.encoding = True
+        rest = run_to_completion(engine, [])
+    finally:
+        torch.set_num_threads(threads)
+    assert tokens([*first, *second, *rest["t"]]) == tokens(want["t"])
 
 
 def test_step_stats_count_every_generated_token(tiny_checkpoint: Path) -> None:

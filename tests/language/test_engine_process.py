@@ -20,11 +20,13 @@ import pytest_asyncio
 from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
+from services.language.engine.config import EngineConfig
 from services.language.engine.process import EngineProcess
 from services.language.engine.request import SamplingParams
 from services.language.server import LanguageServer
 from services.proto import common_pb2, language_pb2
 from services.triton.launcher import TritonServer
+from services.wire.transport import Transport
 from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
 from tests.language.test_language_service import (
     CASES,
@@ -199,5 +201,43 @@ async def test_a_killed_engine_process_fails_its_requests(
             async for _ in after:
                 pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await language.stop()
+
+
+async def test_its_steps_run_on_fewer_threads_while_requests_await_embeddings(
+    stack: Stack, tiny_checkpoint: Path
+) -> None:
+    """threads_while_encoding across the pipe: while a request waits for its
+    embeddings the child steps on that many threads (epd_language_engine_threads),
+    then on all of them again."""
+    broker = stack[0]
+    engine = EngineConfig(max_model_len=2048, kv_cache_bytes=64 << 20, threads_while_encoding=1)
+    language = await start_language(
+        tiny_checkpoint, broker, engine=engine, engine_process=True, transports=(Transport.SHM,)
+    )
+
+    def threads() -> float:
+        return float(language.metrics.engine_threads._value.get())
+
+    sampling = common_pb2.SamplingParams(max_tokens=3)
+    try:
+        await generate(stack, tiny_checkpoint, "all-threads", "Hello", [], sampling, language)
+        every = threads()
+        assert every > 1
+        waiting = language_stub(language).Generate(
+            language_pb2.GenerateRequest(
+                request_id="never-encoded",
+                messages=proto_messages("hi", [64]),
+                sampling=sampling,
+            )
+        )
+        await until(lambda: "never-encoded" in language.receiver.transfers)
+        await generate(stack, tiny_checkpoint, "one-thread", "Hello", [], sampling, language)
+        assert threads() == 1
+        waiting.cancel()
+        await until(lambda: language.receiver.transfers == {})
+        await generate(stack, tiny_checkpoint, "all-again", "Hello", [], sampling, language)
+        assert threads() == every
     finally:
         await language.stop()

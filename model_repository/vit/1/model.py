@@ -22,8 +22,8 @@ import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from torch.utils.dlpack import from_dlpack, to_dlpack  # noqa: E402
 
+from services.language.engine.fused_vision import fuse_vision_attention  # noqa: E402
 from services.model.checkpoint import load_vision_tower  # noqa: E402
-from services.model.fused_vision import fuse_vision_attention  # noqa: E402
 from services.model.spec import load_spec  # noqa: E402
 from services.wire.dtypes import resolve_dtype  # noqa: E402
 

@@ -51,6 +51,13 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Encoding:
+    """Whether requests of this instance await their embeddings (LLMEngine.encoding)."""
+
+    busy: bool
+
+
+@dataclass(frozen=True, slots=True)
 class _Release:
     request_id: str
 
@@ -81,7 +88,16 @@ class _FreePages:
     pages: tuple[int, ...]
 
 
-_Message = AddRequest | _AddPrefilled | AbortRequest | _Release | _Reserve | _Unreserve | _FreePages
+_Message = (
+    AddRequest
+    | _AddPrefilled
+    | AbortRequest
+    | Encoding
+    | _Release
+    | _Reserve
+    | _Unreserve
+    | _FreePages
+)
 
 
 @dataclass(slots=True)
@@ -134,6 +150,8 @@ class Engine(Protocol):
     def has_request(self, request_id: str) -> bool: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def set_encoding(self, busy: bool) -> None: ...
 
     def start(self) -> None: ...
 
@@ -268,6 +286,8 @@ class AsyncEngine:
                     replies += [(request_id, output) for output in outputs]
                 case _Release(request_id):
                     self.engine.release(request_id)
+                case Encoding(busy):
+                    self.engine.encoding = busy
                 case _Reserve(reservation):
                     self._reservations.append(reservation)
                 case _Unreserve(reservation):
@@ -354,6 +374,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(AbortRequest(request_id))
+        self._wake.set()
+
+    def set_encoding(self, busy: bool) -> None:
+        self._inbox.put(Encoding(busy))
         self._wake.set()
 
     def release(self, request_id: str) -> None:

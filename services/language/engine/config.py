@@ -42,6 +42,10 @@ class EngineConfig:
     ops: str = "auto"
     cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
     prefix_caching: bool = True  # prompts share the KV pages of the text they begin with
+    # OpenMP threads of a step while requests of this instance await their embeddings
+    # (0: all of them). Where the vision tower runs on the same cores (`epd serve` on
+    # one host), the two then split the cores instead of contending for all of them.
+    threads_while_encoding: int = 0
 
 
 def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> str:

@@ -113,6 +113,7 @@ class StepStats:
     ttfts: list[float]  # seconds, for requests that got their first token this step
     tpots: list[float]  # seconds per output token, for requests that finished this step
     num_cached_tokens: int = 0  # prompt tokens admitted from the prefix cache this step
+    threads: int = 0  # the OpenMP threads it ran on
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +199,10 @@ class LLMEngine:
         self.detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
         self.vision = vision
+        # Set by the loop's owner while requests await their embeddings: steps then
+        # run on config.threads_while_encoding threads (read by `step`, on its thread)
+        self.encoding = False
+        self._threads = torch.get_num_threads()
 
     def _model(
         self, weights: dict[str, torch.Tensor], device: torch.device
@@ -341,6 +346,7 @@ class LLMEngine:
         )
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
+        self._pace_threads()
         if self.vision is not None:
             self.vision.encode_pending(self.scheduler.waiting)
         hits = self.blocks.num_hit_tokens
@@ -364,6 +370,15 @@ class LLMEngine:
         samples = self.sampler.sample(logits, sampling)
         outputs, stats = self.postprocess(batch, samples)
         return lost + outputs, replace(stats, num_cached_tokens=cached)
+
+    def _pace_threads(self) -> None:
+        """The step's OpenMP threads: fewer while the vision side computes for us
+        (config.threads_while_encoding), else all. torch.set_num_threads holds for
+        the calling thread, which is the one that steps."""
+        fewer = self.config.threads_while_encoding
+        threads = fewer if self.encoding and fewer else self._threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def _fork(
         self, batch: list[Scheduled], logits: torch.Tensor
@@ -516,4 +531,5 @@ class LLMEngine:
             num_generated=sum(1 for s in batch if s.samples),
             ttfts=ttfts,
             tpots=tpots,
+            threads=torch.get_num_threads(),
         )

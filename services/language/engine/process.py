@@ -40,7 +40,7 @@ from subprocess import DEVNULL
 from typing import Any
 
 from services import env, logs
-from services.language.engine.async_engine import AbortRequest, AddRequest, Going
+from services.language.engine.async_engine import AbortRequest, AddRequest, Encoding, Going
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import (
     EngineLoad,
@@ -236,6 +236,8 @@ class _EngineLoop:
                         self.requests[request.request_id] = request
                 case AbortRequest(request_id):
                     items += self._items(self.engine.abort_request(request_id))
+                case Encoding(busy):
+                    self.engine.encoding = busy
         return items
 
     def _step(self) -> tuple[list[_Item], StepStats]:
@@ -412,3 +414,7 @@ class EngineProcess:
     def abort(self, request_id: str) -> None:
         if not self._lost and self._conn is not None:
             _put(self._conn, AbortRequest(request_id))
+
+    def set_encoding(self, busy: bool) -> None:
+        if not self._lost and self._conn is not None:
+            _put(self._conn, Encoding(busy))

@@ -1,4 +1,4 @@
-"""The vision towers with the fused rotary embedding (services/model/fused_vision.py)
+"""The vision towers with the fused rotary embedding (services/language/engine/fused_vision.py)
 against HF's own, bit for bit: each architecture, float32 and bfloat16, images
 whose windows are all one length and images whose windows are not (a run of
 equal windows attends in one call; the runs must split where lengths change)."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.language.engine.fused_vision import FusedVisionAttention, _runs, fuse_vision_attention
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import build_demo_checkpoint
-from services.model.fused_vision import FusedVisionAttention, _runs, fuse_vision_attention
 from services.model.spec import load_spec
 
 GRIDS = {

@@ -1,0 +1,58 @@
+"""How `epd serve` has the language engine share one host's cores with the vision
+side: where they share all of them, its engine steps on half the threads while
+its requests await embeddings (--threads-while-encoding) and its OpenMP threads
+spin between its operators (GOMP_SPINCOUNT over the stack's PASSIVE); where the
+cores are set apart, or several language instances share them, neither."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from services.serve import GOMP_DEFAULT_SPIN_COUNT, Component, StackConfig, components
+
+
+def _language(config: StackConfig) -> Component:
+    [language] = [p for p in components(config) if p.name.startswith("language")]
+    return language
+
+
+def _threads_flag(part: Component) -> str | None:
+    args = part.args
+    return (
+        args[args.index("--threads-while-encoding") + 1]
+        if "--threads-while-encoding" in args
+        else None
+    )
+
+
+def test_one_language_instance_on_shared_cores_yields_them_while_encoding(tmp_path: Path) -> None:
+    language = _language(StackConfig(tmp_path, "m", tmp_path))
+    assert _threads_flag(language) == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert language.spin_count == GOMP_DEFAULT_SPIN_COUNT
+    given = _language(StackConfig(tmp_path, "m", tmp_path, threads_while_encoding=3))
+    assert _threads_flag(given) == "3"
+
+
+def test_cores_set_apart_or_shared_by_two_language_instances_are_left_alone(
+    tmp_path: Path,
+) -> None:
+    for config in (
+        StackConfig(tmp_path, "m", tmp_path, encoder_cpus="0", language_cpus="1"),
+        StackConfig(tmp_path, "m", tmp_path, threads_while_encoding=0),
+    ):
+        language = _language(config)
+        assert _threads_flag(language) is None and language.spin_count == 0
+    for part in components(StackConfig(tmp_path, "m", tmp_path, num_languages=2)):
+        if part.name.startswith("language"):
+            assert _threads_flag(part) is None and part.spin_count == 0
+
+
+def test_the_spin_count_reaches_the_environment_unless_one_is_given(tmp_path: Path) -> None:
+    language = _language(StackConfig(tmp_path, "m", tmp_path))
+    environment = language.environment({"OMP_WAIT_POLICY": "PASSIVE"})
+    assert environment["GOMP_SPINCOUNT"] == str(GOMP_DEFAULT_SPIN_COUNT)
+    assert environment["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert language.environment({"GOMP_SPINCOUNT": "7"})["GOMP_SPINCOUNT"] == "7"
+    triton = next(p for p in components(StackConfig(tmp_path, "m", tmp_path)) if p.name == "triton")
+    assert "GOMP_SPINCOUNT" not in triton.environment({"OMP_WAIT_POLICY": "PASSIVE"})
