@@ -30,6 +30,7 @@ from services.wire.transport import Transport
 from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
 from tests.language.test_language_service import (
     CASES,
+    awaiting_embeddings,
     generate,
     pil,
     proto_messages,
@@ -225,14 +226,7 @@ async def test_its_steps_run_on_fewer_threads_while_requests_await_embeddings(
         await generate(stack, tiny_checkpoint, "all-threads", "Hello", [], sampling, language)
         every = threads()
         assert every > 1
-        waiting = language_stub(language).Generate(
-            language_pb2.GenerateRequest(
-                request_id="never-encoded",
-                messages=proto_messages("hi", [64]),
-                sampling=sampling,
-            )
-        )
-        await until(lambda: "never-encoded" in language.receiver.transfers)
+        waiting = await awaiting_embeddings(language, "never-encoded")
         await generate(stack, tiny_checkpoint, "one-thread", "Hello", [], sampling, language)
         assert threads() == 1
         waiting.cancel()

@@ -49,6 +49,20 @@ def proto_messages(text: str, hints: list[int]) -> list[language_pb2.ChatMessage
     return [language_pb2.ChatMessage(role="user", content=parts)]
 
 
+async def awaiting_embeddings(language: LanguageServer, request_id: str) -> Any:
+    """A Generate with one image whose encoder call never comes, once it waits
+    in the receiver (cancel it to end it)."""
+    call = language_stub(language).Generate(
+        language_pb2.GenerateRequest(
+            request_id=request_id,
+            messages=proto_messages("hi", [64]),
+            sampling=common_pb2.SamplingParams(max_tokens=5),
+        )
+    )
+    await until(lambda: request_id in language.receiver.transfers)
+    return call
+
+
 def hints_for(checkpoint: Path, images: list[bytes]) -> list[int]:
     from PIL import Image
 
@@ -258,14 +272,7 @@ async def test_cancelled_generate_frees_everything(
 ) -> None:
     _, _, language = stack
     # A request with an image whose encoder call never comes: cancelled while receiving.
-    waiting = language_stub(language).Generate(
-        language_pb2.GenerateRequest(
-            request_id="cancel-receiving",
-            messages=proto_messages("hi", [64]),
-            sampling=common_pb2.SamplingParams(max_tokens=5),
-        )
-    )
-    await until(lambda: "cancel-receiving" in language.receiver.transfers)
+    waiting = await awaiting_embeddings(language, "cancel-receiving")
     assert language.pool.allocator.num_used_blocks > 0
     waiting.cancel()
     # A long text-only request, cancelled mid-stream.
@@ -300,14 +307,7 @@ async def test_the_engine_is_told_while_requests_await_their_embeddings(
     _, _, language = stack
     engine = language.engine.engine
     assert not engine.encoding
-    waiting = language_stub(language).Generate(
-        language_pb2.GenerateRequest(
-            request_id="encoding-waits",
-            messages=proto_messages("hi", [64]),
-            sampling=common_pb2.SamplingParams(max_tokens=5),
-        )
-    )
-    await until(lambda: "encoding-waits" in language.receiver.transfers)
+    waiting = await awaiting_embeddings(language, "encoding-waits")
     await until(lambda: engine.encoding)
     image = encode_image(random_image(64, 64, seed=3))
     sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0)
