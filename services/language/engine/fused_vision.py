@@ -12,6 +12,7 @@ Windows of the same length attend in one SDPA call instead of one call each.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any, cast
@@ -72,16 +73,12 @@ def _windows(x: torch.Tensor, start: int, length: int, count: int) -> torch.Tens
 
 def _runs(cu_seqlens: torch.Tensor) -> Iterator[tuple[int, int, int]]:
     """(start, length, count) for each run of consecutive windows of one length."""
-    bounds = cu_seqlens.tolist()
-    i = 0
-    while i < len(bounds) - 1:
-        length = bounds[i + 1] - bounds[i]
-        j = i + 1
-        while j < len(bounds) - 1 and bounds[j + 1] - bounds[j] == length:
-            j += 1
+    start = 0
+    for length, windows in itertools.groupby(torch.diff(cu_seqlens).tolist()):
+        count = len(list(windows))
         if length:
-            yield bounds[i], length, j - i
-        i = j
+            yield start, length, count
+        start += length * count
 
 
 def fuse_vision_attention(tower: nn.Module) -> int:

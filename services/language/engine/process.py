@@ -412,9 +412,12 @@ class EngineProcess:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        if not self._lost and self._conn is not None:
-            _put(self._conn, AbortRequest(request_id))
+        self._tell(AbortRequest(request_id))
 
     def set_encoding(self, busy: bool) -> None:
+        self._tell(Encoding(busy))
+
+    def _tell(self, message: AbortRequest | Encoding) -> None:
+        """A message that matters only to a running child (none is sent otherwise)."""
         if not self._lost and self._conn is not None:
-            _put(self._conn, Encoding(busy))
+            _put(self._conn, message)
