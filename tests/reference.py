@@ -48,34 +48,63 @@ def hf_greedy(
     return [int(t) for t in out.sequences[0, -len(out.scores) :]]
 
 
+# The bf16 contract's near-tie, in nats. bf16's roundings (kernels, reduction orders)
+# move the small demo's top-20 logprobs by up to ~0.19 nats against HF's in bf16 (measured:
+# 12 prompts x 24 tokens, the same with torch's SDPA as with the compiled paged
+# kernel), so two tokens closer than twice that may swap. The demos' random weights
+# make such ties common (their top logits lie a bf16 step or two apart, often six
+# within 0.2 nats), and a rank cut (each side's token among the other's top 5) then
+# fails on rounding alone (seen on an AMX Xeon: HF's token 0.25 nats below ours, 6th).
+NEAR_TIE = 0.4
+# how many of the engine's most likely tokens a step reports (the most it gives)
+TOP = 20
+
+
 def hf_greedy_logprobs(
     folder: str | Path,
     dtype: torch.dtype,
     messages: Sequence[dict[str, Any]],
     images: Sequence[Image.Image],
     max_new_tokens: int,
-    top: int,
-) -> list[tuple[int, set[int]]]:
-    """HF generate() in `dtype`: per step, the greedy token and the `top` most likely."""
+) -> list[tuple[int, torch.Tensor]]:
+    """HF generate() in `dtype`: per step, the greedy token and the log-softmax
+    of the step's logits over the whole vocabulary (float32)."""
     out = _generate(folder, dtype, messages, images, max_new_tokens)
     tokens = out.sequences[0, -len(out.scores) :]
     return [
-        (int(t), set(scores[0].topk(top).indices.tolist()))
+        (int(t), torch.log_softmax(scores[0].float(), dim=-1))
         for t, scores in zip(tokens, out.scores, strict=True)
     ]
 
 
 def assert_close_to_hf(
-    got: Sequence[tuple[int, set[int]]], expected: Sequence[tuple[int, set[int]]], label: str
+    got: Sequence[tuple[int, dict[int, float]]],
+    expected: Sequence[tuple[int, torch.Tensor]],
+    label: str,
 ) -> None:
-    """The bf16 contract (vLLM's model tests'): per step (greedy token, its top
-    few), the tokens are equal up to the first difference, and there each side's
-    token is among the other's most likely few; past it nothing is compared."""
-    for step, ((ours, our_top), (theirs, their_top)) in enumerate(zip(got, expected, strict=False)):
+    """The bf16 contract (vLLM's model tests', with the near-tie by value): per
+    step, (greedy token, the engine's top logprobs) against HF's (greedy token,
+    logprobs). Up to the first difference the tokens are equal and each of the
+    engine's top logprobs is within NEAR_TIE of HF's for that token; at the first
+    difference each side's token is within NEAR_TIE of the other side's best;
+    past it the contexts differ and nothing is compared."""
+    for step, ((ours, our_top), (theirs, their_logprobs)) in enumerate(
+        zip(got, expected, strict=False)
+    ):
+        where = f"{label}, step {step}"
+        for token, logprob in our_top.items():
+            hf = float(their_logprobs[token])
+            assert abs(logprob - hf) <= NEAR_TIE, (
+                f"{where}: token {token} {logprob:.3f}, HF {hf:.3f}"
+            )
         if ours == theirs:
             continue
-        assert theirs in our_top and ours in their_top, (
-            f"{label}, step {step}: engine {ours} (top {our_top}), HF {theirs} (top {their_top})"
+        assert theirs in our_top, f"{where}: engine {ours}, HF {theirs} not in its top {TOP}"
+        our_gap = our_top[ours] - our_top[theirs]
+        their_gap = float(their_logprobs[theirs] - their_logprobs[ours])
+        assert our_gap <= NEAR_TIE and their_gap <= NEAR_TIE, (
+            f"{where}: engine {ours}, HF {theirs}: {our_gap:.3f} nats apart in the engine's "
+            f"logprobs, {their_gap:.3f} in HF's (a near-tie is within {NEAR_TIE})"
         )
         return
     assert len(got) == len(expected), f"{label}: same tokens, different lengths"

@@ -132,9 +132,13 @@ def count_replays(engine: LLMEngine) -> list[int]:
     return replayed
 
 
-def top_tokens(outputs: list[RequestOutput]) -> list[tuple[int, set[int]]]:
-    """Per token: it and its top logprobs' ids (what assert_close_to_hf compares)."""
-    return [(lp.token_id, {t for t, _, _ in lp.top}) for o in outputs for lp in o.logprobs]
+def top_tokens(outputs: list[RequestOutput]) -> list[tuple[int, dict[int, float]]]:
+    """Per token: it and its top logprobs by id (what assert_close_to_hf compares)."""
+    return [
+        (lp.token_id, {t: logprob for t, _, logprob in lp.top})
+        for o in outputs
+        for lp in o.logprobs
+    ]
 
 
 def text(outputs: list[RequestOutput]) -> str:

@@ -26,12 +26,11 @@ from tests.language.engine_fixtures import (
     tokens,
     top_tokens,
 )
-from tests.reference import assert_close_to_hf, chat, hf_greedy, hf_greedy_logprobs
+from tests.reference import TOP, assert_close_to_hf, chat, hf_greedy, hf_greedy_logprobs
 
 pytestmark = pytest.mark.gpu
 
 CASES = [("Tell me a long story about the sea", 0), ("Compare the two pictures.", 2)]
-TOP = 5
 
 
 def _images(i: int, n: int) -> list:
@@ -67,7 +66,7 @@ def test_bfloat16_on_cuda_with_flashinfer_close_to_hf(gpu_checkpoint: Path, grap
     for i, (prompt, n, max_tokens) in enumerate(cases):
         messages, images = chat(prompt, n), _images(i, n)
         expected.append(
-            hf_greedy_logprobs(gpu_checkpoint, torch.bfloat16, messages, images, max_tokens, TOP)
+            hf_greedy_logprobs(gpu_checkpoint, torch.bfloat16, messages, images, max_tokens)
         )
         sampling = SamplingParams(max_tokens=max_tokens, logprobs=True, top_logprobs=TOP)
         requests.append(
@@ -99,7 +98,7 @@ def test_qwen3_vl_moe_under_graphs_close_to_hf(moe_gpu_checkpoint: Path, budget:
     engine.warm_up()
     replayed = count_replays(engine)
     messages, images = chat("Describe this image.", 1), _images(0, 1)
-    expected = hf_greedy_logprobs(folder, torch.bfloat16, messages, images, 12, TOP)
+    expected = hf_greedy_logprobs(folder, torch.bfloat16, messages, images, 12)
     sampling = SamplingParams(max_tokens=12, logprobs=True, top_logprobs=TOP)
     request = make_request(folder, "m", messages, images, sampling, dtype=torch.bfloat16)
     outputs = run_to_completion(engine, [request])
