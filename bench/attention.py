@@ -1,13 +1,15 @@
 """Decode attention of one layer: the compiled paged kernel against torch's path.
 
-    .venv/bin/python -m bench.attention [--seqs 16] [--context 260] [--repeat 300]
+    .venv/bin/python -m bench.attention [--seqs 16] [--context 260] [--layers 8] [--repeat 300]
 
 One decode step's attention for one layer (the new tokens' keys and values written
 into the paged cache, then every sequence's query against its pages), on the small
 and the medium demo's shapes, in float32 and bfloat16: `TorchAttention` with the
 compiled kernel (cpu_kernels.py) against the same backend without it (each
 sequence's pages gathered, then one padded SDPA), measured in the same run. Pages
-are scattered over the cache, as a serving cache's are.
+are scattered over the cache, as a serving cache's are, and the calls take the
+caches of `--layers` layers in turn, as a step does (one layer's cache, read over
+and over, stays in the CPU's nearer caches, which a serving step's do not).
 """
 
 from __future__ import annotations
@@ -52,15 +54,19 @@ def decode_metadata(seqs: int, context: int) -> tuple[AttentionMetadata, int]:
 def us_per_layer(
     backend: TorchAttention,
     meta: AttentionMetadata,
-    tensors: tuple[torch.Tensor, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
     repeat: int,
 ) -> float:
-    q, k, v, keys, values = tensors
+    """Each call on the next layer's cache, as a step's layers take them: a layer's
+    pages have left the nearer CPU caches by the time it comes round again."""
     backend.plan(meta)
-    backend.forward(q, k, v, (keys, values))
+    backend.forward(q, k, v, caches[0])
     started = time.perf_counter()
-    for _ in range(repeat):
-        backend.forward(q, k, v, (keys, values))
+    for i in range(repeat):
+        backend.forward(q, k, v, caches[i % len(caches)])
     return (time.perf_counter() - started) / repeat * 1e6
 
 
@@ -70,13 +76,17 @@ def main() -> None:
     )
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--context", type=int, default=260, help="keys per sequence")
+    parser.add_argument("--layers", type=int, default=8, help="caches, taken in turn")
     parser.add_argument("--repeat", type=int, default=300)
     args = parser.parse_args()
     kernel = cpu_kernels.paged_decode_attention()
     if kernel is None:
         raise SystemExit("the paged kernel could not be built here (no C compiler?)")
     print(f"{machine()}; {torch.get_num_threads()} torch threads")
-    print(f"{args.seqs} sequences of {args.context} keys, pages of {PAGE_SIZE}; µs per layer\n")
+    print(
+        f"{args.seqs} sequences of {args.context} keys, pages of {PAGE_SIZE}, "
+        f"{args.layers} layers' caches in turn; µs per layer\n"
+    )
     print(f"{'shape':<8} {'dtype':<9} {'kernel':>8} {'torch':>8} {'speed-up':>9}")
     meta, num_pages = decode_metadata(args.seqs, args.context)
     generator = torch.Generator().manual_seed(0)
@@ -86,18 +96,21 @@ def main() -> None:
             def randn(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
                 return torch.randn(*shape, generator=generator).to(dtype)
 
-            tensors = (
-                randn(args.seqs, heads, dim),
-                randn(args.seqs, kv_heads, dim),
-                randn(args.seqs, kv_heads, dim),
-                randn(num_pages, PAGE_SIZE, kv_heads, dim),
-                randn(num_pages, PAGE_SIZE, kv_heads, dim),
-            )
-            compiled = us_per_layer(TorchAttention(dim**-0.5, kernel), meta, tensors, args.repeat)
-            gathered = us_per_layer(TorchAttention(dim**-0.5), meta, tensors, args.repeat)
+            q, k, v = (randn(args.seqs, h, dim) for h in (heads, kv_heads, kv_heads))
+            caches = [
+                (
+                    randn(num_pages, PAGE_SIZE, kv_heads, dim),
+                    randn(num_pages, PAGE_SIZE, kv_heads, dim),
+                )
+                for _ in range(args.layers)
+            ]
+            compiled = TorchAttention(dim**-0.5, kernel)
+            gathered = TorchAttention(dim**-0.5)
+            compiled_us = us_per_layer(compiled, meta, q, k, v, caches, args.repeat)
+            gathered_us = us_per_layer(gathered, meta, q, k, v, caches, args.repeat)
             print(
-                f"{name:<8} {str(dtype).removeprefix('torch.'):<9} {compiled:>8.0f} "
-                f"{gathered:>8.0f} {gathered / compiled:>8.2f}x"
+                f"{name:<8} {str(dtype).removeprefix('torch.'):<9} {compiled_us:>8.0f} "
+                f"{gathered_us:>8.0f} {gathered_us / compiled_us:>8.2f}x"
             )
 
 
