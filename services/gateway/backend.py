@@ -7,10 +7,10 @@ at once.
 
 Encode answers once the embeddings have landed in the language instance.
 If the encoder is unavailable (it died, its Triton is down, it is shutting
-down) before any of them landed, the request fails over: the broker keeps
-it on its language instance, with its preallocation, and names another
-encoder. Any other encode failure ends the generation; whatever ends a
-request early aborts it downstream.
+down and refuses or cancels the call) before any of them landed, the request
+fails over: the broker keeps it on its language instance, with its
+preallocation, and names another encoder. Any other encode failure ends the
+generation; whatever ends a request early aborts it downstream.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ class GenerateCall:
         return self.request.is_completion
 
 
-# A language instance's stream ended by these before it produced anything: the
-# instance is gone or going (a gRPC server cancels the calls that arrive while it
-# shuts down; this gateway's own cancels surface as asyncio.CancelledError).
+# A language instance's stream ended by these before it produced anything, or an
+# encode: the instance is gone or going (a gRPC server cancels the calls that reach
+# it while it shuts down; this gateway's own cancels surface as asyncio.CancelledError).
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
@@ -424,7 +424,7 @@ class Backend:
     async def _encode(
         self, call: GenerateCall, request_id: str, route: broker_pb2.RouteReply, keys: list[str]
     ) -> None:
-        """Encode on the routed encoder, failing over to another while it is unavailable."""
+        """Encode on the routed encoder, failing over to another while it is gone (_GONE)."""
         encoder_id, address = route.encoder_id, route.encoder_address
         for attempt in range(self.max_failovers + 1):
             call.record.encoder = encoder_id
@@ -442,7 +442,7 @@ class Backend:
                     )
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.max_failovers:
+                if exc.code() not in _GONE or attempt == self.max_failovers:
                     raise from_grpc(exc, f"encoder {encoder_id}") from None
                 logger.warning(
                     "%s: encoder %s unavailable (%s); failing over",

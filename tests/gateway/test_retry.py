@@ -1,7 +1,10 @@
 """A language instance that fails before it produced anything (dead, or not
 reachable: here one the broker lists at an address nobody serves; or one that
 cancels the call, as a gRPC server does with a call that arrives while it shuts
-down) costs a request nothing: it starts again on another instance."""
+down) costs a request nothing: it starts again on another instance. An encoder
+that cancels the call (an `epd encoder` told to stop cancels an Encode that
+reaches it as its server shuts down) costs nothing either: the images go to
+another encoder."""
 
 from __future__ import annotations
 
@@ -18,16 +21,29 @@ from openai import AsyncOpenAI
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
 from services.ports import free_port
-from services.proto import language_pb2_grpc
+from services.proto import encoder_pb2_grpc, language_pb2_grpc
+from services.triton.launcher import TritonServer
 from services.wire.messages import Register
-from tests.broker.peers import Peer, attach, language
-from tests.stack import MODEL, start_broker, start_language
+from tests.broker.peers import Peer, attach, encoder, language
+from tests.gateway.test_gateway import image_part
+from tests.stack import MODEL, start_broker, start_encoder, start_language
 
 
 class _Cancelling(language_pb2_grpc.LanguageServicer):
     """Cancels every call before producing anything."""
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
+
+
+class _CancellingEncoder(encoder_pb2_grpc.EncoderServicer):
+    """Cancels every Encode, and counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Encode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls += 1
         await context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
 
 
@@ -86,3 +102,60 @@ async def test_requests_routed_to_a_failing_instance_start_again_on_another(
     assert [f["status"] for f in served] == [200] * 4
     languages = {f["language"] for f in served}
     assert len(languages) == 1 and languages != {"language-ghost"}, languages  # the real one
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def with_a_cancelling_encoder(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> AsyncIterator[tuple[GatewayServer, _CancellingEncoder]]:
+    broker = await start_broker()
+    real_language = await start_language(
+        tiny_checkpoint, broker, engine=EngineConfig(max_model_len=1024, kv_cache_bytes=32 << 20)
+    )
+    real_encoder = await start_encoder(tiny_checkpoint, triton, broker)
+    cancelling = _CancellingEncoder()
+    server = grpc.aio.server()
+    encoder_pb2_grpc.add_EncoderServicer_to_server(cancelling, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    listed = encoder("encoder-ghost", model=MODEL)
+    ghost = await attach(
+        broker,
+        Register(
+            listed.role, listed.instance_id, address, listed.host_id, listed.transports, MODEL
+        ),
+    )
+    gateway = GatewayServer(
+        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0)
+    )
+    await gateway.start()
+    yield gateway, cancelling
+    await gateway.stop()
+    await ghost.link.close()
+    await server.stop(None)
+    for s in (real_encoder, real_language, broker):
+        await s.stop()
+
+
+async def test_images_an_encoder_cancels_go_to_another(
+    with_a_cancelling_encoder: tuple[GatewayServer, _CancellingEncoder],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gateway, cancelling = with_a_cancelling_encoder
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="-", max_retries=0)
+    with caplog.at_level(logging.INFO):
+        for i in range(4):  # other images each time: the broker spreads them over both encoders
+            reply = await client.chat.completions.create(
+                model=MODEL,
+                max_tokens=4,
+                messages=[
+                    {"role": "user", "content": [image_part(i), {"type": "text", "text": "?"}]}
+                ],
+            )
+            assert reply.choices[0].finish_reason in ("stop", "length")
+    assert cancelling.calls, "some request was routed to the cancelling encoder"
+    failed_over = [r for r in caplog.records if "failing over" in r.getMessage()]
+    assert len(failed_over) == cancelling.calls
+    served = [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
+    assert [f["status"] for f in served] == [200] * 4
+    assert {f["encoder"] for f in served} != {"encoder-ghost"}
