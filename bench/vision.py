@@ -1,4 +1,4 @@
-"""The vision tower: HF's own against the one Triton serves (fused rotary embedding).
+"""The vision tower: HF's own against the one Triton serves (fused_vision.py).
 
     .venv/bin/python -m bench.vision [--images 4] [--size 448] [--repeat 4]
 
@@ -16,7 +16,8 @@ import time
 import torch
 
 from bench.report import machine
-from services.language.engine.fused_vision import fuse_vision_attention
+from services.language.engine.cpu_kernels import fused_ops
+from services.language.engine.fused_vision import fuse_vision_tower
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import cached_demo_checkpoint
 from services.model.spec import load_spec
@@ -52,8 +53,9 @@ def main() -> None:
         for dtype in dtypes:
             hf = load_vision_tower(checkpoint, spec, dtype=dtype)
             fused = load_vision_tower(checkpoint, spec, dtype=dtype)
-            if not fuse_vision_attention(fused):
+            if fused_ops() is None:
                 raise SystemExit("the fused kernels could not be built here (no C compiler?)")
+            fuse_vision_tower(fused)
             patch = 3 * vision.temporal_patch_size * vision.patch_size**2
             pixels = torch.randn(int(grid.prod(-1).sum()), patch).to(dtype)
             times: dict[str, list[float]] = {"fused": [], "hf": []}

@@ -23,7 +23,7 @@ from services.gateway.errors import ApiError
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine, RequestFailedError
-from services.language.engine.fused_vision import fuse_vision_attention
+from services.language.engine.fused_vision import fuse_vision_tower
 from services.language.engine.vision import VisionTower
 from services.language.frontend import Frontend, Media
 from services.model.checkpoint import load_language_weights, load_vision_tower
@@ -40,7 +40,7 @@ class LocalBackend:
         tokenizer = load_tokenizer(checkpoint)
         device = torch.device(engine.device)
         tower = load_vision_tower(checkpoint, spec, dtype=engine.dtype, device=device)
-        fuse_vision_attention(tower)  # as Triton's tower is
+        fuse_vision_tower(tower)  # as Triton's tower is
         vision = VisionTower(tower, spec.vision.spatial_merge_size, device)
         weights = load_language_weights(checkpoint, spec, engine.dtype)
         self.engine = AsyncEngine(LLMEngine(spec, weights, tokenizer, engine, vision))

@@ -18,6 +18,7 @@ from services.bench.images import encode_image, random_image
 from services.encoder.limits import ImageLimits
 from services.encoder.server import EncoderServer
 from services.grpc_server import channel
+from services.language.engine.fused_vision import fuse_vision_tower
 from services.model.checkpoint import load_vision_tower
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
@@ -55,7 +56,9 @@ async def encoder_without_shm(
 def reference_embeddings(
     checkpoint: Path, images: list[bytes], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """The in-process vision tower on the same images, in one call."""
+    """The in-process vision tower on the same images, in one call: HF's own in
+    float32 (Triton's is bit-equal to it), in bfloat16 as Triton's model runs it
+    (fused_vision.py: its patch embedding a GEMM, within a bfloat16 step of HF's)."""
     import io
 
     from PIL import Image
@@ -66,6 +69,8 @@ def reference_embeddings(
     )
     with torch.no_grad():
         tower = load_vision_tower(checkpoint, spec, dtype=dtype)
+        if dtype == torch.bfloat16:
+            fuse_vision_tower(tower)
         values = pixels["pixel_values"].to(dtype)
         return tower(values, grid_thw=pixels["image_grid_thw"]).pooler_output
 

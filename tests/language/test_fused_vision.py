@@ -1,7 +1,10 @@
-"""The vision towers with the fused rotary embedding (services/language/engine/fused_vision.py)
-against HF's own, bit for bit: each architecture, float32 and bfloat16, images
-whose windows are all one length and images whose windows are not (a run of
-equal windows attends in one call; the runs must split where lengths change)."""
+"""The vision towers as EPD runs them (services/language/engine/fused_vision.py)
+against HF's own: each architecture, float32 and bfloat16, images whose windows
+are all one length and images whose windows are not (a run of equal windows
+attends in one call; the runs must split where lengths change). Bit for bit in
+float32; in bfloat16 bit for bit given the same patch embeddings (the GEMM that
+replaces the convolution there sums in another order), and those within a
+bfloat16 step of the convolution's."""
 
 from __future__ import annotations
 
@@ -10,7 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.language.engine.fused_vision import FusedVisionAttention, _runs, fuse_vision_attention
+from services.language.engine.fused_vision import (
+    FusedVisionAttention,
+    LinearPatchEmbedding,
+    _runs,
+    fuse_vision_tower,
+)
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import build_demo_checkpoint
 from services.model.spec import load_spec
@@ -29,14 +37,18 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grids", GRIDS.values(), ids=GRIDS.keys())
-def test_the_fused_tower_equals_hf_bit_for_bit(
+def test_the_fused_tower_computes_what_hf_does(
     checkpoint: Path, dtype: torch.dtype, grids: list[list[int]]
 ) -> None:
     spec = load_spec(checkpoint)
     hf = load_vision_tower(checkpoint, spec, dtype=dtype)
     fused = load_vision_tower(checkpoint, spec, dtype=dtype)
-    assert fuse_vision_attention(fused) == len(fused.blocks) > 0
+    gemm = dtype == torch.bfloat16  # the patch embedding as a GEMM
+    assert fuse_vision_tower(fused) == len(fused.blocks) + gemm
     assert all(isinstance(block.attn, FusedVisionAttention) for block in fused.blocks)
+    assert isinstance(fused.patch_embed.proj, LinearPatchEmbedding) == gemm
+    if gemm:  # HF's tower from the same patch embeddings
+        hf.patch_embed.proj = LinearPatchEmbedding(hf.patch_embed.proj)
     vision = spec.vision
     grid = torch.tensor(grids)
     torch.manual_seed(0)
@@ -52,6 +64,26 @@ def test_the_fused_tower_equals_hf_bit_for_bit(
         strict=True,
     ):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_patch_embedding_as_a_gemm_equals_the_convolution(
+    checkpoint: Path, dtype: torch.dtype
+) -> None:
+    """Qwen3-VL's has a bias, Qwen2.5-VL's none; the same products, summed in
+    another order: float32 within rounding, bfloat16 within a bfloat16 step."""
+    spec = load_spec(checkpoint)
+    embedding = load_vision_tower(checkpoint, spec, dtype=dtype).patch_embed
+    vision = spec.vision
+    torch.manual_seed(1)
+    pixels = torch.randn(300, 3 * vision.temporal_patch_size * vision.patch_size**2).to(dtype)
+    with torch.inference_mode():
+        want = embedding(pixels)
+        embedding.proj = LinearPatchEmbedding(embedding.proj)
+        got = embedding(pixels)
+    assert got.shape == want.shape == (300, embedding.embed_dim)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def test_windows_are_grouped_into_runs_of_one_length() -> None:

@@ -1,13 +1,21 @@
-"""The vision towers' attention with EPD's fused rotary embedding, on the CPU.
+"""The vision towers as EPD runs them on the CPU: HF's, with two parts swapped.
 
-HF's Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision attention rotates q and k in
-float32 as a dozen operators (casts up and back, rotate_half's slices, negation
-and concat, four multiplies, two adds), each a pass over every patch: 39 of the
-small demo's 300 ms an image in bfloat16 on a 2-core AVX512-BF16 EPYC.
-csrc/fused_ops.c's rotary does it in one pass over the fused QKV projection's
-output, in float32 and rounded once, as HF does: the tower's output stays
-bit-equal to HF's (tests/encoder compare Triton's to HF's with torch.equal).
-Windows of the same length attend in one SDPA call instead of one call each.
+- The attention, with EPD's fused rotary embedding. HF's Qwen2-VL, Qwen2.5-VL
+  and Qwen3-VL vision attention rotates q and k in float32 as a dozen operators
+  (casts up and back, rotate_half's slices, negation and concat, four
+  multiplies, two adds), each a pass over every patch: 39 of the small demo's
+  300 ms an image in bfloat16 on a 2-core AVX512-BF16 EPYC. csrc/fused_ops.c's
+  rotary does it in one pass over the fused QKV projection's output, in float32
+  and rounded once, as HF does: bit-equal to HF's. Windows of the same length
+  attend in one SDPA call instead of one call each.
+- In bfloat16, the patch embedding. HF's is a Conv3d whose kernel is its stride:
+  each patch's pixels times the weight, a GEMM, which vLLM runs as one
+  (`Conv3dLayer`). torch's bfloat16 Conv3d takes 47 ms for a 448x448 image's
+  1024 patches on a 2-core AMX Xeon, the GEMM 1.2 ms (float32: 24 ms and 3.8
+  ms). The GEMM sums the products in another order, so the float32 tower keeps
+  the convolution and stays bit-equal to HF's (tests/encoder compare Triton's
+  to HF's with torch.equal); in bfloat16 the embeddings are within a bfloat16
+  step of HF's, and the rest of the tower computes what HF's does from them.
 """
 
 from __future__ import annotations
@@ -81,17 +89,40 @@ def _runs(cu_seqlens: torch.Tensor) -> Iterator[tuple[int, int, int]]:
         start += length * count
 
 
-def fuse_vision_attention(tower: nn.Module) -> int:
-    """Swaps each block's attention of a CPU vision tower (`load_vision_tower`'s)
-    for a FusedVisionAttention; returns how many (0 where the kernels cannot be
-    built, or the tower is not on the CPU)."""
-    if next(tower.parameters()).device.type != "cpu":
+class LinearPatchEmbedding(nn.Module):
+    """A patch embedding's Conv3d whose kernel is its stride, as the GEMM it is:
+    patches [N, channels, t, h, w] -> [N, out, 1, 1, 1], the shape HF's patch
+    embedding reads the convolution's output in."""
+
+    def __init__(self, conv: nn.Conv3d) -> None:
+        super().__init__()
+        assert tuple(conv.kernel_size) == tuple(conv.stride) and conv.padding == (0, 0, 0)
+        self.weight = nn.Parameter(conv.weight.detach().flatten(1), requires_grad=False)
+        self.bias = None if conv.bias is None else conv.bias.detach()
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        out = F.linear(patches.flatten(1), self.weight, self.bias)
+        return out.view(*out.shape, 1, 1, 1)
+
+
+def fuse_vision_tower(tower: nn.Module) -> int:
+    """Swaps, in a CPU vision tower (`load_vision_tower`'s), each block's attention
+    for a FusedVisionAttention (where the kernels build) and, in bfloat16, the
+    patch embedding's convolution for a LinearPatchEmbedding; returns how many
+    modules it swapped (0 for a tower that is not on the CPU)."""
+    weight = next(tower.parameters())
+    if weight.device.type != "cpu":
         return 0
+    swapped = 0
+    if weight.dtype == torch.bfloat16:
+        embedding = tower.get_submodule("patch_embed")
+        embedding.proj = LinearPatchEmbedding(cast(nn.Conv3d, embedding.proj))
+        swapped += 1
     ops = fused_ops()
-    if ops is None:
-        return 0
-    blocks = cast(nn.ModuleList, tower.get_submodule("blocks"))
-    for block in blocks:
-        block.attn = FusedVisionAttention(block.get_submodule("attn"), ops)
-    logger.info("vision tower: fused rotary embedding in %d attention layers", len(blocks))
-    return len(blocks)
+    if ops is not None:
+        blocks = cast(nn.ModuleList, tower.get_submodule("blocks"))
+        for block in blocks:
+            block.attn = FusedVisionAttention(block.get_submodule("attn"), ops)
+        swapped += len(blocks)
+    logger.info("vision tower: %d modules swapped for faster ones (fused_vision.py)", swapped)
+    return swapped
