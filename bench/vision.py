@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=448, help="pixels a side")
     parser.add_argument("--repeat", type=int, default=4)
     args = parser.parse_args()
+    if fused_ops() is None:
+        raise SystemExit("the fused kernels could not be built here (no C compiler?)")
     print(f"{machine()}; {torch.get_num_threads()} torch threads")
     print(f"{args.images} images of {args.size}x{args.size} a forward; ms per image\n")
     print(f"{'demo':<8} {'dtype':<9} {'fused':>8} {'HF':>8} {'speed-up':>9}")
@@ -53,8 +55,6 @@ def main() -> None:
         for dtype in dtypes:
             hf = load_vision_tower(checkpoint, spec, dtype=dtype)
             fused = load_vision_tower(checkpoint, spec, dtype=dtype)
-            if fused_ops() is None:
-                raise SystemExit("the fused kernels could not be built here (no C compiler?)")
             fuse_vision_tower(fused)
             patch = 3 * vision.temporal_patch_size * vision.patch_size**2
             pixels = torch.randn(int(grid.prod(-1).sum()), patch).to(dtype)
