@@ -1,6 +1,7 @@
-"""The projections: stacked at load, then on CPU EPD's kernel for few rows or
-oneDNN's packed GEMM (the greedy tests against HF in test_engine.py run every
-linear backend)."""
+"""The projections: stacked at load, then on CPU EPD's kernel for few rows,
+EPD's AMX kernel for few rows in bfloat16, or oneDNN's packed GEMM (the greedy
+tests against HF in test_engine.py run every float32 backend; test_bfloat16.py
+holds the bfloat16 engine, on AMX with its kernel, to HF in bfloat16)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from torch import nn
 from services.language.engine import cpu_kernels
 from services.language.engine.config import linear_backend
 from services.language.engine.linear import (
+    AMX_MAX_ROWS,
     KERNEL_MAX_ROWS,
+    AmxPackedLinear,
     KernelLinear,
     PackedLinear,
     onednn_supports,
     pack_linears,
+    use_amx_linears,
     use_linear_kernel,
 )
 from services.language.engine.model import LanguageModel, stack_projections
@@ -133,9 +137,94 @@ def test_linear_backend_choice(kernel: cpu_kernels.LinearKernel) -> None:
     assert linear_backend("onednn", torch.float32, CPU) == "onednn"
     assert linear_backend("auto", torch.bfloat16, CUDA) == "torch"
     assert linear_backend("torch", torch.float32, CPU) == "torch"
-    bf16 = "onednn" if onednn_supports(torch.bfloat16) else "torch"
+    packs = onednn_supports(torch.bfloat16)
+    bf16 = "amx" if packs and cpu_kernels.amx_linear() else "onednn" if packs else "torch"
     assert linear_backend("auto", torch.bfloat16, CPU) == bf16
     with pytest.raises(ValueError, match="oneDNN"):
         linear_backend("onednn", torch.bfloat16, CUDA)
     with pytest.raises(ValueError, match="float32"):
         linear_backend("cpu", torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match="AMX"):
+        linear_backend("amx", torch.float32, CPU)
+
+
+@pytest.fixture(scope="module")
+def amx() -> cpu_kernels.AmxLinear:
+    built = cpu_kernels.amx_linear()
+    if built is None:
+        pytest.skip("this CPU has no AMX-BF16: bfloat16 projections stay oneDNN's")
+    return built
+
+
+def assert_rounded_once(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """y (bfloat16) is the float32 product, plus bias, rounded once: within half a
+    bfloat16 step of it (at most 2^-8 of it), plus float32 summation-order slack."""
+    exact = x.float() @ w.float().t() + (0 if b is None else b.float())
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    slack = 2**-8 * exact.abs() + 1e-4 * x.shape[1] ** 0.5
+    assert ((y.float() - exact).abs() <= slack).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 48, 50, AMX_MAX_ROWS])
+@pytest.mark.parametrize(
+    ("k", "n"), [(64, 128), (512, 1024), (100, 200), (32, 5)]
+)  # k: whole 32-column tiles or a tail; n: whole 64-output groups or a tail
+@pytest.mark.parametrize("bias", [True, False])
+def test_amx_kernel_rounds_the_product_once(
+    amx: cpu_kernels.AmxLinear, rows: int, k: int, n: int, bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    y = amx(x, amx.pack(weight), n, b)
+    assert_rounded_once(y, x, weight, b)
+    # oneDNN's GEMM rounds the same sums, added in another order
+    torch.testing.assert_close(y, F.linear(x, weight, b), atol=0.05, rtol=2**-7)
+
+
+def test_amx_kernel_takes_rows_strided_apart(amx: cpu_kernels.AmxLinear) -> None:
+    """As a slice of a wider tensor leaves them (the columns of a fused projection)."""
+    wide = torch.randn(20, 300).bfloat16()
+    x = wide[:, 40:104]
+    weight = torch.randn(70, 64).bfloat16()
+    assert_rounded_once(amx(x, amx.pack(weight), 70), x, weight, None)
+
+
+@pytest.mark.parametrize("rows", [1, 16, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_amx_linear_equals_onednn_on_either_side_of_its_row_limit(
+    amx: cpu_kernels.AmxLinear, rows: int, bias: bool
+) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200, bias=bias).bfloat16()
+    x = torch.randn(rows, 96).bfloat16()
+    module = AmxPackedLinear(linear, amx)
+    module.kernel = counting = Mock(wraps=amx)
+    expected = PackedLinear(linear)(x)
+    torch.testing.assert_close(module(x), expected, atol=0.05, rtol=2**-7)
+    torch.testing.assert_close(module(x.unsqueeze(0)), expected.unsqueeze(0), atol=0.05, rtol=2**-7)
+    assert counting.call_count == (2 if rows <= AMX_MAX_ROWS else 0)
+
+
+def test_every_projection_uses_the_amx_kernel(
+    tiny_checkpoint: Path, amx: cpu_kernels.AmxLinear
+) -> None:
+    spec = load_spec(tiny_checkpoint)
+    weights = {
+        name: t.bfloat16() for name, t in load_language_weights(tiny_checkpoint, spec).items()
+    }
+    model = LanguageModel.from_weights(spec.text, weights, CPU)
+    x = torch.randn(5, spec.text.hidden_size).bfloat16()
+    mlp = model.layers[1].mlp
+    expected = mlp(x)
+    assert use_amx_linears(model, amx) == 4 * spec.text.num_layers + 1
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(mlp.down_proj, AmxPackedLinear)
+    torch.testing.assert_close(mlp(x), expected, atol=0.05, rtol=2**-6)
+
+
+def test_bfloat16_projections_on_amx_by_default(amx: cpu_kernels.AmxLinear) -> None:
+    assert linear_backend("auto", torch.bfloat16, CPU) == "amx"
+    assert linear_backend("onednn", torch.bfloat16, CPU) == "onednn"
+    assert linear_backend("auto", torch.float32, CPU) == "cpu"

@@ -10,6 +10,7 @@ import torch
 
 from services.language.engine.cpu_kernels import (
     KERNEL_DTYPES,
+    amx_linear,
     fused_ops,
     linear_kernel,
     paged_decode_attention,
@@ -34,8 +35,9 @@ class EngineConfig:
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
-    # (packed), or "auto": "cpu" on a CPU in float32 where the kernel builds,
-    # else oneDNN where it packs the dtype, else torch (linear.py)
+    # (packed), "amx" (EPD's AMX kernel for few rows, bfloat16, oneDNN above), or
+    # "auto": "cpu" on a CPU in float32 where the kernel builds, "amx" in bfloat16
+    # where the CPU has AMX, else oneDNN where it packs the dtype, else torch (linear.py)
     linear: str = "auto"
     # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32 or
     # bfloat16), or "auto" ("cpu" on a CPU where the kernels build, else torch)
@@ -76,16 +78,22 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
 
 
 def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch", "cpu" or "onednn" for EngineConfig.linear (torch: cuBLAS on GPUs)."""
-    kernel = device.type == "cpu" and dtype == torch.float32 and linear_kernel() is not None
-    packs = device.type == "cpu" and onednn_supports(dtype)
+    """ "torch", "cpu", "onednn" or "amx" for EngineConfig.linear (torch: cuBLAS on GPUs)."""
+    cpu = device.type == "cpu"
+    kernel = cpu and dtype == torch.float32 and linear_kernel() is not None
+    packs = cpu and onednn_supports(dtype)
+    amx = cpu and dtype == torch.bfloat16 and packs and amx_linear() is not None
     if choice == "cpu" and not kernel:
         raise ValueError("the CPU linear kernel needs a CPU with AVX2, float32 and a C compiler")
     if choice == "onednn" and not packs:
         raise ValueError(f"oneDNN packed projections need a CPU that packs {dtype}")
+    if choice == "amx" and not amx:
+        raise ValueError(
+            "the AMX linear kernel needs a CPU with AMX-BF16, bfloat16 and a C compiler"
+        )
     if choice != "auto":
         return choice
-    return "cpu" if kernel else "onednn" if packs else "torch"
+    return "cpu" if kernel else "amx" if amx else "onednn" if packs else "torch"
 
 
 def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:

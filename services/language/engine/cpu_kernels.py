@@ -8,7 +8,8 @@
 - The model's small float32 operations, fused (fused_ops.c): RMSNorm (with the
   residual add before it) and rotary embedding in place.
 - The projections of few rows (linear.c), a decode step's: oneDNN's and MKL's
-  GEMMs read the weights at well under the machine's memory bandwidth there.
+  GEMMs read the weights at well under the machine's memory bandwidth there;
+  in bfloat16 on AMX (linear_amx.c), from tiles packed once.
 
 Each C source is compiled on first use with the machine's C compiler (`$CC`,
 else `cc`; about a second) into EPD's cache folder, keyed by the source, the
@@ -274,3 +275,69 @@ def linear_kernel() -> LinearKernel | None:
         logger.warning("no AVX2/FMA for the compiled CPU linear kernel: torch's path instead")
         return None
     return LinearKernel(library)
+
+
+class AmxLinear:
+    """csrc/linear_amx.c: y = x w^T (+ bias) in bfloat16 on AMX, for x [rows, K]
+    whose rows are contiguous (and may be strided apart), on a weight packed by
+    `pack`."""
+
+    TILE_K, GROUP_N = 32, 64  # the kernel's tile depth and output group
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._linear = library.linear_amx
+        self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
+        self._linear.restype = None
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
+        """w [N, K] (bfloat16) as the kernel's tiles, zero-padded to whole 64-output
+        groups and 32-input tiles: [groups, 4, K / 32, 16 input pairs, 16 outputs, 2]."""
+        n, k = weight.shape
+        padded = torch.zeros(
+            -(-n // cls.GROUP_N) * cls.GROUP_N, -(-k // cls.TILE_K) * cls.TILE_K, dtype=weight.dtype
+        )
+        padded[:n, :k] = weight
+        groups, depth = padded.shape[0] // cls.GROUP_N, padded.shape[1] // cls.TILE_K
+        tiles = padded.view(groups, 4, 16, depth, 16, 2)  # [.., output, k block, pair, 2]
+        return tiles.permute(0, 1, 3, 4, 2, 5).contiguous()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows, k = x.shape
+        assert x.dtype == packed.dtype == torch.bfloat16 and x.stride(1) == 1
+        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
+        depth = packed.shape[2] * self.TILE_K
+        if k != depth:  # the tiles are zero past k: so must x be
+            x = torch.nn.functional.pad(x, (0, depth - k))
+        y = torch.empty(rows, out_features, dtype=x.dtype)
+        self._linear(
+            y.data_ptr(),
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            rows,
+            depth,
+            out_features,
+            x.stride(0),
+            torch.get_num_threads(),
+        )
+        return y
+
+
+@functools.cache
+def amx_linear() -> AmxLinear | None:
+    """csrc/linear_amx.c's kernel, or None where this CPU (or its build) has no
+    AMX-BF16 or the kernel denies the process AMX state (a log line says which)."""
+    library = _load(CSRC / "linear_amx.c", (), "AMX linear kernel")
+    if library is None:
+        return None
+    if not library.linear_amx_init():
+        logger.info("no AMX-BF16 here (or no leave to use it): oneDNN's bfloat16 projections")
+        return None
+    return AmxLinear(library)

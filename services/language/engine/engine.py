@@ -19,7 +19,12 @@ from services.language.engine.config import (
     moe_backend,
     ops_backend,
 )
-from services.language.engine.cpu_kernels import fused_ops, linear_kernel, paged_decode_attention
+from services.language.engine.cpu_kernels import (
+    amx_linear,
+    fused_ops,
+    linear_kernel,
+    paged_decode_attention,
+)
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import (
@@ -29,7 +34,7 @@ from services.language.engine.kv_cache import (
     KVMemory,
     device_memory,
 )
-from services.language.engine.linear import pack_linears, use_linear_kernel
+from services.language.engine.linear import pack_linears, use_amx_linears, use_linear_kernel
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import autotuning, fuse_experts
 from services.language.engine.request import Request, RequestStatus, new_request
@@ -227,6 +232,10 @@ class LLMEngine:
             kernel = linear_kernel()
             assert kernel is not None  # linear_backend checked
             use_linear_kernel(model, kernel)
+        elif linear == "amx":
+            amx = amx_linear()
+            assert amx is not None  # linear_backend checked
+            use_amx_linears(model, amx)
         if ops_backend(config.ops, config.dtype, device) == "cpu":
             ops = fused_ops()
             assert ops is not None  # ops_backend checked
