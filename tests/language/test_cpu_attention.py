@@ -1,7 +1,8 @@
 """The compiled paged decode attention (csrc/paged_attention.c) against torch's
 path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
 on and off page boundaries, grouped-query ratios 1 to 7, head_dim 64 and 128,
-page sizes 16 and 5, float32 and bfloat16. Then how it is built and cached, and when the engine
+page sizes 16 and 5, float32 and bfloat16; its AMX prefill kernel (bfloat16)
+the same way, with and without a cached prefix. Then how it is built and cached, and when the engine
 uses it (and, without a compiler, the fused operations of test_fused_ops.py and
 the linear kernel of test_linear.py)."""
 
@@ -79,6 +80,93 @@ def test_paged_kernel_equals_gathered_sdpa(
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
+@pytest.fixture(scope="module")
+def prefill_kernel() -> cpu_kernels.Kernel:
+    built = cpu_kernels.prefill_attention_amx()
+    if built is None:
+        pytest.skip("this CPU has no AMX-BF16: prefills stay in SDPA")
+    return built
+
+
+PREFILLS = {
+    **STEPS,
+    # a prompt after a cached prefix of 16, 100 and 7 tokens; 16-row blocks and a tail
+    "after-prefix": ([210, 33, 5], [226, 133, 12]),
+    "long": ([300], [300]),
+}
+
+
+@pytest.mark.parametrize("step", list(PREFILLS))
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page"),
+    [(8, 4, 64, 16), (16, 8, 64, 16), (28, 4, 128, 16), (6, 2, 64, 5), (4, 4, 64, 16)],
+)
+def test_amx_prefill_equals_gathered_sdpa(
+    kernel: cpu_kernels.Kernel,
+    prefill_kernel: cpu_kernels.Kernel,
+    step: str,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    page: int,
+) -> None:
+    q_lens, seq_lens = PREFILLS[step]
+    pages = max(NUM_PAGES, sum(-(-n // page) for n in seq_lens))
+    meta = paged_metadata(q_lens, seq_lens, page, torch.device("cpu"), heads + page, pages)
+    generator = torch.Generator().manual_seed(heads * dim + page)
+    tokens = sum(q_lens)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).bfloat16()
+
+    # q as the fused projection's split leaves it: token rows wider than its heads
+    q = randn(tokens, heads + 2 * kv_heads, dim)[:, :heads]
+    k, v = randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
+    prefix = randn(2, pages, page, kv_heads, dim)  # keys, values
+    outputs = []
+    for backend in (
+        TorchAttention(dim**-0.5, kernel),
+        TorchAttention(dim**-0.5, kernel, prefill_kernel),
+    ):
+        cache = prefix.clone()
+        backend.plan(meta)
+        outputs.append(backend.forward(q, k, v, (cache[0], cache[1])))
+    assert TorchAttention(dim**-0.5, kernel, prefill_kernel)._prefills_in_kernel(
+        q, (prefix[0], prefix[1])
+    )
+    # both sum in float32 and round the weights and the output to bfloat16
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-2, rtol=1e-2)
+
+
+def test_amx_prefill_leaves_other_head_sizes_to_sdpa(prefill_kernel: cpu_kernels.Kernel) -> None:
+    attention = TorchAttention(80**-0.5, None, prefill_kernel)
+    cache = torch.zeros(2, 4, 16, 2, 80).bfloat16()
+    assert not attention._prefills_in_kernel(torch.zeros(3, 4, 80).bfloat16(), (cache[0], cache[1]))
+    cache64 = torch.zeros(2, 4, 16, 2, 64)
+    assert not attention._prefills_in_kernel(torch.zeros(3, 4, 64), (cache64[0], cache64[1]))
+
+
+def test_an_amx_prefill_reads_only_its_own_pages(
+    kernel: cpu_kernels.Kernel, prefill_kernel: cpu_kernels.Kernel
+) -> None:
+    """NaN in every page but the prompt's, and past its last token: none reaches its output."""
+    page, kv_heads, dim = 16, 2, 64
+    meta = paged_metadata([30], [45], page, torch.device("cpu"), seed=3)
+    cache = torch.full((2, NUM_PAGES, page, kv_heads, dim), float("nan")).bfloat16()
+    for p in meta.block_tables[0]:
+        cache[:, p] = torch.randn(2, page, kv_heads, dim).bfloat16()
+    cache[:, meta.block_tables[0][-1], 45 % page :] = float("nan")
+    attention = TorchAttention(dim**-0.5, kernel, prefill_kernel)
+    attention.plan(meta)
+    out = attention.forward(
+        torch.randn(30, 4, dim).bfloat16(),
+        torch.randn(30, kv_heads, dim).bfloat16(),
+        torch.randn(30, kv_heads, dim).bfloat16(),
+        (cache[0], cache[1]),
+    )
+    assert torch.isfinite(out).all()
+
+
 def test_a_decode_reads_only_its_own_pages(kernel: cpu_kernels.Kernel) -> None:
     """NaN in every page but the sequence's: none reaches its output."""
     page, kv_heads, dim = 16, 2, 64
@@ -140,6 +228,10 @@ def test_without_a_compiler_the_engine_keeps_torch(
 ) -> None:
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
+    # the attention kernels share one loaded library: load it anew too
+    monkeypatch.setattr(
+        cpu_kernels, "_attention_library", cpu_kernels._attention_library.__wrapped__
+    )
     uncached = getattr(cpu_kernels, kernels).__wrapped__
     assert uncached() is None
     monkeypatch.setattr(config, kernels, uncached)

@@ -70,13 +70,22 @@ def gather_pages(half: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttention:
-    """CPU backend: SDPA per prefill; all decodes at once, either in the compiled
-    paged kernel (cpu_kernels.py: reads each sequence's pages in place; float32
-    and bfloat16) or, without it, in one padded SDPA over their gathered pages."""
+    """CPU backend: each prefill in the compiled AMX kernel where given one
+    (bfloat16, head_dim a multiple of 64; it reads the prompt's pages in place),
+    else in SDPA over its gathered pages; all decodes at once, either in the
+    compiled paged kernel (cpu_kernels.py: reads each sequence's pages in place;
+    float32 and bfloat16) or, without it, in one padded SDPA over their gathered
+    pages."""
 
-    def __init__(self, scale: float, decode_kernel: Kernel | None = None) -> None:
+    def __init__(
+        self,
+        scale: float,
+        decode_kernel: Kernel | None = None,
+        prefill_kernel: Kernel | None = None,
+    ) -> None:
         self.scale = scale
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.meta: AttentionMetadata | None = None
         self._prefill_pages: list[torch.Tensor] = []
         self._decode_pages: torch.Tensor | None = None
@@ -119,9 +128,13 @@ class TorchAttention:
         write_kv(cache, k, v, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         starts = meta.query_start_loc
+        in_kernel = self._prefills_in_kernel(q, cache)
         for i in range(meta.num_prefills):
             s, e, length = starts[i], starts[i + 1], meta.seq_lens[i]
             n = e - s
+            if in_kernel:
+                self._prefill_paged(out[s:e], q[s:e], cache, self._prefill_pages[i], length)
+                continue
             keys = self._gather(cache[0], self._prefill_pages[i], length)
             values = self._gather(cache[1], self._prefill_pages[i], length)
             # [1, heads, n, dim]: SDPA's fused CPU kernel takes 4-D inputs only (3-D ones
@@ -147,6 +160,51 @@ class TorchAttention:
             else:
                 out[d0:] = self._decode_gathered(q[d0:], cache)
         return out
+
+    def _prefills_in_kernel(self, q: torch.Tensor, cache: KVLayer) -> bool:
+        """Whether this step's prefills go to the AMX kernel: bfloat16, whole 64-wide
+        blocks of each head, a token's heads side by side."""
+        dim = q.shape[2]
+        return (
+            self.prefill_kernel is not None
+            and q.dtype == cache[0].dtype == torch.bfloat16
+            and dim % 64 == 0
+            and q.stride(2) == 1
+            and q.stride(1) == dim
+            and cache[0].is_contiguous()
+            and cache[1].is_contiguous()
+        )
+
+    def _prefill_paged(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        cache: KVLayer,
+        pages: torch.Tensor,
+        length: int,
+    ) -> None:
+        """One prompt's new tokens q [n, heads, dim] against its keys where they lie
+        (the last n of `length`, causally): out [n, heads, dim], contiguous."""
+        assert self.prefill_kernel is not None and self.meta is not None
+        keys, values = cache
+        failed = self.prefill_kernel(
+            out.data_ptr(),
+            q.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            pages.data_ptr(),
+            q.shape[0],
+            length,
+            q.shape[1],
+            keys.shape[2],
+            q.shape[2],
+            self.meta.page_size,
+            q.stride(0),
+            self.scale,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("prefill attention: no memory for its tiles")
 
     def _decode_paged(self, out: torch.Tensor, q: torch.Tensor, cache: KVLayer) -> None:
         """The compiled kernel, reading the pages where they lie: out [decodes, heads, dim]."""

@@ -4,7 +4,8 @@
   paged attention on CPU, and gathering each sequence's pages for SDPA copied
   the whole context every layer of every step (~45% of a decode step on the
   small demo). vLLM's CPU kernel lives in its own build; IPEX's needs its own
-  torch and AVX-512.
+  torch and AVX-512. In bfloat16 on AMX, the same source also has a prompt's
+  (prefill) attention: torch's SDPA takes its AMX path for long sequences only.
 - The model's small float32 operations, fused (fused_ops.c): RMSNorm (with the
   residual add before it) and rotary embedding in place.
 - The projections of few rows (linear.c), a decode step's: oneDNN's and MKL's
@@ -123,15 +124,33 @@ def _load(source: Path, extra_flags: Sequence[str], what: str) -> ctypes.CDLL | 
 
 
 @functools.cache
+def _attention_library() -> ctypes.CDLL | None:
+    return _load(SOURCE, (), "attention kernel")
+
+
+@functools.cache
 def paged_decode_attention() -> Kernel | None:
-    """csrc/paged_attention.c's kernel, or None (with a log line) where it
+    """csrc/paged_attention.c's decode kernel, or None (with a log line) where it
     cannot be built."""
-    library = _load(SOURCE, (), "attention kernel")
+    library = _attention_library()
     if library is None:
         return None
     kernel = library.paged_decode_attention
     kernel.restype = _int
     kernel.argtypes = [_ptr] * 6 + [_i64] * 6 + [_f32] + [_int] * 2
+    return kernel
+
+
+@functools.cache
+def prefill_attention_amx() -> Kernel | None:
+    """csrc/paged_attention.c's prefill kernel (bfloat16, AMX), or None where it
+    cannot be built, this CPU has no AMX-BF16 or the process gets no AMX state."""
+    library = _attention_library()
+    if library is None or not library.prefill_attention_amx_init():
+        return None
+    kernel = library.prefill_attention_amx
+    kernel.restype = _int
+    kernel.argtypes = [_ptr] * 5 + [_i64] * 7 + [_f32, _int]
     return kernel
 
 

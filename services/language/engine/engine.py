@@ -24,6 +24,7 @@ from services.language.engine.cpu_kernels import (
     fused_ops,
     linear_kernel,
     paged_decode_attention,
+    prefill_attention_amx,
 )
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
@@ -250,7 +251,10 @@ class LLMEngine:
             return FlashInferAttention(
                 t.num_heads, t.num_kv_heads, t.head_dim, scale, self.config.dtype, device
             )
-        return TorchAttention(scale, paged_decode_attention() if backend == "cpu" else None)
+        if backend != "cpu":
+            return TorchAttention(scale)
+        prefill = prefill_attention_amx() if self.config.dtype == torch.bfloat16 else None
+        return TorchAttention(scale, paged_decode_attention(), prefill)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         check_fits(self.config, num_prompt_tokens, max_tokens)

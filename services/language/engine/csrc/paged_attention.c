@@ -335,3 +335,218 @@ int paged_decode_attention(void *out, const void *q, const void *keys, const voi
     }
     return failed ? -1 : 0;
 }
+
+/* Prefill attention over the paged KV cache in bfloat16 on Intel AMX: a prompt's
+ * n new tokens, the last of its len tokens (the first len - n are its cached
+ * prefix, already in the pages), each attending causally to the keys up to its
+ * own position.
+ *
+ *   q, out        [n][num_heads][head_dim]  (q's token rows q_stride apart)
+ *   keys, values  the layer's cache, as above; pages: the prompt's pages in order
+ *
+ * First each KV head's keys and values are copied out of the pages into the
+ * tiles AMX multiplies (keys transposed: a tile's row r holds dimensions 2r and
+ * 2r + 1 of 16 keys; values: row r holds keys 2r and 2r + 1 of 16 dimensions).
+ * Then each task, one query head and 16 query tokens, computes its scores S = q
+ * k^T (tile 0, 16 keys at a time, summed over head_dim in 32-wide tiles), the
+ * softmax of each row in float32 (its keys up to the token's position), rounds
+ * the exponentials to bfloat16 (as SDPA's CPU kernel rounds them before they
+ * weigh the values) and sums P v in tiles 0-3, 64 output dimensions at a time,
+ * dividing by each row's sum at the end. Sums in another order than SDPA's:
+ * within bfloat16 rounding of them. head_dim must be a multiple of 64.
+ * Returns 0, -1 when out of memory, -2 where the build has no AMX. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#include <sys/syscall.h>
+#include <unistd.h>
+
+int prefill_attention_amx_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+struct tile_config {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* tiles 0-3 (scores, or the output's sums) and 4 (queries, or weights): `rows`
+ * rows; tiles 5-7 (keys or values): 16 rows; every row 64 bytes */
+static void configure_tiles(int rows) {
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = (uint8_t)(t < 5 ? rows : 16);
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* KV head h's keys [dim block][16-key block] and values [32-key block][16-dim
+ * block] as tiles (a tile's elements as 16 x 16 pairs, one 32-bit word each);
+ * zeros past len */
+static void pack_head(uint32_t *kt, uint32_t *vt, const uint16_t *keys, const uint16_t *values,
+                      const int64_t *pages, int64_t len, int64_t padded, int64_t h,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t page_size) {
+    const int64_t key_blocks = padded / 16, pairs = head_dim / 2;
+    const uint32_t zero_row[64] = {0};
+    for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+        const uint32_t *row[16]; /* each token's key as head_dim / 2 pairs */
+        const uint16_t *vrow[16];
+        for (int c = 0; c < 16; c++) {
+            const int64_t t = t0 + c;
+            const int64_t at =
+                ((pages[t / page_size] * page_size + t % page_size) * num_kv_heads + h) * head_dim;
+            row[c] = t < len ? (const uint32_t *)(keys + at) : zero_row;
+            vrow[c] = t < len ? values + at : (const uint16_t *)zero_row;
+        }
+        /* keys: tile (pair / 16, t0 / 16), row pair % 16, column c: pair of token c */
+        for (int64_t p = 0; p < pairs; p++) {
+            uint32_t *dst = kt + ((p / 16) * key_blocks + t0 / 16) * 256 + (p % 16) * 16;
+            for (int c = 0; c < 16; c++) dst[c] = row[c][p];
+        }
+        /* values: tile (t / 32, d / 16), row (t % 32) / 2, column d % 16: tokens t, t + 1 */
+        for (int c = 0; c < 16; c += 2) {
+            const int64_t t = t0 + c;
+            uint32_t *dst = vt + (t / 32) * (head_dim / 16) * 256 + (t % 32) / 2 * 16;
+            for (int64_t d = 0; d < head_dim; d++)
+                dst[(d / 16) * 256 + d % 16] = (uint32_t)vrow[c][d] | (uint32_t)vrow[c + 1][d] << 16;
+        }
+    }
+}
+
+/* query head h, its tokens [i0, i0 + rows) */
+static void attend_rows(uint16_t *out, const uint16_t *q, const uint32_t *kt, const uint32_t *vt,
+                        int64_t i0, int rows, int64_t h, int64_t n, int64_t len,
+                        int64_t padded, int64_t num_heads, int64_t head_dim, int64_t q_stride,
+                        float scale, float *scores, uint16_t *weights, float *sums) {
+    const int64_t first = len - n;        /* the position of new token 0 */
+    const int64_t seen = first + i0 + rows; /* keys the last row sees */
+    const int64_t key_blocks = padded / 16, dim_blocks = head_dim / 32;
+    const int64_t blocks16 = (seen + 15) / 16, blocks32 = (seen + 31) / 32;
+    const uint16_t *qh = q + i0 * q_stride + h * head_dim;
+    for (int64_t b = 0; b < blocks16; b++) {
+        _tile_zero(0);
+        for (int64_t d = 0; d < dim_blocks; d++) {
+            _tile_loadd(4, qh + d * 32, q_stride * 2);
+            _tile_loadd(5, kt + (d * key_blocks + b) * 256, 64);
+            _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, scores + b * 16, padded * 4);
+    }
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + r * padded;
+        uint16_t *w = weights + r * padded;
+        const int64_t keys = first + i0 + r + 1;
+        float max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
+        for (int64_t j = 0; j < keys; j++) max = s[j] > max ? s[j] : max;
+        max *= scale;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < keys; j++) {
+            const float e = exp_nonpositive(s[j] * scale - max);
+            sum += e;
+            s[j] = e;
+        }
+        for (int64_t j = keys; j < blocks32 * 32; j++) s[j] = 0.0f;
+        for (int64_t j = 0; j < blocks32 * 32; j += 16)
+            _mm256_storeu_si256((__m256i *)(w + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+        sums[r] = 1.0f / sum;
+    }
+    const int64_t out_stride = num_heads * head_dim;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < blocks32; b++) {
+            const uint32_t *v = vt + (b * (head_dim / 16) + d0 / 16) * 256;
+            _tile_loadd(4, weights + b * 32, padded * 2);
+            _tile_loadd(5, v, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, v + 256, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, v + 2 * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, v + 3 * 256, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        float o[16][64];
+        _tile_stored(0, &o[0][0], 256);
+        _tile_stored(1, &o[0][16], 256);
+        _tile_stored(2, &o[0][32], 256);
+        _tile_stored(3, &o[0][48], 256);
+        for (int r = 0; r < rows; r++) {
+            uint16_t *dst = out + (i0 + r) * out_stride + h * head_dim + d0;
+            const __m512 scale_r = _mm512_set1_ps(sums[r]);
+            for (int c = 0; c < 64; c += 16)
+                _mm256_storeu_si256((__m256i *)(dst + c),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(&o[r][c]), scale_r)));
+        }
+    }
+}
+
+int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                          const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t page_size, int64_t q_stride, float scale, int num_threads) {
+    const int64_t padded = (len + 31) / 32 * 32, group = num_heads / num_kv_heads;
+    const int64_t head_elems = padded * head_dim;
+    const int64_t head_words = head_elems / 2; /* a head's keys (or values) as pairs */
+    uint32_t *packed = malloc(sizeof(uint32_t) * 2 * num_kv_heads * head_words);
+    if (packed == NULL) return -1;
+    uint32_t *kt = packed, *vt = packed + num_kv_heads * head_words;
+    const int64_t blocks = (n + 15) / 16;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            pack_head(kt + h * head_words, vt + h * head_words, keys, values, pages, len, padded,
+                      h, num_kv_heads, head_dim, page_size);
+        float *scores = malloc(sizeof(float) * (16 * padded + 16));
+        uint16_t *weights = malloc(sizeof(uint16_t) * 16 * padded);
+        if (scores == NULL || weights == NULL) failed = 1;
+        int configured = 0;
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < num_heads * blocks; task++) {
+            if (failed) continue;
+            const int64_t h = task / blocks, i0 = (task % blocks) * 16;
+            const int rows = n - i0 < 16 ? (int)(n - i0) : 16;
+            if (rows != configured) {
+                configure_tiles(rows);
+                configured = rows;
+            }
+            const int64_t kv = h / group;
+            attend_rows(out, q, kt + kv * head_words, vt + kv * head_words, i0, rows, h, n, len,
+                        padded, num_heads, head_dim, q_stride, scale, scores, weights,
+                        scores + 16 * padded);
+        }
+        if (configured) _tile_release();
+        free(scores);
+        free(weights);
+    }
+    free(packed);
+    return failed ? -1 : 0;
+}
+
+#else
+
+int prefill_attention_amx_init(void) { return 0; }
+
+int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                          const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t page_size, int64_t q_stride, float scale, int num_threads) {
+    (void)out, (void)q, (void)keys, (void)values, (void)pages, (void)n, (void)len;
+    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)page_size, (void)q_stride;
+    (void)scale, (void)num_threads;
+    return -2;
+}
+
+#endif
