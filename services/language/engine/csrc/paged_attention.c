@@ -390,34 +390,44 @@ static void configure_tiles(int rows) {
 /* KV head h's keys [dim block][16-key block] and values [32-key block][16-dim
  * block] as tiles (a tile's elements as 16 x 16 pairs, one 32-bit word each);
  * zeros past len */
-static void pack_head(uint32_t *kt, uint32_t *vt, const uint16_t *keys, const uint16_t *values,
+static int pack_head(uint32_t *kt, uint32_t *vt, const uint16_t *keys, const uint16_t *values,
                       const int64_t *pages, int64_t len, int64_t padded, int64_t h,
                       int64_t num_kv_heads, int64_t head_dim, int64_t page_size) {
     const int64_t key_blocks = padded / 16, pairs = head_dim / 2;
-    const uint32_t zero_row[64] = {0};
+    uint16_t *k16 = malloc(sizeof(uint16_t) * 2 * 16 * head_dim); /* 16 tokens' keys, values */
+    if (k16 == NULL) return -1;
+    uint16_t *v16 = k16 + 16 * head_dim;
+    const uint32_t *k32 = (const uint32_t *)k16;
     for (int64_t t0 = 0; t0 < padded; t0 += 16) {
-        const uint32_t *row[16]; /* each token's key as head_dim / 2 pairs */
-        const uint16_t *vrow[16];
-        for (int c = 0; c < 16; c++) {
+        for (int c = 0; c < 16; c++) { /* copied side by side: the transposes below vectorize */
             const int64_t t = t0 + c;
             const int64_t at =
                 ((pages[t / page_size] * page_size + t % page_size) * num_kv_heads + h) * head_dim;
-            row[c] = t < len ? (const uint32_t *)(keys + at) : zero_row;
-            vrow[c] = t < len ? values + at : (const uint16_t *)zero_row;
+            if (t < len) {
+                memcpy(k16 + c * head_dim, keys + at, sizeof(uint16_t) * head_dim);
+                memcpy(v16 + c * head_dim, values + at, sizeof(uint16_t) * head_dim);
+            } else {
+                memset(k16 + c * head_dim, 0, sizeof(uint16_t) * head_dim);
+                memset(v16 + c * head_dim, 0, sizeof(uint16_t) * head_dim);
+            }
         }
         /* keys: tile (pair / 16, t0 / 16), row pair % 16, column c: pair of token c */
         for (int64_t p = 0; p < pairs; p++) {
             uint32_t *dst = kt + ((p / 16) * key_blocks + t0 / 16) * 256 + (p % 16) * 16;
-            for (int c = 0; c < 16; c++) dst[c] = row[c][p];
+            for (int c = 0; c < 16; c++) dst[c] = k32[c * pairs + p];
         }
         /* values: tile (t / 32, d / 16), row (t % 32) / 2, column d % 16: tokens t, t + 1 */
         for (int c = 0; c < 16; c += 2) {
             const int64_t t = t0 + c;
             uint32_t *dst = vt + (t / 32) * (head_dim / 16) * 256 + (t % 32) / 2 * 16;
-            for (int64_t d = 0; d < head_dim; d++)
-                dst[(d / 16) * 256 + d % 16] = (uint32_t)vrow[c][d] | (uint32_t)vrow[c + 1][d] << 16;
+            const uint16_t *even = v16 + c * head_dim, *odd = even + head_dim;
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 16)
+                for (int d = 0; d < 16; d++)
+                    dst[(d0 / 16) * 256 + d] = (uint32_t)even[d0 + d] | (uint32_t)odd[d0 + d] << 16;
         }
     }
+    free(k16);
+    return 0;
 }
 
 /* query head h, its tokens [i0, i0 + rows) */
@@ -430,14 +440,27 @@ static void attend_rows(uint16_t *out, const uint16_t *q, const uint32_t *kt, co
     const int64_t key_blocks = padded / 16, dim_blocks = head_dim / 32;
     const int64_t blocks16 = (seen + 15) / 16, blocks32 = (seen + 31) / 32;
     const uint16_t *qh = q + i0 * q_stride + h * head_dim;
-    for (int64_t b = 0; b < blocks16; b++) {
-        _tile_zero(0);
-        for (int64_t d = 0; d < dim_blocks; d++) {
-            _tile_loadd(4, qh + d * 32, q_stride * 2);
-            _tile_loadd(5, kt + (d * key_blocks + b) * 256, 64);
+    if (dim_blocks == 2) { /* the queries stay in tiles 4 and 1 (shaped as 4 is) */
+        _tile_loadd(4, qh, q_stride * 2);
+        _tile_loadd(1, qh + 32, q_stride * 2);
+        for (int64_t b = 0; b < blocks16; b++) {
+            _tile_zero(0);
+            _tile_loadd(5, kt + b * 256, 64);
             _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(7, kt + (key_blocks + b) * 256, 64);
+            _tile_dpbf16ps(0, 1, 7);
+            _tile_stored(0, scores + b * 16, padded * 4);
         }
-        _tile_stored(0, scores + b * 16, padded * 4);
+    } else {
+        for (int64_t b = 0; b < blocks16; b++) {
+            _tile_zero(0);
+            for (int64_t d = 0; d < dim_blocks; d++) {
+                _tile_loadd(4, qh + d * 32, q_stride * 2);
+                _tile_loadd(5, kt + (d * key_blocks + b) * 256, 64);
+                _tile_dpbf16ps(0, 4, 5);
+            }
+            _tile_stored(0, scores + b * 16, padded * 4);
+        }
     }
     for (int r = 0; r < rows; r++) {
         float *s = scores + r * padded;
@@ -507,8 +530,9 @@ int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys
     {
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < num_kv_heads; h++)
-            pack_head(kt + h * head_words, vt + h * head_words, keys, values, pages, len, padded,
-                      h, num_kv_heads, head_dim, page_size);
+            if (pack_head(kt + h * head_words, vt + h * head_words, keys, values, pages, len,
+                          padded, h, num_kv_heads, head_dim, page_size))
+                failed = 1;
         float *scores = malloc(sizeof(float) * (16 * padded + 16));
         uint16_t *weights = malloc(sizeof(uint16_t) * 16 * padded);
         if (scores == NULL || weights == NULL) failed = 1;
