@@ -440,14 +440,32 @@ static void attend_rows(uint16_t *out, const uint16_t *q, const uint32_t *kt, co
     const int64_t key_blocks = padded / 16, dim_blocks = head_dim / 32;
     const int64_t blocks16 = (seen + 15) / 16, blocks32 = (seen + 31) / 32;
     const uint16_t *qh = q + i0 * q_stride + h * head_dim;
-    if (dim_blocks == 2) { /* the queries stay in tiles 4 and 1 (shaped as 4 is) */
+    if (dim_blocks == 2) {
+        /* the queries stay in tiles 4 and 1 (shaped as 4 is); two blocks of keys at
+         * a time, in tiles 0 and 2, so that one's products wait on the other's */
         _tile_loadd(4, qh, q_stride * 2);
         _tile_loadd(1, qh + 32, q_stride * 2);
-        for (int64_t b = 0; b < blocks16; b++) {
+        const uint32_t *low = kt, *high = kt + key_blocks * 256; /* dimensions 0-31, 32-63 */
+        int64_t b = 0;
+        for (; b + 2 <= blocks16; b += 2) {
             _tile_zero(0);
-            _tile_loadd(5, kt + b * 256, 64);
+            _tile_zero(2);
+            _tile_loadd(5, low + b * 256, 64);
             _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(7, kt + (key_blocks + b) * 256, 64);
+            _tile_loadd(6, low + (b + 1) * 256, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, high + b * 256, 64);
+            _tile_dpbf16ps(0, 1, 7);
+            _tile_loadd(5, high + (b + 1) * 256, 64);
+            _tile_dpbf16ps(2, 1, 5);
+            _tile_stored(0, scores + b * 16, padded * 4);
+            _tile_stored(2, scores + (b + 1) * 16, padded * 4);
+        }
+        if (b < blocks16) {
+            _tile_zero(0);
+            _tile_loadd(5, low + b * 256, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(7, high + b * 256, 64);
             _tile_dpbf16ps(0, 1, 7);
             _tile_stored(0, scores + b * 16, padded * 4);
         }
@@ -466,11 +484,14 @@ static void attend_rows(uint16_t *out, const uint16_t *q, const uint32_t *kt, co
         float *s = scores + r * padded;
         uint16_t *w = weights + r * padded;
         const int64_t keys = first + i0 + r + 1;
-        float max = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : max)
-        for (int64_t j = 0; j < keys; j++) max = s[j] > max ? s[j] : max;
-        max *= scale;
-#pragma omp simd reduction(+ : sum)
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < keys; j += 16) {
+            const __mmask16 valid = keys - j >= 16 ? 0xffff : (__mmask16)((1u << (keys - j)) - 1);
+            most = _mm512_mask_max_ps(most, valid, most, _mm512_maskz_loadu_ps(valid, s + j));
+        }
+        const float max = _mm512_reduce_max_ps(most) * scale;
+        float sum = 0.0f;
+#pragma omp simd simdlen(16) reduction(+ : sum)
         for (int64_t j = 0; j < keys; j++) {
             const float e = exp_nonpositive(s[j] * scale - max);
             sum += e;
