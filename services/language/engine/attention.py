@@ -128,7 +128,7 @@ class TorchAttention:
         write_kv(cache, k, v, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         starts = meta.query_start_loc
-        in_kernel = self._prefills_in_kernel(q, cache)
+        in_kernel = meta.num_prefills > 0 and self._prefills_in_kernel(q, cache)
         for i in range(meta.num_prefills):
             s, e, length = starts[i], starts[i + 1], meta.seq_lens[i]
             n = e - s

@@ -13,8 +13,8 @@
   in bfloat16 on AMX (linear_amx.c), from tiles packed once.
 
 Each C source is compiled on first use with the machine's C compiler (`$CC`,
-else `cc`; about a second) into EPD's cache folder, keyed by the source, the
-flags and the CPU, and loaded with ctypes (a call releases the GIL). Where no
+else `cc`; about a second) into EPD's cache folder, keyed by the source (and
+csrc/'s headers), the flags and the CPU, and loaded with ctypes (a call releases the GIL). Where no
 compiler is found, `paged_decode_attention()` and `fused_ops()` are None and
 the engine keeps torch's path. Built against torch's own libgomp where torch
 ships one, so the kernels' OpenMP threads are torch's.
@@ -85,11 +85,17 @@ def build(source: Path = SOURCE, extra_flags: Sequence[str] = ()) -> Path:
     """The shared library of `source`, compiled now unless the cache has it.
     CalledProcessError or FileNotFoundError when it cannot be built."""
     compiler = os.environ.get("CC") or "cc"
-    flags = [*FLAGS, *extra_flags]
+    flags = [*FLAGS, f"-I{CSRC}", *extra_flags]  # csrc/'s headers, for a source anywhere
     link = _link_args()
+    headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]
     key = hashlib.sha256(
         b"\0".join(
-            [source.read_bytes(), " ".join([compiler, *flags, *link]).encode(), _cpu_identity()]
+            [
+                source.read_bytes(),
+                *headers,
+                " ".join([compiler, *flags, *link]).encode(),
+                _cpu_identity(),
+            ]
         )
     ).hexdigest()[:16]
     folder = Path(env.CACHE_DIR.get()) / "kernels"
@@ -146,7 +152,7 @@ def prefill_attention_amx() -> Kernel | None:
     """csrc/paged_attention.c's prefill kernel (bfloat16, AMX), or None where it
     cannot be built, this CPU has no AMX-BF16 or the process gets no AMX state."""
     library = _attention_library()
-    if library is None or not library.prefill_attention_amx_init():
+    if library is None or not library.amx_init():
         return None
     kernel = library.prefill_attention_amx
     kernel.restype = _int
@@ -356,7 +362,7 @@ def amx_linear() -> AmxLinear | None:
     library = _load(CSRC / "linear_amx.c", (), "AMX linear kernel")
     if library is None:
         return None
-    if not library.linear_amx_init():
+    if not library.amx_init():
         logger.info("no AMX-BF16 here (or no leave to use it): oneDNN's bfloat16 projections")
         return None
     return AmxLinear(library)

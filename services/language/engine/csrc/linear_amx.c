@@ -19,52 +19,18 @@
  * Past ~100 rows oneDNN's blocking is faster (linear.py sends such calls there).
  * Sums in another order than oneDNN's: within bfloat16 rounding of them.
  *
- * A process needs the kernel's leave to use AMX state (Linux 5.16+):
- * linear_amx_init() asks for it and says whether it was given, and is 0 where
- * the build has no AMX (then linear_amx is never called).
+ * A process needs the kernel's leave to use AMX state: amx_init() (amx.h) asks
+ * for it, and is 0 where the build has no AMX (then linear_amx is never called).
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
 #define TILE_K 32     /* bfloat16 inputs a tile multiplies */
 #define TILE_N 16     /* outputs a tile sums */
 #define GROUP_N 64    /* outputs a thread takes at once: four tiles */
 #define TILE_ELEMS 512 /* bfloat16 elements in a weight tile: TILE_K * TILE_N */
-#define PAIRS 32      /* configure()'s rows for pair_rows */
 #define AHEAD 2       /* weight tiles group_rows prefetches ahead of its loads */
-
-int linear_amx_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-struct tile_config {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* group_rows': sums (0-3) and x (4) of `rows` rows, weights (5-7) of 16 rows of 32
- * pairs; or pair_rows' (rows == PAIRS): every tile 16 rows */
-static void configure(int rows) {
-    struct tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = (uint8_t)(rows == PAIRS || t >= 5 ? 16 : rows);
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* y's rows [m, m + rows), columns [n, n + width): the float32 sums (rows `stride`
  * apart) plus bias, rounded to bfloat16 */
@@ -169,10 +135,10 @@ void linear_amx(uint16_t *y, const uint16_t *x, const uint16_t *packed, const ui
             const uint16_t *group = packed + g * group_elems;
             const int64_t n = g * GROUP_N, tiles = K / TILE_K * TILE_ELEMS;
             int64_t m = 0;
-            for (; m + 32 <= M; m += 32) {
-                if (configured != PAIRS) {
-                    configure(PAIRS);
-                    configured = PAIRS;
+            for (; m + 32 <= M; m += 32) { /* every tile 16 rows */
+                if (configured != 16) {
+                    amx_configure(16);
+                    configured = 16;
                 }
                 pair_rows(y, x, group, group + tiles, bias, m, n, N, K, x_stride);
                 pair_rows(y, x, group + 2 * tiles, group + 3 * tiles, bias, m, n + 32, N, K,
@@ -181,7 +147,7 @@ void linear_amx(uint16_t *y, const uint16_t *x, const uint16_t *packed, const ui
             for (; m < M; m += 16) {
                 const int rows = M - m < 16 ? (int)(M - m) : 16;
                 if (rows != configured) {
-                    configure(rows);
+                    amx_configure(rows);
                     configured = rows;
                 }
                 group_rows(y, x, group, bias, m, rows, n, N, K, x_stride);
@@ -193,8 +159,6 @@ void linear_amx(uint16_t *y, const uint16_t *x, const uint16_t *packed, const ui
 }
 
 #else
-
-int linear_amx_init(void) { return 0; }
 
 void linear_amx(uint16_t *y, const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                 int64_t M, int64_t K, int64_t N, int64_t x_stride, int num_threads) {

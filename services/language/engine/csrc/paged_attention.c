@@ -28,6 +28,7 @@
  * Tasks run on OpenMP threads; built against torch's own libgomp, they share
  * its thread pool.
  */
+#include "amx.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -348,44 +349,16 @@ int paged_decode_attention(void *out, const void *q, const void *keys, const voi
  * tiles AMX multiplies (keys transposed: a tile's row r holds dimensions 2r and
  * 2r + 1 of 16 keys; values: row r holds keys 2r and 2r + 1 of 16 dimensions).
  * Then each task, one query head and 16 query tokens, computes its scores S = q
- * k^T (tile 0, 16 keys at a time, summed over head_dim in 32-wide tiles), the
+ * k^T (16 keys a tile, summed over head_dim in 32-wide tiles; at head_dim 64 the
+ * queries stay in two tiles and two key blocks go at once), the
  * softmax of each row in float32 (its keys up to the token's position), rounds
  * the exponentials to bfloat16 (as SDPA's CPU kernel rounds them before they
  * weigh the values) and sums P v in tiles 0-3, 64 output dimensions at a time,
  * dividing by each row's sum at the end. Sums in another order than SDPA's:
  * within bfloat16 rounding of them. head_dim must be a multiple of 64.
- * Returns 0, -1 when out of memory, -2 where the build has no AMX. */
+ * Returns 0, -1 when out of memory, -2 where the build has no AMX (amx_init()
+ * says 0 there, and the engine never calls it). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#include <sys/syscall.h>
-#include <unistd.h>
-
-int prefill_attention_amx_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-struct tile_config {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* tiles 0-3 (scores, or the output's sums) and 4 (queries, or weights): `rows`
- * rows; tiles 5-7 (keys or values): 16 rows; every row 64 bytes */
-static void configure_tiles(int rows) {
-    struct tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = (uint8_t)(t < 5 ? rows : 16);
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* KV head h's keys [dim block][16-key block] and values [32-key block][16-dim
  * block] as tiles (a tile's elements as 16 x 16 pairs, one 32-bit word each);
@@ -564,7 +537,7 @@ int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys
             const int64_t h = task / blocks, i0 = (task % blocks) * 16;
             const int rows = n - i0 < 16 ? (int)(n - i0) : 16;
             if (rows != configured) {
-                configure_tiles(rows);
+                amx_configure(rows);
                 configured = rows;
             }
             const int64_t kv = h / group;
@@ -581,8 +554,6 @@ int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys
 }
 
 #else
-
-int prefill_attention_amx_init(void) { return 0; }
 
 int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys,
                           const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
