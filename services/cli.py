@@ -265,6 +265,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         cuda_graphs=not args.no_cuda_graphs,
         prefix_caching=not args.no_prefix_caching,
         threads_while_encoding=getattr(args, "threads_while_encoding", 0),
+        decode_threads=args.decode_threads,
     )
 
 

@@ -178,6 +178,13 @@ def add_engine(p: argparse.ArgumentParser) -> None:
         help="auto: FlashInfer on CUDA; on CPU in float32 or bfloat16 the compiled paged "
         "decode kernel (built on first use with the machine's C compiler), else torch (SDPA)",
     )
+    field_option(
+        p,
+        EngineConfig,
+        "decode_threads",
+        help="OpenMP threads of a step that only decodes (0: all; fewer leave cores to the "
+        "processes that stream the tokens, where they share the engine's)",
+    )
     p.add_argument(
         "--no-cuda-graphs",
         action="store_true",
@@ -227,6 +234,7 @@ def engine_args(args: argparse.Namespace) -> list[str]:
         *("--max-num-seqs", str(args.max_num_seqs)),
         *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
         *("--attention", args.attention),
+        *("--decode-threads", str(args.decode_threads)),
         *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
         *(["--no-prefix-caching"] if args.no_prefix_caching else []),
     ]

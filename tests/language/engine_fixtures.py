@@ -32,6 +32,7 @@ def make_engine(
     ops: str = "auto",
     cuda_graphs: bool = True,
     prefix_caching: bool = True,
+    decode_threads: int = 0,
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
     return LLMEngine(
@@ -49,6 +50,7 @@ def make_engine(
             ops=ops,
             cuda_graphs=cuda_graphs,
             prefix_caching=prefix_caching,
+            decode_threads=decode_threads,
         ),
     )
 

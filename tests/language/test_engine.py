@@ -278,6 +278,39 @@ def test_steps_run_on_fewer_threads_while_the_vision_side_encodes(tiny_checkpoin
     assert tokens([*first, *second, *rest["t"]]) == tokens(want["t"])
 
 
+def test_decode_steps_run_on_the_decode_threads_and_prompts_on_all(
+    tiny_checkpoint: Path,
+) -> None:
+    """EngineConfig.decode_threads: a step that only decodes runs on that many
+    OpenMP threads, a step with a prompt in it on all of them (here 2); the
+    outputs do not change."""
+
+    def request(i: int) -> Request:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        return make_request(tiny_checkpoint, f"d{i}", chat("Hello " * (i + 1)), [], params)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = run_to_completion(make_engine(tiny_checkpoint), [request(0), request(1)])
+        engine = make_engine(tiny_checkpoint, decode_threads=1)
+        got: dict[str, list[Any]] = {}
+        seen = []  # (the step has a prompt, its threads)
+        for step in range(6):
+            if step < 2:
+                engine.add_request(request(step))  # the second joins a decode step
+            outputs, stats = engine.step()
+            seen.append((stats.num_tokens > stats.num_generated, torch.get_num_threads()))
+            for output in outputs:
+                got.setdefault(output.request_id, []).append(output)
+        for request_id, outputs in run_to_completion(engine, []).items():
+            got[request_id] += outputs
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [(True, 2), (True, 2), (False, 1), (False, 1), (False, 1), (False, 1)]
+    assert {r: tokens(o) for r, o in got.items()} == {r: tokens(o) for r, o in want.items()}
+
+
 def test_step_stats_count_every_generated_token(tiny_checkpoint: Path) -> None:
     engine = make_engine(tiny_checkpoint, max_num_batched_tokens=16)  # chunked prefills too
     requests = [

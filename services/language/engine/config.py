@@ -48,6 +48,11 @@ class EngineConfig:
     # (0: all of them). Where the vision tower runs on the same cores (`epd serve` on
     # one host), the two then split the cores instead of contending for all of them.
     threads_while_encoding: int = 0
+    # OpenMP threads of a step that only decodes (0: all). `epd serve` on a small
+    # host may leave a core to the processes that stream the tokens: on the small
+    # demo (2 cores) one thread decodes as fast there as two, which stall on every
+    # parallel region when the front end takes a core (docs/performance.md)
+    decode_threads: int = 0
 
 
 def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> str:

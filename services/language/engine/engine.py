@@ -209,6 +209,7 @@ class LLMEngine:
         # run on config.threads_while_encoding threads (read by `step`, on its thread)
         self.encoding = False
         self._threads = torch.get_num_threads()
+        self._decode_threads = min(config.decode_threads or self._threads, self._threads)
 
     def _model(
         self, weights: dict[str, torch.Tensor], device: torch.device
@@ -364,6 +365,7 @@ class LLMEngine:
             self.vision.encode_pending(self.scheduler.waiting)
         hits = self.blocks.num_hit_tokens
         batch = ModelRunner.order(self.scheduler.schedule())
+        self._pace_threads(batch)
         _mark_started(batch, time.monotonic())
         cached = self.blocks.num_hit_tokens - hits
         lost = [
@@ -384,12 +386,16 @@ class LLMEngine:
         outputs, stats = self.postprocess(batch, samples)
         return lost + outputs, replace(stats, num_cached_tokens=cached)
 
-    def _pace_threads(self) -> None:
-        """The step's OpenMP threads: fewer while the vision side computes for us
-        (config.threads_while_encoding), else all. torch.set_num_threads holds for
-        the calling thread, which is the one that steps."""
+    def _pace_threads(self, batch: Sequence[Scheduled] = ()) -> None:
+        """The step's OpenMP threads: all, or config.decode_threads for a batch
+        that only decodes, and at most config.threads_while_encoding while the
+        vision side computes for us. torch.set_num_threads holds for the calling
+        thread, which is the one that steps."""
+        decodes = bool(batch) and sum(s.num_tokens for s in batch) == len(batch)
+        threads = self._decode_threads if decodes else self._threads
         fewer = self.config.threads_while_encoding
-        threads = fewer if self.encoding and fewer else self._threads
+        if self.encoding and fewer:
+            threads = min(threads, fewer)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
