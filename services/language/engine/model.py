@@ -210,15 +210,24 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVLayer,
         attention: AttentionBackend,
-    ) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add(
-            x, self.self_attn(self.input_layernorm(x), cos, sin, cache, attention)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states are `residual + x` (x alone where residual is None):
+        the last layer's residual add is done with this layer's first norm, in one
+        pass where the fused ops run (vLLM's layers do the same). Returns (this
+        layer's MLP output, the residual it adds to)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add(residual, x)
+        residual, h = self.post_attention_layernorm.add(
+            residual, self.self_attn(h, cos, sin, cache, attention)
         )
-        return x + self.mlp(h)
+        return self.mlp(h), residual
 
 
 # each fused projection and the checkpoint's projections it stacks, in order
@@ -293,10 +302,11 @@ class LanguageModel(nn.Module):
         deepstack: Deepstack | None = None,
     ) -> torch.Tensor:
         """embeds [T, hidden] -> final normed hidden states [T, hidden]."""
-        x = embeds
+        x, residual = embeds, None
         levels = deepstack.values.shape[1] if deepstack is not None else 0
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            x = layer(x, cos, sin, cache, attention)
+            x, residual = layer(x, residual, cos, sin, cache, attention)
             if deepstack is not None and i < levels:
+                x, residual = x + residual, None
                 x[deepstack.offsets] = x[deepstack.offsets] + deepstack.values[:, i]
-        return self.norm(x)
+        return self.norm(x) if residual is None else self.norm.add(residual, x)[1]
