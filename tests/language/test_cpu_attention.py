@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.language.engine import config, cpu_kernels
-from services.language.engine.attention import TorchAttention
+from services.language.engine.attention import TorchAttention, write_kv
 from services.language.engine.config import attention_backend, linear_backend, ops_backend
 from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
 
@@ -183,6 +183,49 @@ def test_a_decode_reads_only_its_own_pages(kernel: cpu_kernels.Kernel) -> None:
         (cache[0], cache[1]),
     )
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", ["mixed", "decode-edges"])
+def test_the_kv_writer_writes_what_index_copy_writes(step: str, dtype: torch.dtype) -> None:
+    """k and v as a split of a fused QKV projection leaves them (each token's heads
+    side by side, tokens a whole QKV row apart): the compiled writer fills the
+    same cache rows with the same bits as the index_copy_ path; a k whose heads
+    are not side by side (a transposed view) takes that path."""
+    writer = cpu_kernels.kv_writer()
+    assert writer is not None, "no C compiler"
+    kv_heads, dim, page = 2, 64, 16
+    q_lens, seq_lens = CASES[step]
+    meta = paged_metadata(q_lens, seq_lens, page, torch.device("cpu"), seed=5)
+    tokens = len(meta.slot_mapping)
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * dim).to(dtype)
+    _, k, v = qkv.split([4 * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    want = torch.zeros(2, NUM_PAGES, page, kv_heads, dim, dtype=dtype)
+    got = torch.zeros_like(want)
+    write_kv((want[0], want[1]), k, v, meta)
+    write_kv((got[0], got[1]), k, v, meta, writer)
+    assert torch.equal(
+        got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
+    assert int((got != 0).any(dim=(-1, -2)).sum()) == tokens * 2  # those rows, no others
+    heads_apart = torch.randn(kv_heads, tokens, dim).to(dtype).transpose(0, 1)
+    again = torch.zeros_like(want)
+    write_kv((again[0], again[1]), heads_apart, v, meta, writer)
+    write_kv((want[0], want[1]), heads_apart, v, meta)
+    assert torch.equal(again, want)
+
+
+def test_the_kv_writer_refuses_a_slot_outside_the_cache() -> None:
+    writer = cpu_kernels.kv_writer()
+    assert writer is not None, "no C compiler"
+    meta = paged_metadata([1, 1], [3, 20], 16, torch.device("cpu"), seed=1)
+    meta.slot_mapping[1] = NUM_PAGES * 16  # one past the last row
+    cache = torch.zeros(2, NUM_PAGES, 16, 2, 64)
+    with pytest.raises(IndexError, match="outside the cache"):
+        write_kv((cache[0], cache[1]), torch.ones(2, 2, 64), torch.ones(2, 2, 64), meta, writer)
+    assert not cache.any()  # nothing written, not even the first row
 
 
 def test_built_once_then_loaded_from_the_cache(

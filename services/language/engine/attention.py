@@ -51,11 +51,46 @@ class AttentionBackend(Protocol):
         ...
 
 
-def write_kv(cache: KVLayer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+def write_kv(
+    cache: KVLayer,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kernel: Kernel | None = None,
+) -> None:
     """Appends k/v [T, kv_heads, dim] at their slots, as rows of the keys and the
-    values seen as [pages * page_size, kv_heads * dim] (index_copy_ of whole rows:
-    several times faster on CPU than assigning through advanced indexing)."""
+    values seen as [pages * page_size, kv_heads * dim]: with `kernel`
+    (cpu_kernels.kv_writer) one memcpy a row where each token's heads lie side by
+    side (as a split of the fused QKV projection leaves them), else index_copy_ of
+    whole rows (several times faster on CPU than assigning through advanced
+    indexing)."""
     slots = meta.slot_mapping
+    keys, values = cache
+    if (
+        kernel is not None
+        and slots.device.type == "cpu"
+        and keys.is_contiguous()
+        and values.is_contiguous()
+        and k.dtype == v.dtype == keys.dtype == values.dtype
+        and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
+    ):
+        width = k.shape[1] * k.shape[2]
+        failed = kernel(
+            keys.data_ptr(),
+            values.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            slots.data_ptr(),
+            len(slots),
+            keys.numel() // width,
+            width,
+            k.stride(0),
+            v.stride(0),
+            k.element_size(),
+        )
+        if failed:
+            raise IndexError("a KV slot lies outside the cache")
+        return
     for half, new in zip(cache, (k, v), strict=True):
         half.view(-1, new.shape[1] * new.shape[2]).index_copy_(
             0, slots, new.reshape(len(slots), -1)
@@ -82,10 +117,12 @@ class TorchAttention:
         scale: float,
         decode_kernel: Kernel | None = None,
         prefill_kernel: Kernel | None = None,
+        kv_writer: Kernel | None = None,
     ) -> None:
         self.scale = scale
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        self.kv_writer = kv_writer
         self.meta: AttentionMetadata | None = None
         self._prefill_pages: list[torch.Tensor] = []
         self._decode_pages: torch.Tensor | None = None
@@ -103,9 +140,8 @@ class TorchAttention:
             self._decode_pages = self._decode_lens = self._decode_mask = None
             return
         max_pages = max(len(meta.block_tables[i]) for i in decodes)
-        pages = torch.zeros(len(decodes), max_pages, dtype=torch.long)
-        for row, i in enumerate(decodes):
-            pages[row, : len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i])
+        tables = (meta.block_tables[i] for i in decodes)
+        pages = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.long)
         lens = torch.tensor([meta.seq_lens[i] for i in decodes])
         self._decode_pages = pages.to(device)  # [decodes, max_pages], padded with page 0
         self._decode_lens = lens  # the kernel's, on the host
@@ -125,7 +161,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         meta = self.meta
         assert meta is not None, "plan() first"
-        write_kv(cache, k, v, meta)
+        write_kv(cache, k, v, meta, self.kv_writer)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         starts = meta.query_start_loc
         in_kernel = meta.num_prefills > 0 and self._prefills_in_kernel(q, cache)

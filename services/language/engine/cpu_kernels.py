@@ -148,6 +148,19 @@ def paged_decode_attention() -> Kernel | None:
 
 
 @functools.cache
+def kv_writer() -> Kernel | None:
+    """csrc/paged_attention.c's write_kv (a step's keys and values into the cache's
+    rows, any dtype), or None where the library cannot be built."""
+    library = _attention_library()
+    if library is None:
+        return None
+    kernel = library.write_kv
+    kernel.restype = _int
+    kernel.argtypes = [_ptr] * 5 + [_i64] * 6
+    return kernel
+
+
+@functools.cache
 def prefill_attention_amx() -> Kernel | None:
     """csrc/paged_attention.c's prefill kernel (bfloat16, AMX), or None where it
     cannot be built, this CPU has no AMX-BF16 or the process gets no AMX state."""

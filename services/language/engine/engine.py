@@ -22,6 +22,7 @@ from services.language.engine.config import (
 from services.language.engine.cpu_kernels import (
     amx_linear,
     fused_ops,
+    kv_writer,
     linear_kernel,
     paged_decode_attention,
     prefill_attention_amx,
@@ -255,7 +256,7 @@ class LLMEngine:
         if backend != "cpu":
             return TorchAttention(scale)
         prefill = prefill_attention_amx() if self.config.dtype == torch.bfloat16 else None
-        return TorchAttention(scale, paged_decode_attention(), prefill)
+        return TorchAttention(scale, paged_decode_attention(), prefill, kv_writer())
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         check_fits(self.config, num_prompt_tokens, max_tokens)
