@@ -23,16 +23,26 @@ from services.language.engine.request import Request
 from services.language.engine.scheduler import Scheduled
 
 
-def _positions(request: Request, start: int, end: int) -> torch.Tensor:
-    """[3, end - start] positions of tokens [start, end) of a request."""
+def _positions(request: Request, start: int, end: int) -> torch.Tensor | range:
+    """Positions of tokens [start, end) of a request: [3, end - start], or, past
+    the prompt (every decode), the range of the one position all three axes share
+    there (a step's ranges become one tensor in `_stacked`, not one each)."""
     prompt = request.num_prompt_tokens
-    parts = []
-    if start < prompt:
-        parts.append(request.positions[:, start : min(end, prompt)])
-    if end > prompt:
-        beyond = torch.arange(max(start, prompt), end) + request.mrope_delta
-        parts.append(beyond.expand(3, -1))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if start >= prompt:
+        return range(start + request.mrope_delta, end + request.mrope_delta)
+    part = request.positions[:, start : min(end, prompt)]
+    if end <= prompt:
+        return part
+    beyond = torch.arange(prompt, end) + request.mrope_delta
+    return torch.cat([part, beyond.expand(3, -1)], dim=1)
+
+
+def _stacked(parts: list[torch.Tensor | range]) -> torch.Tensor:
+    """[3, T]: the step's requests' positions side by side."""
+    if all(isinstance(p, range) for p in parts):
+        return torch.tensor([i for p in parts for i in p]).expand(3, -1)
+    tensors = [p if isinstance(p, torch.Tensor) else torch.tensor(p).expand(3, -1) for p in parts]
+    return torch.cat(tensors, dim=1)
 
 
 class ModelRunner:
@@ -117,7 +127,7 @@ class ModelRunner:
         """Input embeddings [T, hidden], positions [3, T] and the deepstack features
         of the image tokens this step computes (chunked prefill may split an image)."""
         ids: list[int] = []
-        positions = []
+        positions: list[torch.Tensor | range] = []
         # flat offsets and embeddings of the image tokens this step computes, per
         # request; with deepstack, their offsets and features
         offsets: list[torch.Tensor] = []
@@ -152,7 +162,7 @@ class ModelRunner:
             deepstack = Deepstack(
                 torch.cat(deep_offsets).to(self.device), deep.unflatten(1, (-1, embeds.shape[1]))
             )
-        return embeds, torch.cat(positions, dim=1).to(self.device), deepstack
+        return embeds, _stacked(positions).to(self.device), deepstack
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled]) -> torch.Tensor:
