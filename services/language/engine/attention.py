@@ -71,6 +71,10 @@ def write_kv(
         and slots.device.type == "cpu"
         and keys.is_contiguous()
         and values.is_contiguous()
+        and slots.dtype == torch.long
+        and slots.is_contiguous()
+        and k.shape == v.shape
+        and k.shape[0] == len(slots)
         and k.dtype == v.dtype == keys.dtype == values.dtype
         and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (k, v))
     ):

@@ -217,7 +217,7 @@ class DecoderLayer(nn.Module):
         attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states are `residual + x` (x alone where residual is None):
-        the last layer's residual add is done with this layer's first norm, in one
+        the previous layer's residual add is done with this layer's first norm, in one
         pass where the fused ops run (vLLM's layers do the same). Returns (this
         layer's MLP output, the residual it adds to)."""
         if residual is None:
