@@ -361,8 +361,8 @@ class LLMEngine:
         )
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
-        self._pace_threads()
-        if self.vision is not None:
+        if self.vision is not None:  # the tower's threads, as a prompt step's
+            self._pace_threads()
             self.vision.encode_pending(self.scheduler.waiting)
         hits = self.blocks.num_hit_tokens
         batch = ModelRunner.order(self.scheduler.schedule())

@@ -33,8 +33,7 @@ def _positions(request: Request, start: int, end: int) -> torch.Tensor | range:
     part = request.positions[:, start : min(end, prompt)]
     if end <= prompt:
         return part
-    beyond = torch.arange(prompt, end) + request.mrope_delta
-    return torch.cat([part, beyond.expand(3, -1)], dim=1)
+    return _stacked([part, range(prompt + request.mrope_delta, end + request.mrope_delta)])
 
 
 def _stacked(parts: list[torch.Tensor | range]) -> torch.Tensor:
