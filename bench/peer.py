@@ -17,8 +17,15 @@ them the peer must already be serving at `--peer-url`). Workloads (issue 14's):
 - probe: the image workload again with one-token text probes beside it (2/s,
   Poisson): what a short text request waits behind a burst of images.
 
-Then, for the stack's own cost: the language engine alone, in this process, on
-the text workload's prompts, 16 at a time (EPD's output tokens/s over it).
+Then, for each stack's own cost: the language engine alone, in this process, on
+the text workload's prompts, 16 at a time (EPD's output tokens/s over it); and,
+given `--peer-engine-alone`, the peer's engine alone on the same token ids: a
+shell command with `{checkpoint}`, `{prompts}` (a JSON file of token id lists),
+`{output_len}` and `{concurrency}` that prints a line {"output_tok_s": ...}
+(bench/vllm_engine_alone.py is vLLM's, run by its Python):
+
+    --peer-engine-alone '/work/peer/venv/bin/python bench/vllm_engine_alone.py \
+        {checkpoint} {prompts} {output_len} {concurrency}'
 
 Prints each figure and EPD's ratio to the peer; `--json` writes every summary,
 `--doc` writes the table into docs/performance.md as its "vs vLLM" section for
@@ -51,7 +58,8 @@ from services.cli import build_parser
 from services.language.engine.config import EngineConfig
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
-from services.model.tokenizer import build_prompt
+from services.model.spec import load_spec
+from services.model.tokenizer import build_prompt, load_tokenizer
 from services.wire.dtypes import resolve_dtype
 
 CONCURRENCY = 16
@@ -97,10 +105,19 @@ def drive(base_url: str, quick: bool) -> dict[str, Any]:
     return out
 
 
-def engine_alone(checkpoint: Path, workload: Workload, dtype: str) -> float:
+def prompt_ids(checkpoint: Path, workload: Workload) -> list[list[int]]:
+    """The workload's prompts as the servers see them: chat template and tokens."""
+    tokenizer, spec = load_tokenizer(checkpoint), load_spec(checkpoint)
+    return [
+        build_prompt(tokenizer, spec, r.body["messages"], []).token_ids
+        for r in build_requests(workload, "engine")
+    ]
+
+
+def engine_alone(checkpoint: Path, ids: list[list[int]], output_len: int, dtype: str) -> float:
     """Output tokens/s of the language engine alone (`epd serve`'s engine settings
-    and dtype, no gRPC, gateway or client) on the workload's prompts, as many at
-    a time as the client keeps in flight."""
+    and dtype, no gRPC, gateway or client) on these prompts, as many at a time as
+    the client keeps in flight."""
     engine = load_engine(
         checkpoint,
         EngineConfig(
@@ -108,11 +125,29 @@ def engine_alone(checkpoint: Path, workload: Workload, dtype: str) -> float:
         ),
     )
     engine.warm_up()
-    ids = [
-        build_prompt(engine.tokenizer, engine.spec, r.body["messages"], []).token_ids
-        for r in build_requests(workload, "engine")
-    ]
-    return engine_tokens_per_second(engine, ids, workload.output_len)
+    return engine_tokens_per_second(engine, ids, output_len)
+
+
+def peer_engine_alone(
+    command: str, checkpoint: Path, ids: list[list[int]], output_len: int
+) -> float:
+    """The peer's engine alone on the same prompts: `command` (see the module's
+    docstring) prints a line {"output_tok_s": ...} (the last such line counts:
+    the peer may log more after it)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as prompts:
+        json.dump(ids, prompts)
+        prompts.flush()
+        line = command.format(
+            checkpoint=shlex.quote(str(checkpoint)),
+            prompts=shlex.quote(prompts.name),
+            output_len=output_len,
+            concurrency=CONCURRENCY,
+        )
+        out = subprocess.run(line, shell=True, check=True, stdout=subprocess.PIPE, text=True)
+    figures = [ln for ln in out.stdout.splitlines() if ln.startswith('{"output_tok_s"')]
+    if not figures:
+        raise ValueError(f'no {{"output_tok_s": ...}} line in its output:\n{out.stdout}')
+    return float(json.loads(figures[-1])["output_tok_s"])
 
 
 def p(summary: dict[str, Any], metric: str, q: str) -> float:
@@ -165,12 +200,22 @@ def ratio(epd: dict[str, float], peer: dict[str, float], name: str) -> str:
     return f"{epd[name] / peer[name]:.2f}x" if peer[name] else "-"
 
 
-def stack_cost(result: dict[str, Any]) -> str:
-    stack, alone = result["text"]["output_throughput"], result["engine_alone_tok_s"]
-    return (
-        f"EPD's stack on the text workload: {stack:.1f} output tok/s, its engine alone "
-        f"{alone:.1f} ({stack / alone:.2f}x)"
-    )
+def stack_cost(results: dict[str, Any], peer_name: str) -> str:
+    """Each server's text output tokens/s over its engine's alone (the peer's
+    where it was measured), and the engines alone side by side."""
+    parts = []
+    for who, name in (("epd", "EPD"), ("peer", peer_name)):
+        alone = results[who].get("engine_alone_tok_s")
+        if alone:
+            stack = results[who]["text"]["output_throughput"]
+            parts.append(
+                f"{name}'s stack on the text workload: {stack:.1f} output tok/s, its engine "
+                f"alone {alone:.1f} ({stack / alone:.2f}x)"
+            )
+    if results["peer"].get("engine_alone_tok_s"):
+        engines = results["epd"]["engine_alone_tok_s"] / results["peer"]["engine_alone_tok_s"]
+        parts.append(f"the engines alone, EPD / {peer_name}: {engines:.2f}x")
+    return "; ".join(parts)
 
 
 def markdown(
@@ -218,6 +263,9 @@ def main() -> None:
     parser.add_argument("--peer-name", default="vLLM")
     parser.add_argument("--peer-start", help="shell command that starts the peer and waits")
     parser.add_argument("--peer-stop", help="shell command that stops the peer")
+    parser.add_argument(
+        "--peer-engine-alone", help="shell command that measures the peer's engine alone"
+    )
     parser.add_argument("--epd-arg", action="append", default=[], help="an `epd serve` flag")
     parser.add_argument("--quick", action="store_true", help="half the requests")
     parser.add_argument("--json", help="write every summary here")
@@ -242,7 +290,8 @@ def main() -> None:
             results["epd"] = drive(url, args.quick) | {"startup_s": startup}
     dtype = build_parser().parse_args(["serve", *epd_args]).dtype  # what `epd serve` ran
     text = workloads(args.quick)["text"]
-    results["epd"]["engine_alone_tok_s"] = engine_alone(checkpoint, text, dtype)
+    ids = prompt_ids(checkpoint, text)
+    results["epd"]["engine_alone_tok_s"] = engine_alone(checkpoint, ids, text.output_len, dtype)
     print(f"  engine alone: {results['epd']['engine_alone_tok_s']:.1f} tok/s", flush=True)
     print(args.peer_name, flush=True)
     started = time.monotonic()
@@ -254,12 +303,20 @@ def main() -> None:
     finally:
         if args.peer_stop:
             shell(args.peer_stop, checkpoint)
+    if args.peer_engine_alone:
+        try:
+            alone = peer_engine_alone(args.peer_engine_alone, checkpoint, ids, text.output_len)
+        except (subprocess.CalledProcessError, ValueError) as exc:  # the rest still reports
+            print(f"  engine alone: failed ({exc})", flush=True)
+        else:
+            results["peer"]["engine_alone_tok_s"] = alone
+            print(f"  engine alone: {alone:.1f} tok/s", flush=True)
 
     epd, peer = figures(results["epd"]), figures(results["peer"])
     print(f"\n{'figure':<22} {'EPD':>10} {args.peer_name:>10} {'EPD/peer':>9}")
     for name in epd:
         print(f"{name:<22} {epd[name]:>10.2f} {peer[name]:>10.2f} {ratio(epd, peer, name):>9}")
-    cost = stack_cost(results["epd"])
+    cost = stack_cost(results, args.peer_name)
     print(cost)
     if args.doc:
         command = "python -m bench.peer " + shlex.join(sys.argv[1:])

@@ -6,7 +6,9 @@ import base64
 import itertools
 import math
 import statistics
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +209,44 @@ def test_report_of_another_family_goes_to_its_own_page() -> None:
     doc, figures = outputs("qwen3_vl_moe")
     assert (doc.name, figures.name) == ("performance-qwen3_vl_moe.md", "performance-qwen3_vl_moe")
     assert doc.parent == figures.parent == DOC.parent
+
+
+def test_the_peer_engine_alone_command_gets_the_prompts_and_its_figure_is_read(
+    tmp_path: Path,
+) -> None:
+    """--peer-engine-alone's command gets the token ids in a JSON file and the
+    run's numbers through its placeholders; its figure is read from its output's
+    last {"output_tok_s": ...} line, whatever it logs around it."""
+    from bench.peer import CONCURRENCY, peer_engine_alone
+
+    script = tmp_path / "alone.py"
+    script.write_text(
+        "import json, sys\n"
+        "ck, prompts, out_len, conc = sys.argv[1:]\n"
+        "ids = json.load(open(prompts))\n"
+        "print('warming up')\n"
+        "print(json.dumps({'output_tok_s': len(ids) * 1000 + sum(map(len, ids)) * 10"
+        " + int(out_len) + int(conc) / 100, 'checkpoint': ck}))\n"
+        "print('shutting down')\n"
+    )
+    command = f"{sys.executable} {script} {{checkpoint}} {{prompts}} {{output_len}} {{concurrency}}"
+    figure = peer_engine_alone(command, tmp_path / "a checkpoint", [[1, 2, 3], [4]], 64)
+    assert figure == 2 * 1000 + 4 * 10 + 64 + CONCURRENCY / 100
+    with pytest.raises(ValueError, match=r"no .*output_tok_s"):
+        peer_engine_alone("echo loading; echo done", tmp_path, [[1]], 64)
+
+
+def test_the_stack_cost_names_each_server_and_the_engines_side_by_side() -> None:
+    from bench.peer import stack_cost
+
+    epd = {"text": {"output_throughput": 900.0}, "engine_alone_tok_s": 1800.0}
+    peer = {"text": {"output_throughput": 1200.0}, "engine_alone_tok_s": 2000.0}
+    assert stack_cost({"epd": epd, "peer": peer}, "vLLM bf16") == (
+        "EPD's stack on the text workload: 900.0 output tok/s, its engine alone 1800.0 "
+        "(0.50x); vLLM bf16's stack on the text workload: 1200.0 output tok/s, its engine "
+        "alone 2000.0 (0.60x); the engines alone, EPD / vLLM bf16: 0.90x"
+    )
+    without = {"text": {"output_throughput": 1200.0}}
+    assert stack_cost({"epd": epd, "peer": without}, "vLLM") == (
+        "EPD's stack on the text workload: 900.0 output tok/s, its engine alone 1800.0 (0.50x)"
+    )
