@@ -7,7 +7,8 @@ time as the client keeps in flight. Run it with vLLM's own Python:
 
 It sets what ../shared/peers/vllm-cpu.sh sets for the peer's server (Intel
 OpenMP preloaded, OpenMP threads bound to this process's CPUs, none reserved,
-2 GiB of KV cache) unless the environment says otherwise, warms up on the
+2 GiB of KV cache) unless the environment says otherwise, and the server's
+step budget of 2048 tokens (EPD's engine's too), warms up on the
 first CONCURRENCY prompts, times one pass over all of them, and prints a line
 {"output_tok_s": ...}: the same measure as EPD's engine alone
 (bench/engine.py's engine_tokens_per_second).
@@ -62,6 +63,7 @@ def main() -> None:
         dtype=dtype,
         max_model_len=4096,
         max_num_seqs=int(concurrency),
+        max_num_batched_tokens=2048,  # its OpenAI server's CPU default (the LLM class's is 4096)
         limit_mm_per_prompt={"image": 0, "video": 0},
     )
     sampling = SamplingParams(max_tokens=int(output_len), ignore_eos=True, temperature=0.0)
