@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from services.allocator import keep_freed_memory
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
@@ -78,7 +79,9 @@ def hf_tokens_per_second(folder: str, token_ids: list[list[int]], output_len: in
 
 
 def load_engine(folder: Path, config: EngineConfig) -> LLMEngine:
-    """The language engine of a checkpoint, in this process."""
+    """The language engine of a checkpoint, in this process, which keeps its
+    freed memory as `epd serve`'s engine process does (keep_freed_memory)."""
+    keep_freed_memory()
     spec = load_spec(folder)
     return LLMEngine(spec, load_language_weights(folder, spec), load_tokenizer(folder), config)
 

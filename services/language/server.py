@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 
+from services.allocator import keep_freed_memory
 from services.grpc_server import metrics_registry
 from services.instance import InstanceServer
 from services.language.config import LanguageConfig
@@ -74,6 +75,7 @@ class LanguageServer(InstanceServer):
             self.pool, self.ends = self._embedding_receive_side()
             self.receiver = self._receiver(None)
         else:
+            keep_freed_memory()  # a CPU engine's activations (with a GPU: host memory only)
             weights = load_language_weights(config.checkpoint, self.spec, config.dtype)
             decode = self.role is LanguageRole.DECODE
             kv_memory = self._kv_receive_side if decode else device_memory

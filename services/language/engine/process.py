@@ -40,6 +40,7 @@ from subprocess import DEVNULL
 from typing import Any
 
 from services import env, logs
+from services.allocator import keep_freed_memory
 from services.language.engine.async_engine import AbortRequest, AddRequest, Encoding, Going
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import (
@@ -173,6 +174,7 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> None:
     and PARENT_PID."""
     fd, parent = map(int, argv)
     _bound_to(parent)
+    keep_freed_memory()
     conn = Connection(fd)
     start = _get(conn)
     assert isinstance(start, _Start)
