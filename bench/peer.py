@@ -137,16 +137,18 @@ def peer_engine_alone(
     with tempfile.NamedTemporaryFile("w", suffix=".json") as prompts:
         json.dump(ids, prompts)
         prompts.flush()
-        line = command.format(
-            checkpoint=shlex.quote(str(checkpoint)),
+        line = filled(
+            command,
+            checkpoint,
             prompts=shlex.quote(prompts.name),
             output_len=output_len,
             concurrency=CONCURRENCY,
         )
-        out = subprocess.run(line, shell=True, check=True, stdout=subprocess.PIPE, text=True)
-    figures = [ln for ln in out.stdout.splitlines() if ln.startswith('{"output_tok_s"')]
+        run = subprocess.run(line, shell=True, check=True, stdout=subprocess.PIPE, text=True)
+    out = run.stdout
+    figures = [ln for ln in out.splitlines() if ln.startswith('{"output_tok_s"')]
     if not figures:
-        raise ValueError(f'no {{"output_tok_s": ...}} line in its output:\n{out.stdout}')
+        raise ValueError(f'no {{"output_tok_s": ...}} line in its output:\n{out}')
     return float(json.loads(figures[-1])["output_tok_s"])
 
 
@@ -251,8 +253,13 @@ def markdown(
     return "\n".join(lines)
 
 
+def filled(command: str, checkpoint: Path, **fields: Any) -> str:
+    """A --peer-* command with `{checkpoint}` (quoted) and the other fields filled in."""
+    return command.format(checkpoint=shlex.quote(str(checkpoint)), **fields)
+
+
 def shell(command: str, checkpoint: Path) -> None:
-    subprocess.run(command.format(checkpoint=shlex.quote(str(checkpoint))), shell=True, check=True)
+    subprocess.run(filled(command, checkpoint), shell=True, check=True)
 
 
 def main() -> None:
