@@ -30,11 +30,16 @@ print(during.hblks - before.hblks, (after.fordblks - before.fordblks) >> 10)
 """
 
 
-def block(how: str) -> tuple[int, int]:
+def fresh(script: str, how: str) -> list[int]:
+    """The numbers `script` prints, run in a fresh process ("default" or "keep")."""
     out = subprocess.run(
-        [sys.executable, "-c", BLOCK, how], capture_output=True, text=True, check=True
+        [sys.executable, "-c", script, how], capture_output=True, text=True, check=True
     )
-    mapped, kept_kib = map(int, out.stdout.split())
+    return [int(n) for n in out.stdout.split()]
+
+
+def block(how: str) -> tuple[int, int]:
+    mapped, kept_kib = fresh(BLOCK, how)
     return mapped, kept_kib
 
 
@@ -71,12 +76,5 @@ print(ctypes.string_at(text, size.value).decode().count("<heap nr="))
 def test_a_thread_allocates_from_the_same_heap() -> None:
     """An engine on a thread gets its blocks where the thresholds above hold,
     not from an arena of its own."""
-
-    def arenas(how: str) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", ARENAS, how], capture_output=True, text=True, check=True
-        )
-        return int(out.stdout)
-
-    assert arenas("default") > 1
-    assert arenas("keep") == 1
+    assert fresh(ARENAS, "default")[0] > 1
+    assert fresh(ARENAS, "keep")[0] == 1
