@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind
 from services import tracing
 from services.gateway.errors import ApiError, from_grpc
 from services.gateway.request_log import RequestRecord
+from services.gateway.streams import GenerateStreams, StreamedCall
 from services.grpc_server import channel
 from services.proto import (
     broker_pb2,
@@ -38,7 +39,7 @@ from services.proto import (
     language_pb2,
     language_pb2_grpc,
 )
-from services.wire.convert import from_proto, to_proto
+from services.wire.convert import to_proto
 from services.wire.messages import media_key
 from services.wire.request import (
     GenerateComplete,
@@ -131,7 +132,7 @@ class _Helpers:
     instance waiting for data that will never come. (An aborted encode does not:
     the language side aborted it, and its stream says why.)"""
 
-    def __init__(self, stream: grpc.aio.Call) -> None:
+    def __init__(self, stream: StreamedCall) -> None:
         self.stream = stream
         self.tasks: list[asyncio.Task[None]] = []
         self.watched: list[asyncio.Task[None]] = []  # those whose failure ends the stream
@@ -222,6 +223,7 @@ class Backend:
         # or seen served since start.
         self.known_models = set(served_models)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams = GenerateStreams()  # the Generate calls, one stream per instance
 
     async def start(self) -> None:
         """Nothing to start: channels open on first use."""
@@ -242,6 +244,7 @@ class Backend:
         return broker_pb2_grpc.BrokerStub(await self._channel(self.broker_address))
 
     async def close(self) -> None:
+        await self._streams.close()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -366,10 +369,11 @@ class Backend:
             call.record.language = f"{route.language_id}>{route.decode_id}"
             streaming_id, address = route.decode_id, route.decode_address
             request = replace(request, prefill_instance_id=route.language_id)
-        language = language_pb2_grpc.LanguageStub(await self._channel(address))
+        language_channel = await self._channel(address)
+        language = language_pb2_grpc.LanguageStub(language_channel)
         span = tracing.start("gateway.generate", kind=CLIENT, language=streaming_id)
         with tracing.current(span):  # the calls and helpers below carry it
-            stream = language.Generate(to_proto(request), timeout=self.generate_timeout_s)
+            stream = self._streams.call(address, language_channel, request, self.generate_timeout_s)
             helpers = _Helpers(stream)
             prefilling = helpers.add(self._prefill(to_prefill, route)) if route.decode_id else None
             if call.media:
@@ -377,8 +381,7 @@ class Backend:
         finished = produced = False
         ends = 0  # choices complete: with every one in, a consumer that stops aborts nothing
         try:
-            async for pb in stream:
-                response = from_proto(GenerateResponse, pb)
+            async for response in stream:
                 if isinstance(response.kind, GenerateError):
                     raise ApiError(500, f"language instance: {response.kind.message}")
                 if prefilling is not None:

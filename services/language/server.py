@@ -100,7 +100,7 @@ class LanguageServer(InstanceServer):
             on_kv_received=partial(self._kv_observed, "received"),
         )
         self._observe()
-        servicer = LanguageServicer(
+        self.servicer = servicer = LanguageServicer(
             self.frontend, self.receiver, self.metrics, config.max_active_requests, self.role
         )
         self.grpc = config.instance.server(
@@ -219,6 +219,10 @@ class LanguageServer(InstanceServer):
         polling = self.receiver.polling
         for end in self.ends.values():
             end.start(busy=lambda: bool(polling))
+
+    async def stop(self) -> None:
+        self.servicer.drain()  # the gateways' streams end once their requests have
+        await super().stop()
 
     async def release(self) -> None:
         await self.engine.stop()

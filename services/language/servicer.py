@@ -3,15 +3,18 @@
 Generate converts its request to the wire dataclasses and runs it through the
 frontend (services/language/frontend.py); in E/P/D a prefill instance serves
 Prefill and a decode instance Generate with the prefill instance named.
+GenerateStream runs many Generate calls on one stream (the gateway's), each
+as its own call would run, their responses batched as they come ready.
 PushEmbeddings is the gRPC data plane (embeddings, or a decode instance's KV
 pages); Abort ends a request wherever it is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -64,6 +67,15 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         # Every request between Generate's start and its end, receiving or generating:
         # a second Generate under a live id is refused without touching the first.
         self._active: set[str] = set()
+        self._streams: set[_GenerateStream] = set()
+        self.draining = False  # stopping: streams take no new request, end once idle
+
+    def drain(self) -> None:
+        """The instance stops: a stream refuses new requests (UNAVAILABLE, as a
+        stopping server refuses calls) and ends once its requests have."""
+        self.draining = True
+        for stream in self._streams:
+            stream.outbox.wake()
 
     async def Generate(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -88,6 +100,24 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 if isinstance(response.kind, GenerateComplete):
                     self.metrics.requests.labels(response.kind.finish_reason).inc()
                 yield to_proto(response)
+
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[language_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[language_pb2.GenerateStreamResponse]:
+        stream = _GenerateStream(self)
+        self._streams.add(stream)
+        reading = asyncio.ensure_future(stream.read(request_iterator))
+        try:
+            while batch := await stream.outbox.take(lambda: stream.done(reading)):
+                yield batch
+        finally:
+            self._streams.discard(stream)
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reading  # a caller that left fails its request iterator
+            await stream.cancel_all()
 
     async def Prefill(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -193,6 +223,124 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         generating = self.engine.has_request(request_id)
         self.engine.abort(request_id)
         return language_pb2.AbortReply(found=receiving or generating)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _CallContext:
+    """What Generate uses of its call's context, for a call on a stream: its
+    metadata, and an abort that ends the call with a status."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.metadata = tuple(metadata)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+
+class _Outbox:
+    """The responses and ends of a stream's calls, taken all at once: the
+    outputs of an engine step reach every call's task before the writer's."""
+
+    def __init__(self) -> None:
+        self.responses: list[language_pb2.GenerateResponse] = []
+        self.ends: list[language_pb2.GenerateEnd] = []
+        self._ready = asyncio.Event()
+
+    def put(self, response: language_pb2.GenerateResponse) -> None:
+        self.responses.append(response)
+        self._ready.set()
+
+    def end(self, request_id: str, code: grpc.StatusCode, message: str = "") -> None:
+        self.ends.append(
+            language_pb2.GenerateEnd(request_id=request_id, code=code.value[0], message=message)
+        )
+        self._ready.set()
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    async def take(self, done: Callable[[], bool]) -> language_pb2.GenerateStreamResponse | None:
+        """What is ready (waiting for something), or None once `done()`."""
+        while not (self.responses or self.ends):
+            if done():
+                return None
+            await self._ready.wait()
+            self._ready.clear()
+        batch = language_pb2.GenerateStreamResponse(responses=self.responses, ends=self.ends)
+        self.responses, self.ends = [], []
+        return batch
+
+
+class _GenerateStream:
+    """One GenerateStream: a task per request, running Generate as its own call would."""
+
+    def __init__(self, servicer: LanguageServicer) -> None:
+        self.servicer = servicer
+        self.outbox = _Outbox()
+        self.calls: dict[str, asyncio.Task[None]] = {}
+
+    def done(self, reading: asyncio.Future[None]) -> bool:
+        """Nothing runs, and nothing more will come (the caller closed its side,
+        or the instance drains)."""
+        return not self.calls and (reading.done() or self.servicer.draining)
+
+    async def read(self, requests: AsyncIterator[language_pb2.GenerateStreamRequest]) -> None:
+        try:
+            async for message in requests:
+                if message.HasField("start"):
+                    self._start(message.start)
+                elif (call := self.calls.get(message.cancel)) is not None:
+                    call.cancel()
+        finally:
+            self.outbox.wake()
+
+    def _start(self, start: language_pb2.GenerateStart) -> None:
+        request_id = start.request.request_id
+        if self.servicer.draining:
+            message = "this language instance is shutting down"
+            self.outbox.end(request_id, grpc.StatusCode.UNAVAILABLE, message)
+        elif request_id in self.calls:
+            message = f"request id {request_id!r} is already in flight on this stream"
+            self.outbox.end(request_id, grpc.StatusCode.ALREADY_EXISTS, message)
+        else:
+            call = asyncio.ensure_future(self._run(start))
+            self.calls[request_id] = call
+            call.add_done_callback(lambda _: self._ended(request_id, call))
+
+    def _ended(self, request_id: str, call: asyncio.Task[None]) -> None:
+        if self.calls.get(request_id) is call:
+            del self.calls[request_id]
+        self.outbox.wake()
+
+    async def _run(self, start: language_pb2.GenerateStart) -> None:
+        request_id = start.request.request_id
+        context = _CallContext(sorted(start.metadata.items()))
+        try:
+            async for response in self.servicer.Generate(start.request, context):  # type: ignore[arg-type]
+                self.outbox.put(response)
+        except _Aborted as exc:
+            self.outbox.end(request_id, exc.code, exc.details)
+        except Exception as exc:  # what a call's handler would end with: UNKNOWN
+            logger.exception("%s: Generate failed", request_id)
+            self.outbox.end(request_id, grpc.StatusCode.UNKNOWN, f"Unexpected {exc!r}")
+        else:
+            self.outbox.end(request_id, grpc.StatusCode.OK)
+
+    async def cancel_all(self) -> None:
+        """The stream ended (the caller left): its calls end as cancelled calls do."""
+        calls = list(self.calls.values())
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
 
 
 class _Generated:

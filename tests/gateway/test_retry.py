@@ -30,9 +30,12 @@ from tests.stack import MODEL, start_broker, start_encoder, start_language
 
 
 class _Cancelling(language_pb2_grpc.LanguageServicer):
-    """Cancels every call before producing anything."""
+    """Cancels every call (the gateway's stream of them) before producing anything."""
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
+
+    async def GenerateStream(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
 
 

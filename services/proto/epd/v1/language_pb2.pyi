@@ -155,6 +155,47 @@ class GenerateResponse(_message.Message):
     index: int
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., complete: _Optional[_Union[GenerateComplete, _Mapping]] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
+class GenerateStart(_message.Message):
+    __slots__ = ("request", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateStreamRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: GenerateStart
+    cancel: str
+    def __init__(self, start: _Optional[_Union[GenerateStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class GenerateEnd(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("responses", "ends")
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    ends: _containers.RepeatedCompositeFieldContainer[GenerateEnd]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[GenerateEnd, _Mapping]]] = ...) -> None: ...
+
 class EmbeddingChunk(_message.Message):
     __slots__ = ("request_id", "start_token", "num_tokens", "encoder_instance_id", "planes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

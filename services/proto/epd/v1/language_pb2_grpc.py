@@ -39,6 +39,11 @@ class LanguageStub:
                 request_serializer=epd_dot_v1_dot_language__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_language__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/epd.v1.Language/GenerateStream',
+                request_serializer=epd_dot_v1_dot_language__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_language__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/epd.v1.Language/Prefill',
                 request_serializer=epd_dot_v1_dot_language__pb2.GenerateRequest.SerializeToString,
@@ -61,6 +66,18 @@ class LanguageServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate calls on one stream, as the gateway makes them: each request
+        starts with its GenerateStart and ends with its GenerateEnd (the status its
+        own Generate call would end with); the responses ready at once (a decode
+        step's tokens of every request) travel in one message. One message per
+        step instead of one per token and request: gRPC's cost per message is paid
+        on both sides (docs/performance.md).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -95,6 +112,11 @@ def add_LanguageServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=epd_dot_v1_dot_language__pb2.GenerateRequest.FromString,
                     response_serializer=epd_dot_v1_dot_language__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=epd_dot_v1_dot_language__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_language__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -139,6 +161,33 @@ class Language:
             '/epd.v1.Language/Generate',
             epd_dot_v1_dot_language__pb2.GenerateRequest.SerializeToString,
             epd_dot_v1_dot_language__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/epd.v1.Language/GenerateStream',
+            epd_dot_v1_dot_language__pb2.GenerateStreamRequest.SerializeToString,
+            epd_dot_v1_dot_language__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
