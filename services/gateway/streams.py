@@ -121,6 +121,11 @@ class _Stream:
     def start(self, request: GenerateRequest, timeout_s: float) -> StreamedCall:
         """The request's call; it carries the current span's context (traceparent)."""
         call = StreamedCall(self, request.request_id, timeout_s)
+        if request.request_id in self.calls:  # the one in flight keeps its responses
+            message = f"request id {request.request_id!r} is already in flight on this stream"
+            call.items.put_nowait(_error(grpc.StatusCode.ALREADY_EXISTS, message))
+            call._end()
+            return call
         self.calls[request.request_id] = call
         start = language_pb2.GenerateStart(request=to_proto(request), metadata=tracing.outgoing())
         self.send(language_pb2.GenerateStreamRequest(start=start))

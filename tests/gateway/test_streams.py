@@ -90,3 +90,17 @@ async def test_a_bad_response_ends_its_request_alone_and_a_broken_stream_ends_al
         assert waiting.items.empty() and not waiting.ended
         waiting.cancel()
     await streams.close()
+
+
+async def test_a_second_call_under_an_id_in_flight_is_refused_and_the_first_goes_on(
+    scripted: tuple[str, bool],
+) -> None:
+    address, _ = scripted
+    streams = GenerateStreams()
+    first = start(streams, address, "twice")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        [r async for r in start(streams, address, "twice")]
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert streams._streams[address].calls["twice"] is first
+    first.cancel()
+    await streams.close()
