@@ -18,12 +18,14 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 
+from services.bench.images import encode_image, random_image
+from services.broker.placement import hrw_weight
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
 from services.ports import free_port
 from services.proto import encoder_pb2_grpc, language_pb2_grpc
 from services.triton.launcher import TritonServer
-from services.wire.messages import Register
+from services.wire.messages import Register, media_key
 from tests.broker.peers import Peer, attach, encoder, language
 from tests.gateway.test_gateway import image_part
 from tests.stack import MODEL, start_broker, start_encoder, start_language
@@ -110,7 +112,7 @@ async def test_requests_routed_to_a_failing_instance_start_again_on_another(
 @pytest_asyncio.fixture(loop_scope="session")
 async def with_a_cancelling_encoder(
     tiny_checkpoint: Path, triton: TritonServer
-) -> AsyncIterator[tuple[GatewayServer, _CancellingEncoder]]:
+) -> AsyncIterator[tuple[GatewayServer, _CancellingEncoder, str]]:
     broker = await start_broker()
     real_language = await start_language(
         tiny_checkpoint, broker, engine=EngineConfig(max_model_len=1024, kv_cache_bytes=32 << 20)
@@ -132,7 +134,7 @@ async def with_a_cancelling_encoder(
         GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0)
     )
     await gateway.start()
-    yield gateway, cancelling
+    yield gateway, cancelling, real_encoder.instance_id
     await gateway.stop()
     await ghost.link.close()
     await server.stop(None)
@@ -140,14 +142,26 @@ async def with_a_cancelling_encoder(
         await s.stop()
 
 
+def _seeds(real_id: str) -> list[int]:
+    """Images whose rendezvous weight the cancelling encoder wins (two) and the real
+    one wins (two): the real encoder's id is new each run, so are its weights."""
+    ghost: list[int] = []
+    real: list[int] = []
+    for seed in range(64):
+        key = media_key(encode_image(random_image(200, 160, seed=seed)))
+        wins = hrw_weight(key, "encoder-ghost") > hrw_weight(key, real_id)
+        (ghost if wins else real).append(seed)
+    return ghost[:2] + real[:2]
+
+
 async def test_images_an_encoder_cancels_go_to_another(
-    with_a_cancelling_encoder: tuple[GatewayServer, _CancellingEncoder],
+    with_a_cancelling_encoder: tuple[GatewayServer, _CancellingEncoder, str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    gateway, cancelling = with_a_cancelling_encoder
+    gateway, cancelling, real_id = with_a_cancelling_encoder
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="-", max_retries=0)
     with caplog.at_level(logging.INFO):
-        for i in range(4):  # other images each time: the broker spreads them over both encoders
+        for i in _seeds(real_id):  # two images the broker places on each encoder
             reply = await client.chat.completions.create(
                 model=MODEL,
                 max_tokens=4,
@@ -156,7 +170,7 @@ async def test_images_an_encoder_cancels_go_to_another(
                 ],
             )
             assert reply.choices[0].finish_reason in ("stop", "length")
-    assert cancelling.calls, "some request was routed to the cancelling encoder"
+    assert cancelling.calls == 2, "the two images it wins were routed to the cancelling encoder"
     failed_over = [r for r in caplog.records if "failing over" in r.getMessage()]
     assert len(failed_over) == cancelling.calls
     served = [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
