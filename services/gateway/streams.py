@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf.message import Message
@@ -97,13 +97,10 @@ _STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 class _Stream:
     """One GenerateStream to a language instance, and the calls on it."""
 
-    def __init__(
-        self, stub: language_pb2_grpc.LanguageStub, on_closed: Callable[[_Stream], None]
-    ) -> None:
+    def __init__(self, stub: language_pb2_grpc.LanguageStub) -> None:
         self.calls: dict[str, StreamedCall] = {}
         self._outgoing: asyncio.Queue[language_pb2.GenerateStreamRequest] = asyncio.Queue()
         self._rpc = stub.GenerateStream()
-        self._on_closed = on_closed
         self.closed = False
         self._writing = asyncio.ensure_future(self._write())
         self._reading = asyncio.ensure_future(self._read())
@@ -153,7 +150,6 @@ class _Stream:
         finally:
             self.closed = True
             self._writing.cancel()
-            self._on_closed(self)
             for call in self.calls.values():
                 call.items.put_nowait(error)
             self.calls.clear()
@@ -178,14 +174,8 @@ class GenerateStreams:
     ) -> StreamedCall:
         stream = self._streams.get(address)
         if stream is None or stream.closed:
-            stream = _Stream(language_pb2_grpc.LanguageStub(channel), self._closed)
-            self._streams[address] = stream
+            stream = self._streams[address] = _Stream(language_pb2_grpc.LanguageStub(channel))
         return stream.start(request, timeout_s)
-
-    def _closed(self, stream: _Stream) -> None:
-        for address, open_stream in list(self._streams.items()):
-            if open_stream is stream:
-                del self._streams[address]
 
     async def close(self) -> None:
         for stream in list(self._streams.values()):

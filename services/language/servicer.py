@@ -106,18 +106,14 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
         request_iterator: AsyncIterator[language_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[language_pb2.GenerateStreamResponse]:
-        stream = _GenerateStream(self)
+        stream = _GenerateStream(self, request_iterator)
         self._streams.add(stream)
-        reading = asyncio.ensure_future(stream.read(request_iterator))
         try:
-            while batch := await stream.outbox.take(lambda: stream.done(reading)):
+            while batch := await stream.outbox.take(stream.done):
                 yield batch
         finally:
             self._streams.discard(stream)
-            reading.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reading  # a caller that left fails its request iterator
-            await stream.cancel_all()
+            await stream.close()
 
     async def Prefill(
         self, request: language_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -283,17 +279,22 @@ class _Outbox:
 class _GenerateStream:
     """One GenerateStream: a task per request, running Generate as its own call would."""
 
-    def __init__(self, servicer: LanguageServicer) -> None:
+    def __init__(
+        self,
+        servicer: LanguageServicer,
+        requests: AsyncIterator[language_pb2.GenerateStreamRequest],
+    ) -> None:
         self.servicer = servicer
         self.outbox = _Outbox()
         self.calls: dict[str, asyncio.Task[None]] = {}
+        self.reading = asyncio.ensure_future(self._read(requests))
 
-    def done(self, reading: asyncio.Future[None]) -> bool:
+    def done(self) -> bool:
         """Nothing runs, and nothing more will come (the caller closed its side,
         or the instance drains)."""
-        return not self.calls and (reading.done() or self.servicer.draining)
+        return not self.calls and (self.reading.done() or self.servicer.draining)
 
-    async def read(self, requests: AsyncIterator[language_pb2.GenerateStreamRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[language_pb2.GenerateStreamRequest]) -> None:
         try:
             async for message in requests:
                 if message.HasField("start"):
@@ -335,8 +336,11 @@ class _GenerateStream:
         else:
             self.outbox.end(request_id, grpc.StatusCode.OK)
 
-    async def cancel_all(self) -> None:
-        """The stream ended (the caller left): its calls end as cancelled calls do."""
+    async def close(self) -> None:
+        """The stream ended (or the caller left): its calls end as cancelled calls do."""
+        self.reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.reading  # a caller that left fails its request iterator
         calls = list(self.calls.values())
         for call in calls:
             call.cancel()

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from services.broker.server import BrokerServer
 from services.gateway.streams import GenerateStreams, StreamedCall
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
@@ -30,15 +31,19 @@ from tests.until import until
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="module")
-async def language(tiny_checkpoint: Path) -> AsyncIterator[LanguageServer]:
-    broker = await start_broker()
-    server = await start_language(
-        tiny_checkpoint,
+async def start(checkpoint: Path, broker: BrokerServer) -> LanguageServer:
+    return await start_language(
+        checkpoint,
         broker,
         transports=(Transport.SHM,),
         engine=EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20),
     )
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def language(tiny_checkpoint: Path) -> AsyncIterator[LanguageServer]:
+    broker = await start_broker()
+    server = await start(tiny_checkpoint, broker)
     yield server
     await server.stop()
     await broker.stop()
@@ -173,12 +178,7 @@ async def test_a_stopping_instance_refuses_new_calls_and_ends_the_stream_once_id
     tiny_checkpoint: Path,
 ) -> None:
     broker = await start_broker()
-    language = await start_language(
-        tiny_checkpoint,
-        broker,
-        transports=(Transport.SHM,),
-        engine=EngineConfig(max_model_len=512, kv_cache_bytes=32 << 20),
-    )
+    language = await start(tiny_checkpoint, broker)
     streams = GenerateStreams()
     try:
         running = call(
