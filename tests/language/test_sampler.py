@@ -308,6 +308,24 @@ def test_a_request_whose_processors_fail_fails_alone() -> None:
     assert isinstance(good_out, Sample)
 
 
+@pytest.mark.parametrize(
+    "params, stop_ids",
+    [
+        (SamplingParams(logit_bias=((3, 1.0), (64, 1.0))), set()),
+        (SamplingParams(min_tokens=2), {7, 70}),
+    ],
+    ids=["bias-past-the-vocabulary", "stop-id-past-the-vocabulary"],
+)
+def test_token_ids_outside_the_row_fail_before_the_device_sees_them(
+    params: SamplingParams, stop_ids: set[int]
+) -> None:
+    """On a GPU an index past the row is a device-side assert that ends every
+    request of the process (seen on an H100); the ids are checked on the host.
+    On the meta device, which checks no index either, the old code went on."""
+    with pytest.raises(IndexError, match=r"outside \[0, 64\)"):
+        apply_processors(torch.zeros(64, device="meta"), params, [1], [], stop_ids)
+
+
 @pytest.mark.gpu
 def test_a_batch_of_every_option_on_cuda_logits() -> None:
     """Written for a GPU, unverified here: seeded draws, every processor and

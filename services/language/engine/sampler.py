@@ -39,8 +39,12 @@ def apply_processors(
     """One request's logits [vocab], in place, in vLLM's order: logit_bias and
     min_tokens, then the penalties. `stop_ids`: the ids min_tokens holds back
     (EOS unless ignored, and the request's stop_token_ids). Every tensor made
-    here is made on the row's device."""
-    device = row.device
+    here is made on the row's device. Token ids are checked against the row on
+    the host: on a GPU an index past it is a device-side assert, which ends
+    every request of the process, not an IndexError that ends this one."""
+    device, vocab = row.device, row.shape[-1]
+    if any(not 0 <= t < vocab for t in (*stop_ids, *(t for t, _ in params.logit_bias))):
+        raise IndexError(f"a token id in logit_bias or the stop tokens is outside [0, {vocab})")
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias, strict=True)
         bias = torch.tensor(biases, dtype=row.dtype, device=device)
