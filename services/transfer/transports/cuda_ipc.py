@@ -40,6 +40,13 @@ def _view(ptr: int, nbytes: int, device: int, dtype: torch.dtype, rows: int) -> 
     return torch.from_dlpack(raw).view(dtype).view(rows, -1)
 
 
+# The planes this process exports, by IPC handle. CUDA refuses to open a handle
+# in the process that made it (cudaErrorDeviceUninitialized, seen on an H100), so
+# a writer whose peer lives in this process (instances started in one test
+# process) copies into the plane itself, as PyTorch's own IPC does.
+_EXPORTED: dict[bytes, torch.Tensor] = {}
+
+
 class CudaIpcMemory(WrittenBeforeDone):
     """Receive-pool memory allocated for export: the pool and its IPC endpoint
     (the writer's copy is synchronised before it sends TransferDone)."""
@@ -61,6 +68,8 @@ class CudaIpcMemory(WrittenBeforeDone):
                 self._ptrs.append(ptr)
                 handles.append(bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr)))
                 tensors.append(_view(ptr, nbytes, self.device_id, layout.dtype, layout.num_rows))
+        self._handles = handles
+        _EXPORTED.update(zip(handles, tensors, strict=True))
         self.pool = EmbeddingPool(layout, tensors)
         self._endpoint = CudaIpcPool(
             plane_handles=tuple(handles),
@@ -74,6 +83,8 @@ class CudaIpcMemory(WrittenBeforeDone):
     def close(self) -> None:
         import cupy
 
+        for handle in self._handles:
+            _EXPORTED.pop(handle, None)
         self.pool.close()
         with cupy.cuda.Device(self.device_id):
             for ptr in self._ptrs:
@@ -110,6 +121,8 @@ class _OpenedPool:
     def _open(self, handle: bytes, nbytes: int) -> torch.Tensor:
         import cupy
 
+        if handle in _EXPORTED:
+            return _EXPORTED[handle]
         ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
         self._ptrs.append(ptr)
         return _view(ptr, nbytes, self.device_id, self.layout.dtype, self.layout.num_rows)
