@@ -9,7 +9,8 @@ import torch
 
 from services.cli import build_parser
 from services.flags import DTYPE_CHOICES, engine_args
-from services.language.engine.config import attention_backend
+from services.language.engine import config
+from services.language.engine.config import attention_backend, moe_backend
 from services.language.engine.cpu_kernels import paged_decode_attention
 from services.serve import StackConfig, components
 from services.wire import dtypes
@@ -70,7 +71,10 @@ def test_every_component_of_a_stack_gets_the_same_dtype(tmp_path: Path) -> None:
     assert mono[0].args[mono[0].args.index("--dtype") + 1] == "bfloat16"
 
 
-def test_float32_on_cuda_falls_back_to_torch_attention(caplog: pytest.LogCaptureFixture) -> None:
+def test_float32_on_cuda_falls_back_to_torch_attention(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(config, "flashinfer_installed", lambda: True)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert attention_backend("auto", torch.bfloat16, cuda) == "flashinfer"
     kernel = "cpu" if paged_decode_attention() is not None else "torch"
@@ -80,6 +84,20 @@ def test_float32_on_cuda_falls_back_to_torch_attention(caplog: pytest.LogCapture
     assert "FlashInfer has no float32 kernels" in caplog.text
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         attention_backend("flashinfer", torch.float32, cuda)
+
+
+def test_cuda_without_flashinfer_falls_back_to_torch(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU host without the `gpu` extra serves, on torch's attention and experts
+    (the H100 lent to this project had no FlashInfer), and says why."""
+    monkeypatch.setattr(config, "flashinfer_installed", lambda: False)
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING"):
+        assert attention_backend("auto", torch.bfloat16, cuda) == "torch"
+        assert moe_backend("auto", torch.float16, cuda) == "torch"
+    assert caplog.text.count("FlashInfer is not installed") == 2
+    assert attention_backend("flashinfer", torch.bfloat16, cuda) == "flashinfer"  # asked for
 
 
 @pytest.mark.parametrize("instance", ["language", "monolithic"])

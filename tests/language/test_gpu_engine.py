@@ -49,12 +49,20 @@ def test_float32_on_cuda_equals_hf(gpu_checkpoint: Path) -> None:
         assert got == hf_greedy(gpu_checkpoint, messages, images, 16)
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
-def test_bfloat16_on_cuda_with_flashinfer_close_to_hf(gpu_checkpoint: Path, graphs: bool) -> None:
+@pytest.mark.parametrize(
+    "attention, graphs",
+    [("flashinfer", True), ("flashinfer", False), ("torch", False)],
+    ids=["flashinfer-cuda-graphs", "flashinfer-eager", "torch"],
+)
+def test_bfloat16_on_cuda_close_to_hf(gpu_checkpoint: Path, attention: str, graphs: bool) -> None:
     """Requests of different lengths in one batch: its decode steps shrink from 3
-    sequences to 2, replayed from the graphs of buckets 4 (one padding row) and 2."""
-    engine = make_engine(gpu_checkpoint, dtype=torch.bfloat16, device="cuda", cuda_graphs=graphs)
-    assert isinstance(engine.runner.attention, FlashInferAttention)
+    sequences to 2, with FlashInfer replayed from the graphs of buckets 4 (one
+    padding row) and 2. Torch's attention serves a GPU without FlashInfer."""
+    engine = make_engine(
+        gpu_checkpoint, dtype=torch.bfloat16, device="cuda", attention=attention, cuda_graphs=graphs
+    )
+    kind = FlashInferAttention if attention == "flashinfer" else TorchAttention
+    assert isinstance(engine.runner.attention, kind)
     engine.warm_up()  # captures the graphs
     if graphs:
         replayed = count_replays(engine)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.language.engine import config
 from services.language.engine.config import moe_backend
 from services.language.engine.cpu_kernels import linear_kernel
 from services.language.engine.linear import KernelExperts, PackedExperts
@@ -29,7 +30,10 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_checkpoint(tmp_path_factory.mktemp("moe"), arch="qwen3_vl_moe")
 
 
-def test_auto_picks_flashinfer_only_on_cuda_in_half_precision() -> None:
+def test_auto_picks_flashinfer_only_on_cuda_in_half_precision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(config, "flashinfer_installed", lambda: True)
     assert moe_backend("auto", torch.float32, CPU) == "torch"
     assert moe_backend("auto", torch.bfloat16, CPU) == "torch"
     assert moe_backend("auto", torch.float32, CUDA) == "torch"

@@ -3,6 +3,7 @@ fused operations, MoE experts) resolve to on this device and dtype."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 
@@ -30,8 +31,8 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     # "torch", "cpu" (torch's, decodes in the compiled paged kernel; float32 or
-    # bfloat16), "flashinfer", or "auto": FlashInfer on CUDA, "cpu" on a CPU in
-    # float32 or bfloat16 where the kernel builds, else torch
+    # bfloat16), "flashinfer", or "auto": FlashInfer on CUDA where it is installed,
+    # "cpu" on a CPU in float32 or bfloat16 where the kernel builds, else torch
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
@@ -55,15 +56,23 @@ class EngineConfig:
     decode_threads: int = 0
 
 
+def flashinfer_installed() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def _auto(choice: str, dtype: torch.dtype, device: torch.device, what: str) -> str:
     """`auto` is FlashInfer on CUDA unless the model is in float32 (FlashInfer's
-    kernels are half precision only), then torch, with a log line."""
+    kernels are half precision only) or FlashInfer is not installed, then torch,
+    with a log line."""
     if choice != "auto":
         return choice
     if device.type != "cuda":
         return "torch"
     if dtype == torch.float32:
         logger.info("float32 on %s: torch %s (FlashInfer has no float32 kernels)", device, what)
+        return "torch"
+    if not flashinfer_installed():
+        logger.warning("FlashInfer is not installed (pip install .[gpu]): torch %s", what)
         return "torch"
     return "flashinfer"
 
