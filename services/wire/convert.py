@@ -132,6 +132,7 @@ def _is_envelope(descriptor: Descriptor) -> bool:
     return kind is not None and len(kind.fields) == len(descriptor.fields)
 
 
+@cache  # a oneof's member is looked up per value: its coder, once
 def _encoder(fd: FieldDescriptor) -> Callable[[Any], Any]:
     if _is_map(fd):
         return dict
@@ -148,6 +149,7 @@ def _encoder(fd: FieldDescriptor) -> Callable[[Any], Any]:
     return lambda value: prefix + value.name
 
 
+@cache
 def _decoder(fd: FieldDescriptor) -> Callable[[Any], Any]:
     if _is_map(fd):
         return lambda raw: tuple(sorted(raw.items()))
