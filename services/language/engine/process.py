@@ -342,6 +342,10 @@ class EngineProcess:
         self.num_kv_pages, self.load = ready.num_kv_pages, ready.load
         self._conn = conn
         asyncio.get_running_loop().add_reader(conn.fileno(), self._receive)
+        # uvloop's reader (libuv's uv_poll_init) makes the socket non-blocking,
+        # and a request larger than its buffer (a large image's embeddings) would
+        # then go half-written; the reader reads only once data is there anyway
+        os.set_blocking(conn.fileno(), True)
 
     async def stop(self) -> None:
         if self._conn is None:
