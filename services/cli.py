@@ -33,7 +33,7 @@ class Service(Protocol):
 def run_until_signalled(make: Callable[[], Service], uvloop: bool = False) -> int:
     """Starts a service, runs it until SIGINT/SIGTERM, stops it cleanly, and
     leaves at once (exit_now). `uvloop`: on uvloop's event loop, as vLLM's API
-    server runs: the gateway spends ~15 % less CPU a request on it (with
+    server runs: the gateway spends ~10 % less CPU a request on it (with
     httptools under uvicorn), a language instance ~6 %; the broker and the
     encoder, whose loops are not busy, gain nothing (docs/performance.md)."""
 
