@@ -297,18 +297,22 @@ class StackConfig:
         return [(f"language-{i}", "both") for i in range(self.num_languages)]
 
     @property
-    def language_threads_while_encoding(self) -> int:
-        """As given, else half this host's CPUs where one language instance shares
-        all of them with the vision side (Triton here, no CPU sets apart), else 0."""
-        if self.threads_while_encoding is not None:
-            return self.threads_while_encoding
-        shared = (
+    def vision_shares_cores(self) -> bool:
+        """Whether one language instance shares all this host's CPUs with the vision
+        side (Triton here, no CPU sets apart)."""
+        return (
             {"triton", "language"} <= set(self.roles)
             and not self.monolithic
             and not (self.encoder_cpus or self.language_cpus)
             and len(self.languages) == 1
         )
-        return max(1, len(os.sched_getaffinity(0)) // 2) if shared else 0
+
+    @property
+    def language_threads_while_encoding(self) -> int:
+        """As given, else half this host's CPUs where the vision side shares them, else 0."""
+        if self.threads_while_encoding is not None:
+            return self.threads_while_encoding
+        return max(1, len(os.sched_getaffinity(0)) // 2) if self.vision_shares_cores else 0
 
     def language_cpus_of(self, index: int) -> str:
         sets = self.language_cpus.split("/")
@@ -408,6 +412,9 @@ def components(config: StackConfig) -> list[Component]:
                 str(metrics),
                 "--dtype",
                 config.dtype,
+                # one request a forward, so that each prompt's prefill overlaps the
+                # next encode (model_repository/vit/configs/shared-cpu.pbtxt)
+                *(["--model-config-name", "shared-cpu"] if config.vision_shares_cores else []),
             ],
             lambda: http_ok(f"http://{LOCAL}:{http}/v2/models/vit/ready"),
             logs / "triton.log",

@@ -1,8 +1,9 @@
 """How `epd serve` has the language engine share one host's cores with the vision
 side: where they share all of them, its engine steps on half the threads while
 its requests await embeddings (--threads-while-encoding) and its OpenMP threads
-spin between its operators (GOMP_SPINCOUNT over the stack's PASSIVE); where the
-cores are set apart, or several language instances share them, neither."""
+spin between its operators (GOMP_SPINCOUNT over the stack's PASSIVE), and Triton
+runs one request a forward (configs/shared-cpu.pbtxt); where the cores are set
+apart, or several language instances share them, none of these."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from services.serve import GOMP_DEFAULT_SPIN_COUNT, Component, StackConfig, comp
 def _language(config: StackConfig) -> Component:
     [language] = [p for p in components(config) if p.name.startswith("language")]
     return language
+
+
+def _triton_config(config: StackConfig) -> str | None:
+    [triton] = [p for p in components(config) if p.name == "triton"]
+    args = triton.args
+    return args[args.index("--model-config-name") + 1] if "--model-config-name" in args else None
 
 
 def _threads_flag(part: Component) -> str | None:
@@ -30,6 +37,7 @@ def test_one_language_instance_on_shared_cores_yields_them_while_encoding(tmp_pa
     language = _language(StackConfig(tmp_path, "m", tmp_path))
     assert _threads_flag(language) == str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert language.spin_count == GOMP_DEFAULT_SPIN_COUNT
+    assert _triton_config(StackConfig(tmp_path, "m", tmp_path)) == "shared-cpu"
     given = _language(StackConfig(tmp_path, "m", tmp_path, threads_while_encoding=3))
     assert _threads_flag(given) == "3"
 
@@ -37,15 +45,15 @@ def test_one_language_instance_on_shared_cores_yields_them_while_encoding(tmp_pa
 def test_cores_set_apart_or_shared_by_two_language_instances_are_left_alone(
     tmp_path: Path,
 ) -> None:
-    for config in (
-        StackConfig(tmp_path, "m", tmp_path, encoder_cpus="0", language_cpus="1"),
-        StackConfig(tmp_path, "m", tmp_path, threads_while_encoding=0),
-    ):
+    apart = StackConfig(tmp_path, "m", tmp_path, encoder_cpus="0", language_cpus="1")
+    for config in (apart, StackConfig(tmp_path, "m", tmp_path, threads_while_encoding=0)):
         language = _language(config)
         assert _threads_flag(language) is None and language.spin_count == 0
-    for part in components(StackConfig(tmp_path, "m", tmp_path, num_languages=2)):
+    two = StackConfig(tmp_path, "m", tmp_path, num_languages=2)
+    for part in components(two):
         if part.name.startswith("language"):
             assert _threads_flag(part) is None and part.spin_count == 0
+    assert _triton_config(apart) is None and _triton_config(two) is None
 
 
 def test_the_spin_count_reaches_the_environment_unless_one_is_given(tmp_path: Path) -> None:

@@ -137,10 +137,45 @@ async def test_bfloat16_tower_and_embeddings(tiny_checkpoint: Path) -> None:
 async def test_concurrent_requests_are_batched_by_triton(
     encoder: EncoderServer, triton: TritonServer
 ) -> None:
+    inferences, executions = await _inferences_and_executions(encoder, triton, seed=300)
+    assert inferences == 8
+    assert executions < inferences
+
+
+async def test_one_request_a_forward_where_the_tower_shares_cores(
+    tiny_checkpoint: Path,
+) -> None:
+    """configs/shared-cpu.pbtxt (`epd serve` on one host's shared cores): concurrent
+    requests each get a forward of their own, and the embeddings their own."""
+    config = TritonConfig(
+        checkpoint=tiny_checkpoint,
+        model_config_name="shared-cpu",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
+    with TritonServer(config) as triton:
+        server = await start_encoder(tiny_checkpoint, triton, limits=LIMITS)
+        try:
+            counts = await _inferences_and_executions(server, triton, seed=310)
+            data = images(1, seed=310)
+            reply = await encoder_stub(server).Encode(encoder_pb2.EncodeRequest(images=data))
+        finally:
+            await server.stop()
+    assert counts == (8, 8)
+    got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
+    assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
+
+
+async def _inferences_and_executions(
+    encoder: EncoderServer, triton: TritonServer, seed: int
+) -> tuple[int, int]:
+    """8 one-image Encode calls at once: how many inferences and executions
+    Triton counted for them."""
     before = triton.statistics()
     stub = encoder_stub(encoder)
     replies = await asyncio.gather(
-        *(stub.Encode(encoder_pb2.EncodeRequest(images=images(1, seed=300 + i))) for i in range(8))
+        *(stub.Encode(encoder_pb2.EncodeRequest(images=images(1, seed=seed + i))) for i in range(8))
     )
     assert all(r.total_tokens > 0 for r in replies)
     # Triton counts an execution once its execute() returns, which may be after
@@ -152,9 +187,7 @@ async def test_concurrent_requests_are_batched_by_triton(
         if inferences >= 8 or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.05)
-    executions = after["execution_count"] - before["execution_count"]
-    assert inferences == 8
-    assert executions < inferences
+    return inferences, after["execution_count"] - before["execution_count"]
 
 
 async def test_repeated_image_is_served_from_the_cache(

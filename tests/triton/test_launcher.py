@@ -34,7 +34,7 @@ def _config(checkpoint: Path, **overrides: object) -> TritonConfig:
     return TritonConfig(checkpoint=checkpoint, **{**ports, **overrides})  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["config.pbtxt", "configs/gpu.pbtxt"])
+@pytest.mark.parametrize("name", ["config.pbtxt", "configs/gpu.pbtxt", "configs/shared-cpu.pbtxt"])
 def test_model_configs_parse_as_triton_model_configs(name: str) -> None:
     config = text_format.Parse(
         (DEFAULT_MODEL_REPOSITORY / "vit" / name).read_text(), model_config_pb2.ModelConfig()
@@ -50,6 +50,17 @@ def test_model_configs_parse_as_triton_model_configs(name: str) -> None:
         else model_config_pb2.ModelInstanceGroup.KIND_CPU
     )
     assert kind == expected
+
+
+def test_the_shared_cpu_config_is_the_cpu_one_one_request_a_forward() -> None:
+    def parse(name: str) -> model_config_pb2.ModelConfig:
+        text = (DEFAULT_MODEL_REPOSITORY / "vit" / name).read_text()
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+    cpu, shared = parse("config.pbtxt"), parse("configs/shared-cpu.pbtxt")
+    assert cpu.max_batch_size > 1 and shared.max_batch_size == 1
+    shared.max_batch_size = cpu.max_batch_size
+    assert shared == cpu
 
 
 def test_missing_model_repository_is_named(tiny_checkpoint: Path, tmp_path: Path) -> None:

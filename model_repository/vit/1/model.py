@@ -1,10 +1,11 @@
 """Triton Python-backend model: the vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint.
 
-One execute() gets every request the dynamic batcher gathered; their patches
-are concatenated, the tower runs once, and the output is split back by
-image_grid_thw. Tensors cross the backend boundary by DLPack: this Triton's
-as_numpy() is wrong under numpy 2. A bad request gets an error response of its
-own; the others in the batch still run.
+One execute() gets every request the dynamic batcher gathered (one with
+configs/shared-cpu.pbtxt, which says why); their patches are concatenated, the
+tower runs once, and the output is split back by image_grid_thw. Tensors cross
+the backend boundary by DLPack: this Triton's as_numpy() is wrong under numpy 2.
+A bad request gets an error response of its own; the others in the batch still
+run.
 """
 
 from __future__ import annotations

@@ -23,11 +23,12 @@
   residual add before the second one included, in csrc/fused_ops.c (HF's is
   seven operators, the add an eighth: 3.8 ms against 0.3 for one norm of 2048
   patches of 768). One 448x448 image a forward, the two towers alternating in
-  one process: the small tower 64 -> 52 ms, the medium one 265 -> 233. Both round differently from HF's operators
-  (another blocking of the GEMM; the norm's sum in another order), so in
-  bfloat16 the tower is close to HF's (tests/language/test_fused_vision.py)
-  rather than equal to it, as the language model in bfloat16 is; float32 keeps
-  HF's projections and norms and stays bit-equal.
+  one process: the small tower 64 -> 52 ms, the medium one 265 -> 233. Both
+  round differently from HF's operators (another blocking of the GEMM; the
+  norm's sum in another order), so in bfloat16 the tower is close to HF's
+  (tests/language/test_fused_vision.py) rather than equal to it, as the
+  language model in bfloat16 is; float32 keeps HF's projections and norms and
+  stays bit-equal.
 """
 
 from __future__ import annotations
