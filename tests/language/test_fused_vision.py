@@ -67,6 +67,11 @@ def _outputs(
     return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
 
 
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius), in float32."""
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grids", GRIDS.values(), ids=GRIDS.keys())
 def test_the_fused_attention_computes_what_hfs_does(
@@ -112,7 +117,7 @@ def test_the_fused_tower_computes_what_hf_does(
     pixels = _pixels(spec, grid, dtype)
     for got, want in zip(_outputs(fused, pixels, grid), _outputs(hf, pixels, grid), strict=True):
         if bf16:
-            error = (got.float() - want.float()).norm() / want.float().norm()
+            error = _relative_error(got, want)
             assert error <= 2**-6, f"relative error {error:.4f}"
         else:
             assert torch.equal(got, want)
@@ -138,7 +143,7 @@ def test_a_fused_block_adds_what_hfs_adds(tiny_checkpoint: Path) -> None:
     with torch.inference_mode():
         want = hf_block(*args, **kwargs) - x
         got = FusedVisionBlock(hf_block, ops)(*args, **kwargs) - x
-    error = (got.float() - want.float()).norm() / want.float().norm()
+    error = _relative_error(got, want)
     assert error <= 2**-6, f"relative error {error:.4f}"
 
 

@@ -34,11 +34,14 @@ def _config(checkpoint: Path, **overrides: object) -> TritonConfig:
     return TritonConfig(checkpoint=checkpoint, **{**ports, **overrides})  # type: ignore[arg-type]
 
 
+def _model_config(name: str) -> model_config_pb2.ModelConfig:
+    text = (DEFAULT_MODEL_REPOSITORY / "vit" / name).read_text()
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
 @pytest.mark.parametrize("name", ["config.pbtxt", "configs/gpu.pbtxt", "configs/shared-cpu.pbtxt"])
 def test_model_configs_parse_as_triton_model_configs(name: str) -> None:
-    config = text_format.Parse(
-        (DEFAULT_MODEL_REPOSITORY / "vit" / name).read_text(), model_config_pb2.ModelConfig()
-    )
+    config = _model_config(name)
     assert config.backend == "python"
     assert [i.name for i in config.input] == ["pixel_values", "image_grid_thw"]
     assert all(i.allow_ragged_batch for i in config.input)
@@ -53,11 +56,7 @@ def test_model_configs_parse_as_triton_model_configs(name: str) -> None:
 
 
 def test_the_shared_cpu_config_is_the_cpu_one_one_request_a_forward() -> None:
-    def parse(name: str) -> model_config_pb2.ModelConfig:
-        text = (DEFAULT_MODEL_REPOSITORY / "vit" / name).read_text()
-        return text_format.Parse(text, model_config_pb2.ModelConfig())
-
-    cpu, shared = parse("config.pbtxt"), parse("configs/shared-cpu.pbtxt")
+    cpu, shared = _model_config("config.pbtxt"), _model_config("configs/shared-cpu.pbtxt")
     assert cpu.max_batch_size > 1 and shared.max_batch_size == 1
     shared.max_batch_size = cpu.max_batch_size
     assert shared == cpu

@@ -132,7 +132,7 @@ class FusedVisionBlock(nn.Module):
         return hidden_states + self.mlp(normed)
 
 
-def _is_rms_norm(norm: nn.Module | None) -> bool:
+def _is_rms_norm(norm: nn.Module) -> bool:
     """Whether `norm` is HF's Qwen2RMSNorm (Qwen2.5-VL's tower), not a LayerNorm
     (Qwen2-VL's, Qwen3-VL's)."""
     return hasattr(norm, "variance_epsilon")
@@ -188,8 +188,9 @@ def fuse_vision_tower(tower: nn.Module) -> int:
                 blocks[i] = FusedVisionBlock(block, ops)
         swapped += len(blocks)
         merger = tower.get_submodule("merger")
-        if bf16 and _is_rms_norm(getattr(merger, "ln_q", None)):
-            merger.ln_q = _fused_norm(merger.get_submodule("ln_q"), ops)
+        ln_q = getattr(merger, "ln_q", None)  # Qwen3-VL's merger has a `norm`
+        if bf16 and ln_q is not None and _is_rms_norm(ln_q):
+            merger.ln_q = _fused_norm(ln_q, ops)
             swapped += 1
     if bf16 and onednn_supports(torch.bfloat16):
         swapped += pack_linears(tower)
