@@ -143,7 +143,12 @@ class _Stream:
                     if (call := self.calls.pop(end.request_id, None)) is not None:
                         call.items.put_nowait(end)
         except grpc.aio.AioRpcError as exc:
-            error = _error(exc.code(), exc.details() or "")
+            # The instance ends a request with its GenerateEnd, never with the stream's
+            # status: a stream that breaks is the instance or the connection gone,
+            # whatever its code (gRPC's client can report INTERNAL "Internal error from
+            # Core" for a stream the instance ended, racing a write of ours).
+            details = f"the stream to the language instance broke: {exc.details()}"
+            error = _error(grpc.StatusCode.UNAVAILABLE, details)
             logger.warning("Generate stream to a language instance broke: %s", exc.details())
         except asyncio.CancelledError:
             error = _error(grpc.StatusCode.CANCELLED, "the gateway is closing")

@@ -23,10 +23,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 class _Scripted(language_pb2_grpc.LanguageServicer):
     """Answers the first two requests on a stream in one message: the first with
     a completion whose finish reason is no FinishReason, the second with a valid
-    one; then breaks the stream if told to."""
+    one; then breaks the stream with `break_code` if it has one."""
 
-    def __init__(self, then_break: bool) -> None:
-        self.then_break = then_break
+    def __init__(self, break_code: grpc.StatusCode | None) -> None:
+        self.break_code = break_code
 
     async def GenerateStream(self, requests: Any, context: grpc.aio.ServicerContext) -> Any:
         ids = []
@@ -49,18 +49,23 @@ class _Scripted(language_pb2_grpc.LanguageServicer):
             ],
             ends=[language_pb2.GenerateEnd(request_id=good)],
         )
-        if self.then_break:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the instance went away")
+        if self.break_code is not None:
+            await context.abort(self.break_code, "the instance went away")
         await asyncio.Event().wait()
 
 
-@pytest_asyncio.fixture(loop_scope="session", params=[False, True], ids=["serving", "breaking"])
+# INTERNAL: what gRPC's client reports where a write was in flight as the stream ended
+@pytest_asyncio.fixture(
+    loop_scope="session",
+    params=[None, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL],
+    ids=["serving", "breaking", "breaking-internal"],
+)
 async def scripted(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, bool]]:
     server = grpc.aio.server()
     language_pb2_grpc.add_LanguageServicer_to_server(_Scripted(request.param), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
-    yield address, request.param
+    yield address, request.param is not None
     await server.stop(None)
 
 
@@ -82,10 +87,11 @@ async def test_a_bad_response_ends_its_request_alone_and_a_broken_stream_ends_al
     assert "not valid" in (info.value.details() or "")
     (response,) = [r async for r in good]
     assert isinstance(response.kind, GenerateComplete)
-    if breaking:  # every call still on the stream ends with its status
+    if breaking:  # every call still on the stream ends UNAVAILABLE, whatever broke it
         with pytest.raises(grpc.aio.AioRpcError) as info:
             [r async for r in waiting]
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the instance went away" in (info.value.details() or "")
     else:
         assert waiting.items.empty() and not waiting.ended
         waiting.cancel()
