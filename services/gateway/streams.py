@@ -149,7 +149,11 @@ class _Stream:
             # Core" for a stream the instance ended, racing a write of ours).
             details = f"the stream to the language instance broke: {exc.details()}"
             error = _error(grpc.StatusCode.UNAVAILABLE, details)
-            logger.warning("Generate stream to a language instance broke: %s", exc.details())
+            logger.warning(
+                "Generate stream to a language instance broke (%s): %s",
+                exc.code().name,
+                exc.details(),
+            )
         except asyncio.CancelledError:
             error = _error(grpc.StatusCode.CANCELLED, "the gateway is closing")
         finally:
