@@ -6,7 +6,8 @@
 
 Changes of a few percent are lost in this machine's run-to-run noise (±25%)
 when each setting runs in its own process at its own time. Here two engines,
-equal but for one EngineConfig field (`linear`, `attention` or `ops`), get the
+equal but for one EngineConfig field (`linear`, `attention`, `ops` or
+`decode_layers`), get the
 same waves of requests and take their steps alternately, so both see the same
 moment of the machine; each decode step is compared with its twin. Prints the
 prefill time and the median decode step of each, and B over A.
@@ -28,7 +29,7 @@ from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.wire.dtypes import resolve_dtype
 
-SETTINGS = ("linear", "attention", "ops")
+SETTINGS = ("linear", "attention", "ops", "decode_layers")
 
 
 def add_wave(engine: LLMEngine, wave: int, prompts: list[list[int]], output_len: int) -> None:

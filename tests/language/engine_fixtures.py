@@ -33,6 +33,7 @@ def make_engine(
     cuda_graphs: bool = True,
     prefix_caching: bool = True,
     decode_threads: int = 0,
+    decode_layers: str = "auto",
 ) -> LLMEngine:
     spec = load_spec(checkpoint)
     return LLMEngine(
@@ -51,6 +52,7 @@ def make_engine(
             cuda_graphs=cuda_graphs,
             prefix_caching=prefix_caching,
             decode_threads=decode_threads,
+            decode_layers=decode_layers,
         ),
     )
 

@@ -201,6 +201,12 @@ class TorchAttention:
                 out[d0:] = self._decode_gathered(q[d0:], cache)
         return out
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The planned step's decodes: their pages [decodes, max_pages] (padded with
+        page 0) and KV lengths [decodes], as the compiled kernel reads them."""
+        assert self._decode_pages is not None and self._decode_lens is not None
+        return self._decode_pages, self._decode_lens
+
     def _prefills_in_kernel(self, q: torch.Tensor, cache: KVLayer) -> bool:
         """Whether this step's prefills go to the AMX kernel: bfloat16, whole 64-wide
         blocks of each head, a token's heads side by side."""

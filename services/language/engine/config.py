@@ -43,6 +43,11 @@ class EngineConfig:
     # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32 or
     # bfloat16), or "auto" ("cpu" on a CPU where the kernels build, else torch)
     ops: str = "auto"
+    # a decode-only step's decoder layers: "python" (layer by layer), "compiled" (in
+    # one C call, cpu_decode.py: bfloat16 projections on AMX, the fused operations and
+    # the compiled paged attention, a dense model without q/k norms), or "auto"
+    # ("compiled" where it runs)
+    decode_layers: str = "auto"
     cuda_graphs: bool = True  # decode steps from CUDA graphs (CUDA with FlashInfer attention)
     prefix_caching: bool = True  # prompts share the KV pages of the text they begin with
     # OpenMP threads of a step while requests of this instance await their embeddings

@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -189,6 +190,10 @@ class FusedOps:
         for function in (self._rms_norm, self._add_rms_norm, self._rotary):
             function.restype = None
 
+    def addresses(self) -> tuple[int, int, int]:
+        """Where rms_norm, add_rms_norm and rotary lie, for C that calls them."""
+        return address(self._rms_norm), address(self._add_rms_norm), address(self._rotary)
+
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
         """Whether these kernels take x: float32 or bfloat16 on the CPU, its last
@@ -262,6 +267,13 @@ class FusedOps:
         return x
 
 
+def address(function: Kernel) -> int:
+    """Where a loaded C function (a ctypes function) lies, for C that calls it."""
+    where = ctypes.cast(cast(Any, function), ctypes.c_void_p).value
+    assert where is not None
+    return where
+
+
 @functools.cache
 def fused_ops() -> FusedOps | None:
     """csrc/fused_ops.c's operations, or None (with a log line) where they
@@ -327,6 +339,10 @@ class AmxLinear:
         self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
         self._linear.restype = None
 
+    def address(self) -> int:
+        """Where linear_amx lies, for C that calls it."""
+        return address(self._linear)
+
     @classmethod
     def pack(cls, weight: torch.Tensor) -> torch.Tensor:
         """w [N, K] (bfloat16) as the kernel's tiles, zero-padded to whole 64-output
@@ -379,3 +395,14 @@ def amx_linear() -> AmxLinear | None:
         logger.info("no AMX-BF16 here (or no leave to use it): oneDNN's bfloat16 projections")
         return None
     return AmxLinear(library)
+
+
+@functools.cache
+def decode_step() -> ctypes.CDLL | None:
+    """csrc/decode.c (cpu_decode.py's), or None (with a log line) where it cannot be
+    built."""
+    library = _load(CSRC / "decode.c", (), "decode step")
+    if library is not None:
+        library.decode_layers.argtypes = [_ptr] * 5 + [_int]
+        library.decode_layers.restype = _int
+    return library

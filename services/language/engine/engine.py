@@ -19,6 +19,7 @@ from services.language.engine.config import (
     moe_backend,
     ops_backend,
 )
+from services.language.engine.cpu_decode import compiled_decode
 from services.language.engine.cpu_kernels import (
     amx_linear,
     fused_ops,
@@ -197,6 +198,14 @@ class LLMEngine:
         )
         if graphs:
             self.runner.use_graphs(config.scheduler.max_num_seqs, config.max_model_len)
+        self.runner.decode = compiled_decode(
+            config.decode_layers,
+            model,
+            attention,
+            self.runner.kv_cache.layers,
+            kv_config.page_size,
+            config.dtype,
+        )
         self.blocks = KVBlockManager(kv_config, config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.sampler = Sampler(set(spec.eos_token_ids))

@@ -4,7 +4,8 @@ Builds the flat token batch (prefills first, then decodes), splices image
 embeddings at the placeholder positions, computes M-RoPE positions (from the
 prompt's precomputed 3-D positions; sequence index + delta past the prompt),
 runs the model (a decode-only step on CUDA from a captured graph,
-cuda_graphs.py) and returns the logits of the requests that sample this step.
+cuda_graphs.py; on a CPU in one compiled call where it can, cpu_decode.py)
+and returns the logits of the requests that sample this step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from services.language.engine.attention import (
     AttentionMetadata,
     FlashInferAttention,
 )
+from services.language.engine.cpu_decode import CompiledDecode
 from services.language.engine.cuda_graphs import DecodeGraphs
 from services.language.engine.kv_cache import KVCache
 from services.language.engine.model import Deepstack, LanguageModel, MRotaryEmbedding
@@ -61,6 +63,7 @@ class ModelRunner:
         self.rotary = MRotaryEmbedding(model.spec, device)
         self.page_size = kv_cache.config.page_size
         self.graphs: DecodeGraphs | None = None
+        self.decode: CompiledDecode | None = None  # the engine sets it where it runs
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Decode steps from CUDA graphs once `graphs.capture()` has run (FlashInfer
@@ -177,5 +180,13 @@ class ModelRunner:
             if size is not None:
                 return self.graphs.replay(size, meta, embeds, cos, sin)[last].float()
         self.attention.plan(meta)
-        hidden = self.model(embeds, cos, sin, self.kv_cache.layers, self.attention, deepstack)
+        if (
+            self.decode is not None
+            and not meta.num_prefills
+            and deepstack is None
+            and self.decode.takes(meta.num_seqs)
+        ):
+            hidden = self.decode(embeds, cos, sin, meta.slot_mapping)
+        else:
+            hidden = self.model(embeds, cos, sin, self.kv_cache.layers, self.attention, deepstack)
         return self.model.lm_head(hidden[last]).float()

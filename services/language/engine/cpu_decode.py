@@ -1,0 +1,281 @@
+"""A decode step's decoder layers in one compiled call (csrc/decode.c).
+
+On the CPU a decode step of a small model is bound by its per-operator cost:
+the small demo's ~600 torch operators and ~80 ctypes calls a step, a few
+microseconds of Python and dispatch each, are ~30 % of it. Where every part of
+a layer already runs in EPD's kernels (bfloat16 projections on AMX, the fused
+norms and rotary embedding, the compiled paged attention and KV writer), the
+step calls them layer after layer from C, with the same inputs in the same
+order: the hidden states are bit-equal to the Python path's. The SiLU comes
+from a table of torch's own results for each of the 65536 bfloat16 values.
+
+Steps with a prompt (prefill chunks), with deepstack features, or with more
+rows than the AMX kernel takes stay on the Python path, as do models it does
+not cover (MoE layers, q/k norms) and other dtypes and backends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.language.engine.attention import TorchAttention
+from services.language.engine.cpu_kernels import AmxLinear, address, decode_step
+from services.language.engine.linear import AMX_MAX_ROWS, AmxPackedLinear
+from services.language.engine.model import MLP, DecoderLayer, LanguageModel, RMSNorm
+
+logger = logging.getLogger(__name__)
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "linear",
+            "attention",
+            "write_kv",
+            "rms_norm",
+            "add_rms_norm",
+            "rotary",
+            "silu",
+        )
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *(
+            (name, _i64)
+            for name in (
+                "layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "intermediate",
+                "page_size",
+                "cache_rows",
+            )
+        ),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("final_norm", _ptr),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "o_bias",
+            "gate_up",
+            "down",
+            "keys",
+            "values",
+        )
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("max_pages", _i64),
+        *((name, _ptr) for name in ("block_tables", "seq_lens", "slots", "cos", "sin")),
+    ]
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def silu_table() -> torch.Tensor:
+    """float32 [65536]: torch's SiLU of each bfloat16 value, indexed by its bits."""
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    values = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
+    return F.silu(values.view(torch.bfloat16)).float()
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """A dense decoder layer's projections on the AMX kernel, and its norms."""
+
+    input_norm: RMSNorm
+    post_norm: RMSNorm
+    qkv: AmxPackedLinear
+    o: AmxPackedLinear
+    gate_up: AmxPackedLinear
+    down: AmxPackedLinear
+
+
+def _parts(layer: nn.Module) -> _Parts | str:
+    """The layer's parts, or why the compiled step cannot run it."""
+    assert isinstance(layer, DecoderLayer)
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, MLP):
+        return "MoE layers"
+    if not isinstance(attn.q_norm, nn.Identity):
+        return "q/k norms"
+    if layer.input_layernorm.ops is None or attn.ops is None:
+        return "the fused operations are off"
+    linears: list[nn.Module] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    amx = [linear for linear in linears if isinstance(linear, AmxPackedLinear)]
+    if len(amx) < len(linears):
+        return "the projections are not on the AMX kernel"
+    if amx[-1].in_features % AmxLinear.TILE_K:
+        return "an intermediate size not a multiple of 32"
+    return _Parts(layer.input_layernorm, layer.post_attention_layernorm, *amx)
+
+
+def unsupported(model: LanguageModel, attention: object, dtype: torch.dtype) -> str | None:
+    """Why the compiled decode step cannot run this model on these backends, or None."""
+    if model.norm.weight.device.type != "cpu":
+        return "not on a CPU"
+    if dtype != torch.bfloat16:
+        return f"{dtype} (it runs bfloat16)"
+    if not isinstance(attention, TorchAttention) or attention.decode_kernel is None:
+        return "the attention is not the compiled paged kernel"
+    if attention.kv_writer is None:
+        return "no compiled KV writer"
+    spec = model.spec
+    if any(n % AmxLinear.TILE_K for n in (spec.hidden_size, spec.num_heads * spec.head_dim)):
+        return "projection inputs not a multiple of 32"
+    for layer in model.layers:
+        if isinstance(parts := _parts(layer), str):
+            return parts
+    return None
+
+
+class CompiledDecode:
+    """The decoder layers of `model` (for which `unsupported` is None) over the KV
+    cache `caches`, for a decode step at a time: `__call__`."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        model: LanguageModel,
+        attention: TorchAttention,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        page_size: int,
+    ) -> None:
+        parts = [_parts(layer) for layer in model.layers]
+        assert all(isinstance(p, _Parts) for p in parts), "unsupported() first"
+        layers = [p for p in parts if isinstance(p, _Parts)]
+        ops = layers[0].input_norm.ops
+        assert ops is not None
+        assert attention.decode_kernel is not None and attention.kv_writer is not None
+        assert all(k.is_contiguous() and v.is_contiguous() for k, v in caches)
+        self._run = library.decode_layers
+        self._attention = attention
+        self._silu = silu_table()
+        self._kernels = _Kernels(
+            layers[0].qkv.kernel.address(),
+            address(attention.decode_kernel),
+            address(attention.kv_writer),
+            *ops.addresses(),
+            self._silu.data_ptr(),
+        )
+        spec = model.spec
+        self._model = _Model(
+            spec.num_layers,
+            spec.hidden_size,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            layers[0].down.in_features,
+            page_size,
+            caches[0][0].numel() // (spec.num_kv_heads * spec.head_dim),
+            model.norm.eps,
+            attention.scale,
+            model.norm.weight.data_ptr(),
+        )
+        self._layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    p.input_norm.weight.data_ptr(),
+                    p.post_norm.weight.data_ptr(),
+                    p.qkv.tiles.data_ptr(),
+                    _pointer(p.qkv.bias),
+                    p.o.tiles.data_ptr(),
+                    _pointer(p.o.bias),
+                    p.gate_up.tiles.data_ptr(),
+                    p.down.tiles.data_ptr(),
+                    keys.data_ptr(),
+                    values.data_ptr(),
+                )
+                for p, (keys, values) in zip(layers, caches, strict=True)
+            )
+        )
+
+    @staticmethod
+    def takes(num_seqs: int) -> bool:
+        """Whether a decode step of this many sequences runs here (the AMX kernel's rows)."""
+        return num_seqs <= AMX_MAX_ROWS
+
+    def __call__(
+        self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The final norm's output [rows, hidden] for a decode step whose attention was
+        planned: embeds [rows, hidden] (overwritten with it), cos/sin [rows, head_dim],
+        slots [rows] (each new key's cache row)."""
+        pages, lens = self._attention.decode_tables()
+        rows = embeds.shape[0]
+        assert pages.shape[0] == rows == len(slots) and embeds.is_contiguous()
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == embeds.dtype
+        step = _Step(
+            rows,
+            pages.shape[1],
+            pages.data_ptr(),
+            lens.data_ptr(),
+            slots.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
+        failed = self._run(
+            ctypes.byref(self._kernels),
+            ctypes.byref(self._model),
+            self._layers,
+            ctypes.byref(step),
+            embeds.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("compiled decode step: no memory, or a KV slot outside the cache")
+        return embeds
+
+
+def compiled_decode(
+    choice: str,
+    model: LanguageModel,
+    attention: object,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    page_size: int,
+    dtype: torch.dtype,
+) -> CompiledDecode | None:
+    """EngineConfig.decode_layers: the compiled decode step for this model ("compiled",
+    or "auto" where it can run), or None ("python", or "auto" where it cannot: a log
+    line says why). ValueError for "compiled" where it cannot."""
+    if choice == "python":
+        return None
+    reason = unsupported(model, attention, dtype)
+    library = decode_step() if reason is None else None
+    if reason is None and library is None:
+        reason = "csrc/decode.c did not build"
+    if reason is not None:
+        if choice == "compiled":
+            raise ValueError(f"the compiled decode step cannot run here: {reason}")
+        logger.info("decode steps layer by layer in Python: %s", reason)
+        return None
+    assert isinstance(attention, TorchAttention) and library is not None
+    return CompiledDecode(library, model, attention, caches, page_size)

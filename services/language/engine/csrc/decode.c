@@ -1,0 +1,153 @@
+/* A decode step's decoder layers in one call, bfloat16 on AMX.
+ *
+ * A decode step of the small demo runs ~600 torch operators and ~80 kernel calls
+ * through ctypes, one to a few microseconds of Python and dispatch each: ~30 % of
+ * the step (py-spy, docs/performance.md). This file calls the same kernels
+ * (linear_amx.c's projections, paged_attention.c's attention and KV writer,
+ * fused_ops.c's norms and rotary embedding, given as function pointers: each
+ * keeps its own build flags) layer after layer, with the SiLU from a table:
+ * the bit-exact results of the Python path, in one call.
+ *
+ * Per layer, on rows of `hidden` (one per sequence):
+ *   residual, h = x (+ residual), RMSNorm   (the first layer: no residual yet)
+ *   qkv = h Wqkv^T + b; rotary on q and k in place; k, v into the cache
+ *   a = attention(q, the cache); residual, h = residual + a Wo^T, RMSNorm
+ *   x = (SiLU(gate) * up) Wdown^T       for [gate | up] = h Wgu^T
+ * and at the end: the model's final norm of residual + x.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*linear_fn)(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                          const uint16_t *bias, int64_t M, int64_t K, int64_t N,
+                          int64_t x_stride, int num_threads);
+typedef int (*attention_fn)(void *out, const void *q, const void *keys, const void *values,
+                            const int64_t *block_tables, const int64_t *seq_lens,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t page_size, int64_t max_pages,
+                            float scale, int bf16, int num_threads);
+typedef int (*write_kv_fn)(void *keys, void *values, const void *k, const void *v,
+                           const int64_t *slots, int64_t tokens, int64_t num_rows,
+                           int64_t width, int64_t k_stride, int64_t v_stride, int64_t size);
+typedef void (*rms_norm_fn)(void *out, const void *x, const void *w, int64_t rows, int64_t n,
+                            int64_t x_stride, float eps, int bf16, int num_threads);
+typedef void (*add_rms_norm_fn)(void *sum, void *out, const void *x, const void *delta,
+                                const void *w, int64_t rows, int64_t n, float eps, int bf16,
+                                int num_threads);
+typedef void (*rotary_fn)(void *x, const void *cos, const void *sin, int64_t tokens,
+                          int64_t heads, int64_t dim, int64_t token_stride, int bf16,
+                          int cos_bf16, int num_threads);
+
+struct kernels {
+    linear_fn linear;
+    attention_fn attention;
+    write_kv_fn write_kv;
+    rms_norm_fn rms_norm;
+    add_rms_norm_fn add_rms_norm;
+    rotary_fn rotary;
+    const float *silu; /* [65536]: torch's SiLU of each bfloat16, by its bits */
+};
+
+struct model {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, page_size, cache_rows;
+    float eps, scale;
+    const void *final_norm;
+};
+
+/* one decoder layer's weights (the projections as linear_amx.c's tiles, their
+ * biases or NULL) and cache */
+struct layer {
+    const void *input_norm, *post_norm, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
+    void *keys, *values;
+};
+
+struct step {
+    int64_t rows, max_pages;
+    const int64_t *block_tables; /* [rows][max_pages] */
+    const int64_t *seq_lens;     /* [rows]: keys after this step's */
+    const int64_t *slots;        /* [rows]: the cache row of each new key */
+    const void *cos, *sin;       /* [rows][head_dim] */
+};
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* to nearest even, as torch rounds */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* out [rows][n] = SiLU(gate) * up for x [rows][2n] = [gate | up]: F.silu(gate) * up
+ * in bfloat16, SiLU looked up (exact: torch's own results) and the product
+ * rounded once, as torch's operators round it */
+static void silu_mul(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows,
+                     int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * n, *up = gate + n;
+        uint16_t *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = float_to_bf16(silu[gate[i]] * bf16_to_float(up[i]));
+    }
+}
+
+static void swap(uint16_t **a, uint16_t **b) {
+    uint16_t *t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* x [rows][hidden]: the step's input embeddings in, the final norm's output out.
+ * Returns 0, or -1 when a kernel failed (no memory, or a KV slot outside the
+ * cache: the Python path raises then). */
+int decode_layers(const struct kernels *k, const struct model *m, const struct layer *layers,
+                  const struct step *s, uint16_t *x, int num_threads) {
+    const int64_t rows = s->rows, hidden = m->hidden, dim = m->head_dim;
+    const int64_t q_width = m->heads * dim, kv_width = m->kv_heads * dim;
+    const int64_t qkv_width = q_width + 2 * kv_width, inter = m->intermediate;
+    uint16_t *buffer = malloc(sizeof(uint16_t) * rows *
+                              (3 * hidden + qkv_width + 2 * q_width + 3 * inter));
+    if (buffer == NULL) return -1;
+    uint16_t *residual = buffer, *h = residual + rows * hidden, *sum = h + rows * hidden;
+    uint16_t *qkv = sum + rows * hidden, *q = qkv + rows * qkv_width, *attn = q + rows * q_width;
+    uint16_t *gate_up = attn + rows * q_width, *act = gate_up + rows * 2 * inter;
+    int failed = 0;
+    for (int64_t i = 0; i < m->layers && !failed; i++) {
+        const struct layer *l = &layers[i];
+        if (i == 0) {
+            memcpy(residual, x, sizeof(uint16_t) * rows * hidden);
+            k->rms_norm(h, x, l->input_norm, rows, hidden, hidden, m->eps, 1, num_threads);
+        } else {
+            k->add_rms_norm(sum, h, residual, x, l->input_norm, rows, hidden, m->eps, 1,
+                            num_threads);
+            swap(&residual, &sum);
+        }
+        k->linear(qkv, h, l->qkv, l->qkv_bias, rows, hidden, qkv_width, hidden, num_threads);
+        k->rotary(qkv, s->cos, s->sin, rows, m->heads + m->kv_heads, dim, qkv_width, 1, 1,
+                  num_threads);
+        failed |= k->write_kv(l->keys, l->values, qkv + q_width, qkv + q_width + kv_width,
+                              s->slots, rows, m->cache_rows, kv_width, qkv_width, qkv_width, 2);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(q + r * q_width, qkv + r * qkv_width, sizeof(uint16_t) * q_width);
+        failed |= k->attention(attn, q, l->keys, l->values, s->block_tables, s->seq_lens, rows,
+                               m->heads, m->kv_heads, dim, m->page_size, s->max_pages, m->scale,
+                               1, num_threads);
+        k->linear(x, attn, l->o, l->o_bias, rows, q_width, hidden, q_width, num_threads);
+        k->add_rms_norm(sum, h, residual, x, l->post_norm, rows, hidden, m->eps, 1, num_threads);
+        swap(&residual, &sum);
+        k->linear(gate_up, h, l->gate_up, NULL, rows, hidden, 2 * inter, hidden, num_threads);
+        silu_mul(act, gate_up, k->silu, rows, inter);
+        k->linear(x, act, l->down, NULL, rows, inter, hidden, inter, num_threads);
+    }
+    if (!failed) {
+        k->add_rms_norm(sum, h, residual, x, m->final_norm, rows, hidden, m->eps, 1, num_threads);
+        memcpy(x, h, sizeof(uint16_t) * rows * hidden);
+    }
+    free(buffer);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,112 @@
+"""The compiled decode step (cpu_decode.py, csrc/decode.c) against the Python
+path it replaces: the same kernels in the same order, so the same bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest.mock import Mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.bench.images import random_image
+from services.language.engine import cpu_kernels
+from services.language.engine.cpu_decode import silu_table, unsupported
+from services.language.engine.engine import LLMEngine
+from services.language.engine.model import MLP
+from services.language.engine.request import Request, SamplingParams
+from tests.language.engine_fixtures import make_engine, make_request
+from tests.reference import chat
+
+
+@pytest.fixture(scope="module")
+def amx() -> None:
+    if cpu_kernels.amx_linear() is None:
+        pytest.skip("this CPU has no AMX-BF16: decode steps stay layer by layer")
+
+
+def requests(folder: Path) -> list[Request]:
+    """Prompts of several lengths, one with an image, one sampling two choices."""
+    out = []
+    for i, words in enumerate([3, 11, 40, 90]):
+        prompt = " ".join(f"word{j}" for j in range(words))
+        sampling = SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True, n=2 if i == 1 else 1)
+        out.append(make_request(folder, f"r{i}", chat(prompt, 0), [], sampling, torch.bfloat16))
+    image = random_image(200, 160, seed=3)
+    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+    out.append(
+        make_request(folder, "img", chat("Describe it.", 1), [image], sampling, torch.bfloat16)
+    )
+    return out
+
+
+def with_biases(engine: LLMEngine) -> LLMEngine:
+    """Random QKV biases (the demo's are zeros), the same in every engine."""
+    generator = torch.Generator().manual_seed(0)
+    for layer in engine.runner.model.layers:
+        bias = layer.self_attn.qkv_proj.bias
+        bias.copy_(torch.randn(bias.shape, generator=generator))
+    return engine
+
+
+def step_logits(engine: LLMEngine, batch: list[Request]) -> list[torch.Tensor]:
+    """Each step's logits, the requests run together to the end."""
+    logits: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def recorded(scheduled):  # type: ignore[no-untyped-def]
+        out = execute(scheduled)
+        logits.append(out.clone())
+        return out
+
+    engine.runner.execute = recorded  # type: ignore[method-assign]
+    for request in batch:
+        engine.add_request(request)
+    while engine.has_work():
+        engine.step()
+    return logits
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "small_checkpoint"])
+def test_compiled_decode_steps_are_bit_equal_to_the_python_path(
+    amx: None, checkpoint: str, request: pytest.FixtureRequest
+) -> None:
+    folder: Path = request.getfixturevalue(checkpoint)
+    # a small token budget: some steps mix prefill chunks with decodes (the Python path)
+    python, compiled = (
+        with_biases(
+            make_engine(folder, dtype=torch.bfloat16, decode_layers=how, max_num_batched_tokens=64)
+        )
+        for how in ("python", "compiled")
+    )
+    assert python.runner.decode is None and compiled.runner.decode is not None
+    compiled.runner.decode = counting = Mock(wraps=compiled.runner.decode)
+    expected = step_logits(python, requests(folder))
+    got = step_logits(compiled, requests(folder))
+    assert counting.call_count > 10  # the decode-only steps
+    assert len(got) == len(expected)
+    for step, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ"
+
+
+def test_silu_table_is_torchs_silu_of_every_bfloat16() -> None:
+    x = torch.cat([torch.randn(4096) * 8, torch.tensor([0.0, -0.0, 1e-40, -100.0, 100.0])])
+    x = x.to(torch.bfloat16)
+    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(silu_table()[bits], F.silu(x).float())
+
+
+def test_what_the_compiled_decode_does_not_run(
+    tiny_checkpoint: Path, qwen3_checkpoint: Path
+) -> None:
+    engine = make_engine(tiny_checkpoint, dtype=torch.float32)
+    runner = engine.runner
+    assert "float32" in str(unsupported(runner.model, runner.attention, torch.float32))
+    with pytest.raises(ValueError, match=r"compiled decode step cannot run here: torch\.float32"):
+        make_engine(tiny_checkpoint, dtype=torch.float32, decode_layers="compiled")
+    qwen3 = make_engine(qwen3_checkpoint, dtype=torch.bfloat16).runner
+    first = qwen3.model.layers[0].mlp
+    expected = "q/k norms" if isinstance(first, MLP) else "MoE layers"
+    assert unsupported(qwen3.model, qwen3.attention, torch.bfloat16) == expected
+    assert qwen3.decode is None
