@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from services.bench.images import random_image
 from services.language.engine import cpu_kernels
-from services.language.engine.cpu_decode import silu_table, unsupported
+from services.language.engine.cpu_decode import unsupported
+from services.language.engine.cpu_kernels import silu_table
 from services.language.engine.engine import LLMEngine
 from services.language.engine.model import MLP
 from services.language.engine.request import Request, SamplingParams

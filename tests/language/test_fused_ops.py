@@ -2,17 +2,21 @@
 code, in float32 and in bfloat16: rotary embedding bit-equal, in place, on the
 fused QKV projection's strided rows and on contiguous heads; RMSNorm within a
 rounding of torch's (only the order of the sum of squares differs), its
-residual add bit-equal. Then where the model uses them, and when the engine
-does (without a compiler: test_cpu_attention.py)."""
+residual add bit-equal; the MLP's SiLU and product (bfloat16) bit-equal. Then
+where the model uses them, and when the engine does (without a compiler:
+test_cpu_attention.py)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from services.language.engine import cpu_kernels
 from services.language.engine.config import ops_backend
-from services.language.engine.model import RMSNorm, apply_rotary
+from services.language.engine.model import MLP, RMSNorm, apply_rotary
+from services.model.spec import load_spec
 
 HEADS, KV_HEADS, DIM = 8, 4, 64
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,6 +129,40 @@ def test_add_rms_norm_adds_exactly_then_normalises(
     total, normed = ops.add_rms_norm(x, delta, module.weight, module.eps)
     assert torch.equal(total, x + delta)
     torch.testing.assert_close(normed, module(x + delta))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 2048])
+@pytest.mark.parametrize("n", [256, 1376, 1000])
+def test_silu_mul_equals_torch_bit_for_bit(ops: cpu_kernels.FusedOps, rows: int, n: int) -> None:
+    x = (torch.randn(rows, 2 * n) * 4).to(torch.bfloat16)
+    x[0, :4] = torch.tensor([float("inf"), 0.0, -100.0, 90.0])
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.equal(ops.silu_mul(x), expected)
+
+
+def test_silu_mul_reads_rows_strided_apart(ops: cpu_kernels.FusedOps) -> None:
+    wide = torch.randn(40, 3 * 512).to(torch.bfloat16)
+    x = wide[:, : 2 * 512]
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(ops.silu_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+def test_the_mlp_uses_silu_mul_in_bfloat16_only(
+    ops: cpu_kernels.FusedOps, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = load_spec(tiny_checkpoint).text
+    mlp = MLP(spec)
+    plain = MLP(spec)
+    plain.load_state_dict(mlp.state_dict())
+    mlp.ops = ops
+    calls = []
+    kernel = ops._silu_mul
+    monkeypatch.setattr(ops, "_silu_mul", lambda *args: calls.append(kernel(*args)))
+    x = torch.randn(5, spec.hidden_size)
+    assert torch.equal(mlp(x), plain(x)) and not calls
+    mlp, plain, x = mlp.to(torch.bfloat16), plain.to(torch.bfloat16), x.to(torch.bfloat16)
+    assert torch.equal(mlp(x), plain(x)) and len(calls) == 1
 
 
 def test_the_model_modules_use_them_where_they_take_the_tensors(

@@ -6,8 +6,7 @@ microseconds of Python and dispatch each, are ~30 % of it. Where every part of
 a layer already runs in EPD's kernels (bfloat16 projections on AMX, the fused
 norms and rotary embedding, the compiled paged attention and KV writer), the
 step calls them layer after layer from C, with the same inputs in the same
-order: the hidden states are bit-equal to the Python path's. The SiLU comes
-from a table of torch's own results for each of the 65536 bfloat16 values.
+order: the hidden states are bit-equal to the Python path's.
 
 Steps with a prompt (prefill chunks), with deepstack features, or with more
 rows than the AMX kernel takes stay on the Python path, as do models it does
@@ -21,7 +20,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.language.engine.attention import TorchAttention
@@ -44,6 +42,7 @@ class _Kernels(ctypes.Structure):
             "rms_norm",
             "add_rms_norm",
             "rotary",
+            "silu_mul",
             "silu",
         )
     ]
@@ -98,13 +97,6 @@ class _Step(ctypes.Structure):
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
-
-
-def silu_table() -> torch.Tensor:
-    """float32 [65536]: torch's SiLU of each bfloat16 value, indexed by its bits."""
-    bits = torch.arange(1 << 16, dtype=torch.int32)
-    values = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
-    return F.silu(values.view(torch.bfloat16)).float()
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,13 +170,12 @@ class CompiledDecode:
         assert all(k.is_contiguous() and v.is_contiguous() for k, v in caches)
         self._run = library.decode_layers
         self._attention = attention
-        self._silu = silu_table()
         self._kernels = _Kernels(
             layers[0].qkv.kernel.address(),
             address(attention.decode_kernel),
             address(attention.kv_writer),
             *ops.addresses(),
-            self._silu.data_ptr(),
+            ops.silu.data_ptr(),
         )
         spec = model.spec
         self._model = _Model(

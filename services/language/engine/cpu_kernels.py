@@ -7,7 +7,8 @@
   torch and AVX-512. In bfloat16 on AMX, the same source also has a prompt's
   (prefill) attention: torch's SDPA takes its AMX path for long sequences only.
 - The model's small float32 operations, fused (fused_ops.c): RMSNorm (with the
-  residual add before it) and rotary embedding in place.
+  residual add before it), rotary embedding in place, and (bfloat16) the MLP's
+  SiLU and product.
 - The projections of few rows (linear.c), a decode step's: oneDNN's and MKL's
   GEMMs read the weights at well under the machine's memory bandwidth there;
   in bfloat16 on AMX (linear_amx.c), from tiles packed once.
@@ -187,12 +188,20 @@ class FusedOps:
         self._add_rms_norm.argtypes = [_ptr] * 5 + [_i64] * 2 + [_f32, _int, _int]
         self._rotary = library.rotary
         self._rotary.argtypes = [_ptr] * 3 + [_i64] * 4 + [_int, _int, _int]
-        for function in (self._rms_norm, self._add_rms_norm, self._rotary):
+        self._silu_mul = library.silu_mul
+        self._silu_mul.argtypes = [_ptr] * 3 + [_i64] * 3 + [_int]
+        for function in (self._rms_norm, self._add_rms_norm, self._rotary, self._silu_mul):
             function.restype = None
+        self.silu = silu_table()
 
-    def addresses(self) -> tuple[int, int, int]:
-        """Where rms_norm, add_rms_norm and rotary lie, for C that calls them."""
-        return address(self._rms_norm), address(self._add_rms_norm), address(self._rotary)
+    def addresses(self) -> tuple[int, int, int, int]:
+        """Where rms_norm, add_rms_norm, rotary and silu_mul lie, for C that calls them."""
+        return (
+            address(self._rms_norm),
+            address(self._add_rms_norm),
+            address(self._rotary),
+            address(self._silu_mul),
+        )
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -266,12 +275,36 @@ class FusedOps:
         )
         return x
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """F.silu(gate) * up for bfloat16 x [rows, 2n] = [gate | up] (rows may be
+        strided apart) -> a new [rows, n], bit-equal to torch's two operators."""
+        rows, width = x.shape
+        assert x.dtype == torch.bfloat16 and self.supports(x) and width % 2 == 0
+        out = torch.empty(rows, width // 2, dtype=x.dtype)
+        self._silu_mul(
+            out.data_ptr(),
+            x.data_ptr(),
+            self.silu.data_ptr(),
+            rows,
+            width // 2,
+            x.stride(0),
+            torch.get_num_threads(),
+        )
+        return out
+
 
 def address(function: Kernel) -> int:
     """Where a loaded C function (a ctypes function) lies, for C that calls it."""
     where = ctypes.cast(cast(Any, function), ctypes.c_void_p).value
     assert where is not None
     return where
+
+
+def silu_table() -> torch.Tensor:
+    """float32 [65536]: torch's SiLU of each bfloat16 value, indexed by its bits."""
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    values = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
+    return torch.nn.functional.silu(values.view(torch.bfloat16)).float()
 
 
 @functools.cache

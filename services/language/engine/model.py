@@ -129,9 +129,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.ops: FusedOps | None = None  # LanguageModel.use_fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -286,10 +290,11 @@ class LanguageModel(nn.Module):
         return model.to(device).eval()
 
     def use_fused_ops(self, ops: FusedOps) -> None:
-        """RMSNorm, the residual add before the post-attention norm, and rotary
-        embedding from `ops` (cpu_kernels.py) wherever it takes the tensors."""
+        """RMSNorm, the residual add before the post-attention norm, rotary
+        embedding and (bfloat16) the MLP's SiLU and product from `ops`
+        (cpu_kernels.py) wherever it takes the tensors."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention):
+            if isinstance(module, RMSNorm | Attention | MLP):
                 module.ops = ops
 
     def forward(

@@ -4,9 +4,9 @@
  * through ctypes, one to a few microseconds of Python and dispatch each: ~30 % of
  * the step (py-spy, docs/performance.md). This file calls the same kernels
  * (linear_amx.c's projections, paged_attention.c's attention and KV writer,
- * fused_ops.c's norms and rotary embedding, given as function pointers: each
- * keeps its own build flags) layer after layer, with the SiLU from a table:
- * the bit-exact results of the Python path, in one call.
+ * fused_ops.c's norms, rotary embedding and SiLU-and-product, given as function
+ * pointers: each keeps its own build flags) layer after layer: the bit-exact
+ * results of the Python path, in one call.
  *
  * Per layer, on rows of `hidden` (one per sequence):
  *   residual, h = x (+ residual), RMSNorm   (the first layer: no residual yet)
@@ -38,6 +38,8 @@ typedef void (*add_rms_norm_fn)(void *sum, void *out, const void *x, const void 
 typedef void (*rotary_fn)(void *x, const void *cos, const void *sin, int64_t tokens,
                           int64_t heads, int64_t dim, int64_t token_stride, int bf16,
                           int cos_bf16, int num_threads);
+typedef void (*silu_mul_fn)(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows,
+                            int64_t n, int64_t x_stride, int num_threads);
 
 struct kernels {
     linear_fn linear;
@@ -46,6 +48,7 @@ struct kernels {
     rms_norm_fn rms_norm;
     add_rms_norm_fn add_rms_norm;
     rotary_fn rotary;
+    silu_mul_fn silu_mul;
     const float *silu; /* [65536]: torch's SiLU of each bfloat16, by its bits */
 };
 
@@ -69,32 +72,6 @@ struct step {
     const int64_t *slots;        /* [rows]: the cache row of each new key */
     const void *cos, *sin;       /* [rows][head_dim] */
 };
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* to nearest even, as torch rounds */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* out [rows][n] = SiLU(gate) * up for x [rows][2n] = [gate | up]: F.silu(gate) * up
- * in bfloat16, SiLU looked up (exact: torch's own results) and the product
- * rounded once, as torch's operators round it */
-static void silu_mul(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows,
-                     int64_t n) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = x + r * 2 * n, *up = gate + n;
-        uint16_t *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) o[i] = float_to_bf16(silu[gate[i]] * bf16_to_float(up[i]));
-    }
-}
 
 static void swap(uint16_t **a, uint16_t **b) {
     uint16_t *t = *a;
@@ -141,7 +118,7 @@ int decode_layers(const struct kernels *k, const struct model *m, const struct l
         k->add_rms_norm(sum, h, residual, x, l->post_norm, rows, hidden, m->eps, 1, num_threads);
         swap(&residual, &sum);
         k->linear(gate_up, h, l->gate_up, NULL, rows, hidden, 2 * inter, hidden, num_threads);
-        silu_mul(act, gate_up, k->silu, rows, inter);
+        k->silu_mul(act, gate_up, k->silu, rows, inter, 2 * inter, num_threads);
         k->linear(x, act, l->down, NULL, rows, inter, hidden, inter, num_threads);
     }
     if (!failed) {

@@ -6,7 +6,10 @@
  * two multiplies and an add), for q and for k: each a pass over memory and a
  * dispatch. On a decode step of 16 rows that dispatch is most of their time; on
  * a 2048-row prefill it is the passes. vLLM's CPU build has the same kernels
- * (csrc/cpu/layernorm.cpp, pos_encoding.cpp).
+ * (csrc/cpu/layernorm.cpp, pos_encoding.cpp). The MLP's SiLU and product
+ * (bfloat16) take one pass instead of two and a tensor between them, the SiLU
+ * looked up in a table of torch's own results (exact, and no e^x to compute:
+ * 2.3x faster than torch's two operators on a 1752-token prefill's activations).
  *
  * Built with -ffp-contract=off: every product is rounded before it is added,
  * as torch's separate operators round it, so rotary embedding and the residual
@@ -166,6 +169,26 @@ void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t h
                 if (bf16) round_row(row, dim);
             }
             store(x, at, row, dim, bf16);
+        }
+    }
+}
+
+/* out [rows][n] = SiLU(gate) * up for bfloat16 x [rows][2n] = [gate | up] (rows
+ * x_stride elements apart), as F.silu(gate) * up: the SiLU is silu[its bits]
+ * (torch's SiLU of each of the 65536 bfloat16 values, as float32), the product
+ * rounded once to bfloat16, as torch rounds it. */
+void silu_mul(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows, int64_t n,
+              int64_t x_stride, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * x_stride, *up = gate + n;
+        uint16_t *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float product = round_bf16(silu[gate[i]] * bf16_to_float(up[i]));
+            uint32_t bits;
+            memcpy(&bits, &product, sizeof bits);
+            o[i] = (uint16_t)(bits >> 16);
         }
     }
 }
