@@ -111,3 +111,26 @@ def test_what_the_compiled_decode_does_not_run(
     expected = "q/k norms" if isinstance(first, MLP) else "MoE layers"
     assert unsupported(qwen3.model, qwen3.attention, torch.bfloat16) == expected
     assert qwen3.decode is None
+
+
+def test_a_kv_slot_outside_the_cache_fails_the_step(amx: None, tiny_checkpoint: Path) -> None:
+    engine = make_engine(tiny_checkpoint, dtype=torch.bfloat16, decode_layers="compiled")
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request(
+        make_request(tiny_checkpoint, "r", chat("Hi", 0), [], sampling, torch.bfloat16)
+    )
+    engine.step()  # the prompt: the Python path
+    runner = engine.runner
+    metadata = runner._metadata
+
+    def one_slot_past_the_cache(batch):  # type: ignore[no-untyped-def]
+        meta = metadata(batch)
+        meta.slot_mapping[0] = runner.kv_cache.layers[0][0].shape[0] * meta.page_size
+        return meta
+
+    runner._metadata = one_slot_past_the_cache  # type: ignore[method-assign]
+    before = [keys.clone() for keys, _ in runner.kv_cache.layers]
+    with pytest.raises(IndexError, match="outside the cache"):
+        engine.step()
+    after = [keys for keys, _ in runner.kv_cache.layers]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

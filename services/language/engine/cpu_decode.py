@@ -241,8 +241,10 @@ class CompiledDecode:
             embeds.data_ptr(),
             torch.get_num_threads(),
         )
+        if failed == -2:
+            raise IndexError("a KV slot lies outside the cache")
         if failed:
-            raise MemoryError("compiled decode step: no memory, or a KV slot outside the cache")
+            raise MemoryError("compiled decode step: no memory for its buffers or scores")
         return embeds
 
 

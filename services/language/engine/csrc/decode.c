@@ -80,8 +80,8 @@ static void swap(uint16_t **a, uint16_t **b) {
 }
 
 /* x [rows][hidden]: the step's input embeddings in, the final norm's output out.
- * Returns 0, or -1 when a kernel failed (no memory, or a KV slot outside the
- * cache: the Python path raises then). */
+ * Returns 0; -1 where memory ran out, -2 for a KV slot outside the cache (where
+ * the Python path raises). */
 int decode_layers(const struct kernels *k, const struct model *m, const struct layer *layers,
                   const struct step *s, uint16_t *x, int num_threads) {
     const int64_t rows = s->rows, hidden = m->hidden, dim = m->head_dim;
@@ -94,7 +94,7 @@ int decode_layers(const struct kernels *k, const struct model *m, const struct l
     uint16_t *qkv = sum + rows * hidden, *q = qkv + rows * qkv_width, *attn = q + rows * q_width;
     uint16_t *gate_up = attn + rows * q_width, *act = gate_up + rows * 2 * inter;
     int failed = 0;
-    for (int64_t i = 0; i < m->layers && !failed; i++) {
+    for (int64_t i = 0; i < m->layers; i++) {
         const struct layer *l = &layers[i];
         if (i == 0) {
             memcpy(residual, x, sizeof(uint16_t) * rows * hidden);
@@ -107,13 +107,19 @@ int decode_layers(const struct kernels *k, const struct model *m, const struct l
         k->linear(qkv, h, l->qkv, l->qkv_bias, rows, hidden, qkv_width, hidden, num_threads);
         k->rotary(qkv, s->cos, s->sin, rows, m->heads + m->kv_heads, dim, qkv_width, 1, 1,
                   num_threads);
-        failed |= k->write_kv(l->keys, l->values, qkv + q_width, qkv + q_width + kv_width,
-                              s->slots, rows, m->cache_rows, kv_width, qkv_width, qkv_width, 2);
+        if (k->write_kv(l->keys, l->values, qkv + q_width, qkv + q_width + kv_width, s->slots,
+                        rows, m->cache_rows, kv_width, qkv_width, qkv_width, 2)) {
+            failed = -2;
+            break;
+        }
         for (int64_t r = 0; r < rows; r++)
             memcpy(q + r * q_width, qkv + r * qkv_width, sizeof(uint16_t) * q_width);
-        failed |= k->attention(attn, q, l->keys, l->values, s->block_tables, s->seq_lens, rows,
-                               m->heads, m->kv_heads, dim, m->page_size, s->max_pages, m->scale,
-                               1, num_threads);
+        if (k->attention(attn, q, l->keys, l->values, s->block_tables, s->seq_lens, rows,
+                         m->heads, m->kv_heads, dim, m->page_size, s->max_pages, m->scale, 1,
+                         num_threads)) {
+            failed = -1;
+            break;
+        }
         k->linear(x, attn, l->o, l->o_bias, rows, q_width, hidden, q_width, num_threads);
         k->add_rms_norm(sum, h, residual, x, l->post_norm, rows, hidden, m->eps, 1, num_threads);
         swap(&residual, &sum);
@@ -126,5 +132,5 @@ int decode_layers(const struct kernels *k, const struct model *m, const struct l
         memcpy(x, h, sizeof(uint16_t) * rows * hidden);
     }
     free(buffer);
-    return failed ? -1 : 0;
+    return failed;
 }
