@@ -108,6 +108,31 @@ void rms_norm(void *out, const void *x, const void *w, int64_t rows, int64_t n,
     }
 }
 
+/* bfloat16 bits of a float32 that holds a bfloat16 value (round_bf16's) */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
+/* add_rms_norm's row in bfloat16, in two passes over it: the sum (rounded, stored,
+ * its squares summed), then the norm */
+static void add_norm_row_bf16(uint16_t *restrict sum, uint16_t *restrict out,
+                              const uint16_t *restrict x, const uint16_t *restrict delta,
+                              const float *restrict w, int64_t n, float eps) {
+    float s[n];
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = round_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
+        sum[i] = bf16_bits(s[i]);
+        squares += s[i] * s[i];
+    }
+    const float r = 1.0f / sqrtf(squares / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_bits(round_bf16(w[i] * round_bf16(s[i] * r)));
+}
+
 /* sum = x + delta, out = RMSNorm(sum), all [rows][n]: a residual add and the next norm. */
 void add_rms_norm(void *sum, void *out, const void *x, const void *delta, const void *w,
                   int64_t rows, int64_t n, float eps, int bf16, int num_threads) {
@@ -115,19 +140,17 @@ void add_rms_norm(void *sum, void *out, const void *x, const void *delta, const 
     const float *weight = as_float(w, 0, n, bf16, weights);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        float xb[n], db[n], sb[n], ob[n];
-        const float *a = as_float(x, r * n, n, bf16, xb), *b = as_float(delta, r * n, n, bf16, db);
-        float *s = result_row(sum, r * n, bf16, sb), *o = result_row(out, r * n, bf16, ob);
         if (bf16) {
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) s[i] = round_bf16(a[i] + b[i]);
-        } else {
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) s[i] = a[i] + b[i];
+            add_norm_row_bf16((uint16_t *)sum + r * n, (uint16_t *)out + r * n,
+                              (const uint16_t *)x + r * n, (const uint16_t *)delta + r * n,
+                              weight, n, eps);
+            continue;
         }
-        store(sum, r * n, s, n, bf16);
-        norm_row(o, s, weight, n, eps, bf16);
-        store(out, r * n, o, n, bf16);
+        const float *a = (const float *)x + r * n, *b = (const float *)delta + r * n;
+        float *s = (float *)sum + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) s[i] = a[i] + b[i];
+        norm_row((float *)out + r * n, s, weight, n, eps, 0);
     }
 }
 
