@@ -6,12 +6,14 @@
   small demo). vLLM's CPU kernel lives in its own build; IPEX's needs its own
   torch and AVX-512. In bfloat16 on AMX, the same source also has a prompt's
   (prefill) attention: torch's SDPA takes its AMX path for long sequences only.
-- The model's small float32 operations, fused (fused_ops.c): RMSNorm (with the
-  residual add before it), rotary embedding in place, and (bfloat16) the MLP's
-  SiLU and product.
+- The model's small operations, fused (fused_ops.c): RMSNorm (with the residual
+  add before it), rotary embedding in place, and (bfloat16) the MLP's SiLU and
+  product.
 - The projections of few rows (linear.c), a decode step's: oneDNN's and MKL's
   GEMMs read the weights at well under the machine's memory bandwidth there;
   in bfloat16 on AMX (linear_amx.c), from tiles packed once.
+- A decode step's decoder layers in one call of the kernels above (decode.c,
+  cpu_decode.py's).
 
 Each C source is compiled on first use with the machine's C compiler (`$CC`,
 else `cc`; about a second) into EPD's cache folder, keyed by the source (and
