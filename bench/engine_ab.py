@@ -7,10 +7,10 @@
 Changes of a few percent are lost in this machine's run-to-run noise (±25%)
 when each setting runs in its own process at its own time. Here two engines,
 equal but for one EngineConfig field (`linear`, `attention`, `ops` or
-`decode_layers`), get the
-same waves of requests and take their steps alternately, so both see the same
-moment of the machine; each decode step is compared with its twin. Prints the
-prefill time and the median decode step of each, and B over A.
+`decode_layers`), get the same waves of requests and take their steps
+alternately, so both see the same moment of the machine; each decode step is
+compared with its twin. Prints the prefill time and the median decode step of
+each, and B over A.
 """
 
 from __future__ import annotations

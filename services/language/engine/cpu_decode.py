@@ -130,8 +130,9 @@ def _parts(layer: nn.Module) -> _Parts | str:
     return _Parts(layer.input_layernorm, layer.post_attention_layernorm, *amx)
 
 
-def unsupported(model: LanguageModel, attention: object, dtype: torch.dtype) -> str | None:
-    """Why the compiled decode step cannot run this model on these backends, or None."""
+def _layers(model: LanguageModel, attention: object, dtype: torch.dtype) -> list[_Parts] | str:
+    """Each decoder layer's parts, or why the compiled decode step cannot run this
+    model on these backends."""
     if model.norm.weight.device.type != "cpu":
         return "not on a CPU"
     if dtype != torch.bfloat16:
@@ -143,27 +144,33 @@ def unsupported(model: LanguageModel, attention: object, dtype: torch.dtype) -> 
     spec = model.spec
     if any(n % AmxLinear.TILE_K for n in (spec.hidden_size, spec.num_heads * spec.head_dim)):
         return "projection inputs not a multiple of 32"
+    layers = []
     for layer in model.layers:
         if isinstance(parts := _parts(layer), str):
             return parts
-    return None
+        layers.append(parts)
+    return layers
+
+
+def unsupported(model: LanguageModel, attention: object, dtype: torch.dtype) -> str | None:
+    """Why the compiled decode step cannot run this model on these backends, or None."""
+    layers = _layers(model, attention, dtype)
+    return layers if isinstance(layers, str) else None
 
 
 class CompiledDecode:
-    """The decoder layers of `model` (for which `unsupported` is None) over the KV
-    cache `caches`, for a decode step at a time: `__call__`."""
+    """The decoder layers of `model` (its `layers`, as `_layers` found them) over the
+    KV cache `caches`, for a decode step at a time: `__call__`."""
 
     def __init__(
         self,
         library: ctypes.CDLL,
         model: LanguageModel,
+        layers: list[_Parts],
         attention: TorchAttention,
         caches: list[tuple[torch.Tensor, torch.Tensor]],
         page_size: int,
     ) -> None:
-        parts = [_parts(layer) for layer in model.layers]
-        assert all(isinstance(p, _Parts) for p in parts), "unsupported() first"
-        layers = [p for p in parts if isinstance(p, _Parts)]
         ops = layers[0].input_norm.ops
         assert ops is not None
         assert attention.decode_kernel is not None and attention.kv_writer is not None
@@ -261,14 +268,13 @@ def compiled_decode(
     line says why). ValueError for "compiled" where it cannot."""
     if choice == "python":
         return None
-    reason = unsupported(model, attention, dtype)
-    library = decode_step() if reason is None else None
-    if reason is None and library is None:
-        reason = "csrc/decode.c did not build"
-    if reason is not None:
+    layers = _layers(model, attention, dtype)
+    library = decode_step() if not isinstance(layers, str) else None
+    reason = layers if isinstance(layers, str) else "csrc/decode.c did not build"
+    if isinstance(layers, str) or library is None:
         if choice == "compiled":
             raise ValueError(f"the compiled decode step cannot run here: {reason}")
         logger.info("decode steps layer by layer in Python: %s", reason)
         return None
-    assert isinstance(attention, TorchAttention) and library is not None
-    return CompiledDecode(library, model, attention, caches, page_size)
+    assert isinstance(attention, TorchAttention)
+    return CompiledDecode(library, model, layers, attention, caches, page_size)

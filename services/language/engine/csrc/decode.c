@@ -5,7 +5,7 @@
  * the step (py-spy, docs/performance.md). This file calls the same kernels
  * (linear_amx.c's projections, paged_attention.c's attention and KV writer,
  * fused_ops.c's norms, rotary embedding and SiLU-and-product, given as function
- * pointers: each keeps its own build flags) layer after layer: the bit-exact
+ * pointers, declared in kernels.h: each keeps its own build flags) layer after layer: the bit-exact
  * results of the Python path, in one call.
  *
  * Per layer, on rows of `hidden` (one per sequence):
@@ -15,40 +15,19 @@
  *   x = (SiLU(gate) * up) Wdown^T       for [gate | up] = h Wgu^T
  * and at the end: the model's final norm of residual + x.
  */
+#include "kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef void (*linear_fn)(uint16_t *y, const uint16_t *x, const uint16_t *packed,
-                          const uint16_t *bias, int64_t M, int64_t K, int64_t N,
-                          int64_t x_stride, int num_threads);
-typedef int (*attention_fn)(void *out, const void *q, const void *keys, const void *values,
-                            const int64_t *block_tables, const int64_t *seq_lens,
-                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t page_size, int64_t max_pages,
-                            float scale, int bf16, int num_threads);
-typedef int (*write_kv_fn)(void *keys, void *values, const void *k, const void *v,
-                           const int64_t *slots, int64_t tokens, int64_t num_rows,
-                           int64_t width, int64_t k_stride, int64_t v_stride, int64_t size);
-typedef void (*rms_norm_fn)(void *out, const void *x, const void *w, int64_t rows, int64_t n,
-                            int64_t x_stride, float eps, int bf16, int num_threads);
-typedef void (*add_rms_norm_fn)(void *sum, void *out, const void *x, const void *delta,
-                                const void *w, int64_t rows, int64_t n, float eps, int bf16,
-                                int num_threads);
-typedef void (*rotary_fn)(void *x, const void *cos, const void *sin, int64_t tokens,
-                          int64_t heads, int64_t dim, int64_t token_stride, int bf16,
-                          int cos_bf16, int num_threads);
-typedef void (*silu_mul_fn)(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows,
-                            int64_t n, int64_t x_stride, int num_threads);
-
 struct kernels {
-    linear_fn linear;
-    attention_fn attention;
-    write_kv_fn write_kv;
-    rms_norm_fn rms_norm;
-    add_rms_norm_fn add_rms_norm;
-    rotary_fn rotary;
-    silu_mul_fn silu_mul;
+    __typeof__(&linear_amx) linear;
+    __typeof__(&paged_decode_attention) attention;
+    __typeof__(&write_kv) write_kv;
+    __typeof__(&rms_norm) rms_norm;
+    __typeof__(&add_rms_norm) add_rms_norm;
+    __typeof__(&rotary) rotary;
+    __typeof__(&silu_mul) silu_mul;
     const float *silu; /* [65536]: torch's SiLU of each bfloat16, by its bits */
 };
 

@@ -23,6 +23,7 @@
  * Rows are split across OpenMP threads (torch's libgomp) only where a call is
  * big enough to pay for waking them (PARALLEL_MIN elements).
  */
+#include "kernels.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -67,14 +68,17 @@ static float *result_row(void *tensor, int64_t at, int bf16, float *buf) {
 
 /* A bfloat16 tensor's row from buf's n values (already rounded); float32 rows were
  * computed in place */
+/* bfloat16 bits of a float32 that holds a bfloat16 value (round_bf16's) */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
 static void store(void *tensor, int64_t at, const float *restrict buf, int64_t n, int bf16) {
     if (!bf16) return;
     uint16_t *dst = (uint16_t *)tensor + at;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &buf[i], sizeof bits);
-        dst[i] = (uint16_t)(bits >> 16);
-    }
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_bits(buf[i]);
 }
 
 /* out = w * (x * r), r = 1 / sqrt(mean(x^2) + eps): HF's Qwen2RMSNorm, whose
@@ -106,13 +110,6 @@ void rms_norm(void *out, const void *x, const void *w, int64_t rows, int64_t n,
         norm_row(o, as_float(x, r * x_stride, n, bf16, in), weight, n, eps, bf16);
         store(out, r * n, o, n, bf16);
     }
-}
-
-/* bfloat16 bits of a float32 that holds a bfloat16 value (round_bf16's) */
-static inline uint16_t bf16_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)(bits >> 16);
 }
 
 /* add_rms_norm's row in bfloat16, in two passes over it: the sum (rounded, stored,
@@ -207,11 +204,7 @@ void silu_mul(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows,
         const uint16_t *gate = x + r * x_stride, *up = gate + n;
         uint16_t *o = out + r * n;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const float product = round_bf16(silu[gate[i]] * bf16_to_float(up[i]));
-            uint32_t bits;
-            memcpy(&bits, &product, sizeof bits);
-            o[i] = (uint16_t)(bits >> 16);
-        }
+        for (int64_t i = 0; i < n; i++)
+            o[i] = bf16_bits(round_bf16(silu[gate[i]] * bf16_to_float(up[i])));
     }
 }

@@ -23,6 +23,7 @@
  * for it, and is 0 where the build has no AMX (then linear_amx is never called).
  */
 #include "amx.h"
+#include "kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 

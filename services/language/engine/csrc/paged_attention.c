@@ -29,6 +29,7 @@
  * its thread pool.
  */
 #include "amx.h"
+#include "kernels.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
