@@ -21,10 +21,12 @@ from tests.language.engine_fixtures import make_engine, make_request
 from tests.reference import chat
 
 
-@pytest.fixture(scope="module")
-def amx() -> None:
-    if cpu_kernels.amx_linear() is None:
-        pytest.skip("this CPU has no AMX-BF16: decode steps stay layer by layer")
+@pytest.fixture(scope="module", params=["amx", "avx512bf16"])
+def linear(request: pytest.FixtureRequest) -> str:
+    """EPD's bfloat16 projection kernels, the compiled step's: each where the CPU has it."""
+    if cpu_kernels.bf16_linear(request.param) is None:
+        pytest.skip(f"this CPU has no {request.param} kernel: decode steps stay layer by layer")
+    return str(request.param)
 
 
 def requests(folder: Path) -> list[Request]:
@@ -71,13 +73,19 @@ def step_logits(engine: LLMEngine, batch: list[Request]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "small_checkpoint"])
 def test_compiled_decode_steps_are_bit_equal_to_the_python_path(
-    amx: None, checkpoint: str, request: pytest.FixtureRequest
+    linear: str, checkpoint: str, request: pytest.FixtureRequest
 ) -> None:
     folder: Path = request.getfixturevalue(checkpoint)
     # a small token budget: some steps mix prefill chunks with decodes (the Python path)
     python, compiled = (
         with_biases(
-            make_engine(folder, dtype=torch.bfloat16, decode_layers=how, max_num_batched_tokens=64)
+            make_engine(
+                folder,
+                dtype=torch.bfloat16,
+                linear=linear,
+                decode_layers=how,
+                max_num_batched_tokens=64,
+            )
         )
         for how in ("python", "compiled")
     )
@@ -113,8 +121,10 @@ def test_what_the_compiled_decode_does_not_run(
     assert qwen3.decode is None
 
 
-def test_a_kv_slot_outside_the_cache_fails_the_step(amx: None, tiny_checkpoint: Path) -> None:
-    engine = make_engine(tiny_checkpoint, dtype=torch.bfloat16, decode_layers="compiled")
+def test_a_kv_slot_outside_the_cache_fails_the_step(linear: str, tiny_checkpoint: Path) -> None:
+    engine = make_engine(
+        tiny_checkpoint, dtype=torch.bfloat16, linear=linear, decode_layers="compiled"
+    )
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request(
         make_request(tiny_checkpoint, "r", chat("Hi", 0), [], sampling, torch.bfloat16)

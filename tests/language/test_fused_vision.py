@@ -163,7 +163,8 @@ def test_the_patch_embedding_as_a_gemm_equals_the_convolution(
         embedding.proj = LinearPatchEmbedding(embedding.proj)
         got = embedding(pixels)
     assert got.shape == want.shape == (300, embedding.embed_dim)
-    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    # float32: sums of 1536 products in another order (1.1e-5 apart seen on a Zen 5 EPYC)
+    tolerance = 3e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 

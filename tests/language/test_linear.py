@@ -1,7 +1,8 @@
 """The projections: stacked at load, then on CPU EPD's kernel for few rows,
-EPD's AMX kernel for few rows in bfloat16, or oneDNN's packed GEMM (the greedy
-tests against HF in test_engine.py run every float32 backend; test_bfloat16.py
-holds the bfloat16 engine, on AMX with its kernel, to HF in bfloat16)."""
+EPD's bfloat16 kernel for few rows (AMX or AVX512-BF16), or oneDNN's packed GEMM
+(the greedy tests against HF in test_engine.py run every float32 backend;
+test_bfloat16.py holds the bfloat16 engine, on this CPU's default kernel, to HF
+in bfloat16)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ from torch import nn
 from services.language.engine import cpu_kernels
 from services.language.engine.config import linear_backend
 from services.language.engine.linear import (
-    AMX_MAX_ROWS,
     KERNEL_MAX_ROWS,
-    AmxPackedLinear,
+    Bf16PackedLinear,
     KernelLinear,
     PackedLinear,
     onednn_supports,
     pack_linears,
-    use_amx_linears,
+    use_bf16_linears,
     use_linear_kernel,
 )
 from services.language.engine.model import LanguageModel, stack_projections
@@ -138,7 +138,8 @@ def test_linear_backend_choice(kernel: cpu_kernels.LinearKernel) -> None:
     assert linear_backend("auto", torch.bfloat16, CUDA) == "torch"
     assert linear_backend("torch", torch.float32, CPU) == "torch"
     packs = onednn_supports(torch.bfloat16)
-    bf16 = "amx" if packs and cpu_kernels.amx_linear() else "onednn" if packs else "torch"
+    kernels = [kind for kind in KINDS if packs and cpu_kernels.bf16_linear(kind)]
+    bf16 = kernels[0] if kernels else "onednn" if packs else "torch"
     assert linear_backend("auto", torch.bfloat16, CPU) == bf16
     with pytest.raises(ValueError, match="oneDNN"):
         linear_backend("onednn", torch.bfloat16, CUDA)
@@ -146,13 +147,18 @@ def test_linear_backend_choice(kernel: cpu_kernels.LinearKernel) -> None:
         linear_backend("cpu", torch.bfloat16, CPU)
     with pytest.raises(ValueError, match="AMX"):
         linear_backend("amx", torch.float32, CPU)
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        linear_backend("avx512bf16", torch.float32, CPU)
 
 
-@pytest.fixture(scope="module")
-def amx() -> cpu_kernels.AmxLinear:
-    built = cpu_kernels.amx_linear()
+KINDS = ("amx", "avx512bf16")  # EPD's bfloat16 kernels, in the order "auto" prefers them
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def bf16_kernel(request: pytest.FixtureRequest) -> cpu_kernels.Bf16Linear:
+    built = cpu_kernels.bf16_linear(request.param)
     if built is None:
-        pytest.skip("this CPU has no AMX-BF16: bfloat16 projections stay oneDNN's")
+        pytest.skip(f"this CPU has no {request.param} kernel: its projections are another's")
     return built
 
 
@@ -165,50 +171,52 @@ def assert_rounded_once(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: to
     assert ((y.float() - exact).abs() <= slack).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 48, 50, AMX_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 15, 16, 17, 31, 32, 33, 48, 50, 128])
 @pytest.mark.parametrize(
     ("k", "n"), [(64, 128), (512, 1024), (100, 200), (32, 5)]
 )  # k: whole 32-column tiles or a tail; n: whole 64-output groups or a tail
 @pytest.mark.parametrize("bias", [True, False])
-def test_amx_kernel_rounds_the_product_once(
-    amx: cpu_kernels.AmxLinear, rows: int, k: int, n: int, bias: bool
+def test_bf16_kernel_rounds_the_product_once(
+    bf16_kernel: cpu_kernels.Bf16Linear, rows: int, k: int, n: int, bias: bool
 ) -> None:
     generator = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     weight = torch.randn(n, k, generator=generator).bfloat16()
     b = torch.randn(n, generator=generator).bfloat16() if bias else None
-    y = amx(x, amx.pack(weight), n, b)
+    y = bf16_kernel(x, bf16_kernel.pack(weight), n, b)
     assert_rounded_once(y, x, weight, b)
     # oneDNN's GEMM rounds the same sums, added in another order
     torch.testing.assert_close(y, F.linear(x, weight, b), atol=0.05, rtol=2**-7)
 
 
-def test_amx_kernel_takes_rows_strided_apart(amx: cpu_kernels.AmxLinear) -> None:
+def test_bf16_kernel_takes_rows_strided_apart(bf16_kernel: cpu_kernels.Bf16Linear) -> None:
     """As a slice of a wider tensor leaves them (the columns of a fused projection)."""
     wide = torch.randn(20, 300).bfloat16()
     x = wide[:, 40:104]
     weight = torch.randn(70, 64).bfloat16()
-    assert_rounded_once(amx(x, amx.pack(weight), 70), x, weight, None)
+    assert_rounded_once(bf16_kernel(x, bf16_kernel.pack(weight), 70), x, weight, None)
 
 
-@pytest.mark.parametrize("rows", [1, 16, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("past_limit", [-127, -1, 0, 1, 172])  # rows - the kernel's max_rows
 @pytest.mark.parametrize("bias", [True, False])
-def test_amx_linear_equals_onednn_on_either_side_of_its_row_limit(
-    amx: cpu_kernels.AmxLinear, rows: int, bias: bool
+def test_bf16_linear_equals_onednn_on_either_side_of_its_row_limit(
+    bf16_kernel: cpu_kernels.Bf16Linear, past_limit: int, bias: bool
 ) -> None:
+    rows = bf16_kernel.max_rows + past_limit
     torch.manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias).bfloat16()
     x = torch.randn(rows, 96).bfloat16()
-    module = AmxPackedLinear(linear, amx)
-    module.kernel = counting = Mock(wraps=amx)
+    module = Bf16PackedLinear(linear, bf16_kernel)
+    module.kernel = counting = Mock(wraps=bf16_kernel)
+    counting.max_rows = bf16_kernel.max_rows
     expected = PackedLinear(linear)(x)
     torch.testing.assert_close(module(x), expected, atol=0.05, rtol=2**-7)
     torch.testing.assert_close(module(x.unsqueeze(0)), expected.unsqueeze(0), atol=0.05, rtol=2**-7)
-    assert counting.call_count == (2 if rows <= AMX_MAX_ROWS else 0)
+    assert counting.call_count == (2 if past_limit <= 0 else 0)
 
 
-def test_every_projection_uses_the_amx_kernel(
-    tiny_checkpoint: Path, amx: cpu_kernels.AmxLinear
+def test_every_projection_uses_the_bf16_kernel(
+    tiny_checkpoint: Path, bf16_kernel: cpu_kernels.Bf16Linear
 ) -> None:
     spec = load_spec(tiny_checkpoint)
     weights = {
@@ -218,13 +226,18 @@ def test_every_projection_uses_the_amx_kernel(
     x = torch.randn(5, spec.text.hidden_size).bfloat16()
     mlp = model.layers[1].mlp
     expected = mlp(x)
-    assert use_amx_linears(model, amx) == 4 * spec.text.num_layers + 1
+    assert use_bf16_linears(model, bf16_kernel) == 4 * spec.text.num_layers + 1
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert isinstance(mlp.down_proj, AmxPackedLinear)
+    assert isinstance(mlp.down_proj, Bf16PackedLinear)
     torch.testing.assert_close(mlp(x), expected, atol=0.05, rtol=2**-6)
 
 
-def test_bfloat16_projections_on_amx_by_default(amx: cpu_kernels.AmxLinear) -> None:
-    assert linear_backend("auto", torch.bfloat16, CPU) == "amx"
+def test_bfloat16_projections_on_the_kernel_by_default(
+    bf16_kernel: cpu_kernels.Bf16Linear,
+) -> None:
+    """AMX where the CPU has it, else AVX512-BF16 (every AMX CPU has AVX512-BF16 too)."""
+    amx = cpu_kernels.bf16_linear("amx") is not None
+    assert linear_backend("auto", torch.bfloat16, CPU) == ("amx" if amx else "avx512bf16")
+    assert linear_backend(bf16_kernel.kind, torch.bfloat16, CPU) == bf16_kernel.kind
     assert linear_backend("onednn", torch.bfloat16, CPU) == "onednn"
     assert linear_backend("auto", torch.float32, CPU) == "cpu"

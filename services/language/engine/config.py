@@ -11,7 +11,7 @@ import torch
 
 from services.language.engine.cpu_kernels import (
     KERNEL_DTYPES,
-    amx_linear,
+    bf16_linear,
     fused_ops,
     linear_kernel,
     paged_decode_attention,
@@ -36,15 +36,17 @@ class EngineConfig:
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
-    # (packed), "amx" (EPD's AMX kernel for few rows, bfloat16, oneDNN above), or
-    # "auto": "cpu" on a CPU in float32 where the kernel builds, "amx" in bfloat16
-    # where the CPU has AMX, else oneDNN where it packs the dtype, else torch (linear.py)
+    # (packed), "amx" or "avx512bf16" (EPD's bfloat16 kernel for few rows on AMX or
+    # AVX512-BF16, oneDNN above), or "auto": "cpu" on a CPU in float32 where the
+    # kernel builds, in bfloat16 "amx" where the CPU has AMX, else "avx512bf16"
+    # where it has AVX512-BF16, else oneDNN where it packs the dtype, else torch
+    # (linear.py)
     linear: str = "auto"
     # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32 or
     # bfloat16), or "auto" ("cpu" on a CPU where the kernels build, else torch)
     ops: str = "auto"
     # a decode-only step's decoder layers: "python" (layer by layer), "compiled" (in
-    # one C call, cpu_decode.py: bfloat16 projections on AMX, the fused operations and
+    # one C call, cpu_decode.py: bfloat16 projections on EPD's kernel, the fused operations and
     # the compiled paged attention, a dense model without q/k norms), or "auto"
     # ("compiled" where it runs)
     decode_layers: str = "auto"
@@ -97,22 +99,28 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
 
 
 def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch", "cpu", "onednn" or "amx" for EngineConfig.linear (torch: cuBLAS on GPUs)."""
+    """ "torch", "cpu", "onednn", "amx" or "avx512bf16" for EngineConfig.linear (torch:
+    cuBLAS on GPUs)."""
     cpu = device.type == "cpu"
     kernel = cpu and dtype == torch.float32 and linear_kernel() is not None
     packs = cpu and onednn_supports(dtype)
-    amx = cpu and dtype == torch.bfloat16 and packs and amx_linear() is not None
+    bf16 = cpu and dtype == torch.bfloat16 and packs
     if choice == "cpu" and not kernel:
         raise ValueError("the CPU linear kernel needs a CPU with AVX2, float32 and a C compiler")
     if choice == "onednn" and not packs:
         raise ValueError(f"oneDNN packed projections need a CPU that packs {dtype}")
-    if choice == "amx" and not amx:
-        raise ValueError(
-            "the AMX linear kernel needs a CPU with AMX-BF16, bfloat16 and a C compiler"
-        )
+    for kind, needs in (("amx", "AMX-BF16"), ("avx512bf16", "AVX512-BF16")):
+        if choice == kind and not (bf16 and bf16_linear(kind) is not None):
+            raise ValueError(
+                f"the {kind} linear kernel needs a CPU with {needs}, bfloat16 and a C compiler"
+            )
     if choice != "auto":
         return choice
-    return "cpu" if kernel else "amx" if amx else "onednn" if packs else "torch"
+    if kernel:
+        return "cpu"
+    if bf16:
+        return next((kind for kind in ("amx", "avx512bf16") if bf16_linear(kind)), "onednn")
+    return "onednn" if packs else "torch"
 
 
 def ops_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:

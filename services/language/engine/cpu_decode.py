@@ -3,13 +3,14 @@
 On the CPU a decode step of a small model is bound by its per-operator cost:
 the small demo's ~600 torch operators and ~80 ctypes calls a step, a few
 microseconds of Python and dispatch each, are ~30 % of it. Where every part of
-a layer already runs in EPD's kernels (bfloat16 projections on AMX, the fused
+a layer already runs in EPD's kernels (bfloat16 projections on AMX or
+AVX512-BF16, the fused
 norms and rotary embedding, the compiled paged attention and KV writer), the
 step calls them layer after layer from C, with the same inputs in the same
 order: the hidden states are bit-equal to the Python path's.
 
 Steps with a prompt (prefill chunks), with deepstack features, or with more
-rows than the AMX kernel takes stay on the Python path, as do models it does
+rows than the projection kernel takes stay on the Python path, as do models it does
 not cover (MoE layers, q/k norms) and other dtypes and backends.
 """
 
@@ -23,8 +24,8 @@ import torch
 from torch import nn
 
 from services.language.engine.attention import TorchAttention
-from services.language.engine.cpu_kernels import AmxLinear, address, decode_step
-from services.language.engine.linear import AMX_MAX_ROWS, AmxPackedLinear
+from services.language.engine.cpu_kernels import Bf16Linear, address, decode_step
+from services.language.engine.linear import Bf16PackedLinear
 from services.language.engine.model import MLP, DecoderLayer, LanguageModel, RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -101,14 +102,14 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class _Parts:
-    """A dense decoder layer's projections on the AMX kernel, and its norms."""
+    """A dense decoder layer's projections on EPD's bfloat16 kernel, and its norms."""
 
     input_norm: RMSNorm
     post_norm: RMSNorm
-    qkv: AmxPackedLinear
-    o: AmxPackedLinear
-    gate_up: AmxPackedLinear
-    down: AmxPackedLinear
+    qkv: Bf16PackedLinear
+    o: Bf16PackedLinear
+    gate_up: Bf16PackedLinear
+    down: Bf16PackedLinear
 
 
 def _parts(layer: nn.Module) -> _Parts | str:
@@ -122,12 +123,12 @@ def _parts(layer: nn.Module) -> _Parts | str:
     if layer.input_layernorm.ops is None or attn.ops is None:
         return "the fused operations are off"
     linears: list[nn.Module] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    amx = [linear for linear in linears if isinstance(linear, AmxPackedLinear)]
-    if len(amx) < len(linears):
-        return "the projections are not on the AMX kernel"
-    if amx[-1].in_features % AmxLinear.TILE_K:
+    packed = [linear for linear in linears if isinstance(linear, Bf16PackedLinear)]
+    if len(packed) < len(linears):
+        return "the projections are not on EPD's bfloat16 kernel"
+    if packed[-1].in_features % Bf16Linear.TILE_K:
         return "an intermediate size not a multiple of 32"
-    return _Parts(layer.input_layernorm, layer.post_attention_layernorm, *amx)
+    return _Parts(layer.input_layernorm, layer.post_attention_layernorm, *packed)
 
 
 def _layers(model: LanguageModel, attention: object, dtype: torch.dtype) -> list[_Parts] | str:
@@ -142,7 +143,7 @@ def _layers(model: LanguageModel, attention: object, dtype: torch.dtype) -> list
     if attention.kv_writer is None:
         return "no compiled KV writer"
     spec = model.spec
-    if any(n % AmxLinear.TILE_K for n in (spec.hidden_size, spec.num_heads * spec.head_dim)):
+    if any(n % Bf16Linear.TILE_K for n in (spec.hidden_size, spec.num_heads * spec.head_dim)):
         return "projection inputs not a multiple of 32"
     layers = []
     for layer in model.layers:
@@ -177,6 +178,7 @@ class CompiledDecode:
         assert all(k.is_contiguous() and v.is_contiguous() for k, v in caches)
         self._run = library.decode_layers
         self._attention = attention
+        self._max_rows = layers[0].qkv.kernel.max_rows
         self._kernels = _Kernels(
             layers[0].qkv.kernel.address(),
             address(attention.decode_kernel),
@@ -216,10 +218,10 @@ class CompiledDecode:
             )
         )
 
-    @staticmethod
-    def takes(num_seqs: int) -> bool:
-        """Whether a decode step of this many sequences runs here (the AMX kernel's rows)."""
-        return num_seqs <= AMX_MAX_ROWS
+    def takes(self, num_seqs: int) -> bool:
+        """Whether a decode step of this many sequences runs here (the rows the
+        projection kernel takes)."""
+        return num_seqs <= self._max_rows
 
     def __call__(
         self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor

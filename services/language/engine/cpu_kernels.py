@@ -11,7 +11,7 @@
   product.
 - The projections of few rows (linear.c), a decode step's: oneDNN's and MKL's
   GEMMs read the weights at well under the machine's memory bandwidth there;
-  in bfloat16 on AMX (linear_amx.c), from tiles packed once.
+  in bfloat16 on AMX or AVX512-BF16 (linear_bf16.c), from tiles packed once.
 - A decode step's decoder layers in one call of the kernels above (decode.c,
   cpu_decode.py's).
 
@@ -36,7 +36,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -362,20 +362,27 @@ def linear_kernel() -> LinearKernel | None:
     return LinearKernel(library)
 
 
-class AmxLinear:
-    """csrc/linear_amx.c: y = x w^T (+ bias) in bfloat16 on AMX, for x [rows, K]
-    whose rows are contiguous (and may be strided apart), on a weight packed by
-    `pack`."""
+class Bf16Linear:
+    """csrc/linear_bf16.c: y = x w^T (+ bias) in bfloat16 for x [rows, K] whose
+    rows are contiguous (and may be strided apart), on a weight packed by `pack`;
+    `kind` "amx" (AMX tiles) or "avx512bf16" (AVX512-BF16 dot products), and the
+    most rows a call should take there (`max_rows`; oneDNN's GEMM is faster above)."""
 
     TILE_K, GROUP_N = 32, 64  # the kernel's tile depth and output group
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._linear = library.linear_amx
+    # the most rows a call should run here, oneDNN's packed GEMM above (measured on 2
+    # cores, the small demo's projections: AMX 0.8x oneDNN's time at 64 and 128 rows,
+    # 1.1x at 256; AVX512-BF16 0.94x at 128 rows, 0.97x at 256: no faster where prefills run)
+    MAX_ROWS: ClassVar[dict[str, int]] = {"amx": 128, "avx512bf16": 128}
+
+    def __init__(self, library: ctypes.CDLL, kind: str) -> None:
+        self.kind, self.max_rows = kind, self.MAX_ROWS[kind]
+        self._linear = getattr(library, f"linear_{kind}")
         self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
         self._linear.restype = None
 
     def address(self) -> int:
-        """Where linear_amx lies, for C that calls it."""
+        """Where the kernel lies, for C that calls it."""
         return address(self._linear)
 
     @classmethod
@@ -420,16 +427,25 @@ class AmxLinear:
 
 
 @functools.cache
-def amx_linear() -> AmxLinear | None:
-    """csrc/linear_amx.c's kernel, or None where this CPU (or its build) has no
-    AMX-BF16 or the kernel denies the process AMX state (a log line says which)."""
-    library = _load(CSRC / "linear_amx.c", (), "AMX linear kernel")
+def _bf16_linear_library() -> ctypes.CDLL | None:
+    return _load(CSRC / "linear_bf16.c", (), "bfloat16 linear kernel")
+
+
+@functools.cache
+def bf16_linear(kind: str) -> Bf16Linear | None:
+    """csrc/linear_bf16.c's kernel of `kind` ("amx" or "avx512bf16"), or None where
+    this CPU (or its build) lacks it, or the kernel denies the process AMX state
+    (a log line says which)."""
+    library = _bf16_linear_library()
     if library is None:
         return None
-    if not library.amx_init():
-        logger.info("no AMX-BF16 here (or no leave to use it): oneDNN's bfloat16 projections")
+    if kind == "amx" and not library.amx_init():
+        logger.info("no AMX-BF16 here (or no leave to use it)")
         return None
-    return AmxLinear(library)
+    if kind == "avx512bf16" and not library.has_avx512bf16():
+        logger.info("no AVX512-BF16 here")
+        return None
+    return Bf16Linear(library, kind)
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from services.language.engine.config import (
 )
 from services.language.engine.cpu_decode import compiled_decode
 from services.language.engine.cpu_kernels import (
-    amx_linear,
+    bf16_linear,
     fused_ops,
     kv_writer,
     linear_kernel,
@@ -37,7 +37,7 @@ from services.language.engine.kv_cache import (
     KVMemory,
     device_memory,
 )
-from services.language.engine.linear import pack_linears, use_amx_linears, use_linear_kernel
+from services.language.engine.linear import pack_linears, use_bf16_linears, use_linear_kernel
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import autotuning, fuse_experts
 from services.language.engine.request import Request, RequestStatus, new_request
@@ -244,10 +244,10 @@ class LLMEngine:
             kernel = linear_kernel()
             assert kernel is not None  # linear_backend checked
             use_linear_kernel(model, kernel)
-        elif linear == "amx":
-            amx = amx_linear()
-            assert amx is not None  # linear_backend checked
-            use_amx_linears(model, amx)
+        elif linear in ("amx", "avx512bf16"):
+            bf16 = bf16_linear(linear)
+            assert bf16 is not None  # linear_backend checked
+            use_bf16_linears(model, bf16)
         if ops_backend(config.ops, config.dtype, device) == "cpu":
             ops = fused_ops()
             assert ops is not None  # ops_backend checked

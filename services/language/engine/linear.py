@@ -12,12 +12,19 @@
   vLLM's CPU backend does (`create_onednn_mm` in
   `vllm/model_executor/layers/utils.py`): 1.3-2.1x faster than F.linear at 16
   rows, the same at 2048; it also runs bfloat16 where the CPU has AVX512-BF16.
-- "amx" (bfloat16, where the CPU has AMX): EPD's AMX kernel (csrc/linear_amx.c)
-  for calls of up to AMX_MAX_ROWS rows, on its own packing of the weights,
+- "amx" (bfloat16, where the CPU has AMX): EPD's AMX kernel (csrc/linear_bf16.c)
+  for calls of up to its `max_rows` rows, on its own packing of the weights,
   oneDNN's packed GEMM above. Measured on a 2-core Sapphire Rapids, the small
   demo's 32 projections: at 16 rows 1.5 ms against oneDNN's 2.3 (2.1 against
   3.4 with the weights out of cache), at 64 rows 2.6 against 3.2; at 256 rows
   oneDNN is faster. Each weight is held twice (the tiles and oneDNN's layout).
+- "avx512bf16" (bfloat16, where the CPU has AVX512-BF16 but no AMX): the same
+  packing and split, multiplied with AVX512-BF16's dot products (linear_bf16.c).
+  Measured on a 2-core Zen 5 EPYC, the small demo's 32 projections: at 16 rows
+  1.37 ms against oneDNN's 1.65, at 1 row 0.71 against 0.97, at 128 rows 6.5
+  against 6.9; the medium demo's 80 at 16 rows 14.2 against 14.6 ms. A decode
+  step of 16 sequences (bench/engine_ab.py): small 4.57 -> 3.32 ms, medium 27.2
+  -> 22.2 ms, with the decode step compiled (cpu_decode.py), which calls it.
 
 `bench/engine.py --linear` and `bench/engine_ab.py linear A B` compare them.
 """
@@ -30,12 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine.cpu_kernels import AmxLinear, LinearKernel
+from services.language.engine.cpu_kernels import Bf16Linear, LinearKernel
 from services.language.engine.model import Experts
 
-# the most rows a call runs in the AMX kernel; oneDNN's GEMM above (measured:
-# the kernel 0.8x oneDNN's time at 64 and 128 rows, 1.1x at 256)
-AMX_MAX_ROWS = 128
 # the row count oneDNN tunes the packed layout for (vLLM's choice); any count runs
 BATCH_HINT = 32
 # the most rows a call runs in EPD's kernel; F.linear's GEMM above (measured:
@@ -85,11 +89,12 @@ class PackedExperts(Experts):
         return _linear(x, self.packed_down[expert])
 
 
-class AmxPackedLinear(nn.Module):
-    """An nn.Linear (bfloat16, on the CPU) whose calls of up to AMX_MAX_ROWS rows
-    run the AMX kernel on its tiles, the others oneDNN's GEMM on its packed layout."""
+class Bf16PackedLinear(nn.Module):
+    """An nn.Linear (bfloat16, on the CPU) whose calls of up to the kernel's
+    max_rows rows run EPD's bfloat16 kernel (AMX or AVX512-BF16) on its tiles, the
+    others oneDNN's GEMM on its packed layout."""
 
-    def __init__(self, linear: nn.Linear, kernel: AmxLinear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: Bf16Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -100,7 +105,7 @@ class AmxPackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > AMX_MAX_ROWS or x.stride(-1) != 1:
+        if rows > self.kernel.max_rows or x.stride(-1) != 1:
             return _linear(x, self.packed, self.bias)
         y = self.kernel(x.reshape(rows, x.shape[-1]), self.tiles, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
@@ -139,10 +144,10 @@ class KernelExperts(Experts):
         return _kernel_or_torch(self.kernel, x, self.down_proj[expert])
 
 
-def use_amx_linears(model: nn.Module, kernel: AmxLinear) -> int:
-    """Swaps every nn.Linear in `model` for an AmxPackedLinear and every MoE layer's
+def use_bf16_linears(model: nn.Module, kernel: Bf16Linear) -> int:
+    """Swaps every nn.Linear in `model` for a Bf16PackedLinear and every MoE layer's
     Experts for PackedExperts (oneDNN's); returns how many modules it swapped."""
-    return _swap(model, lambda linear: AmxPackedLinear(linear, kernel), PackedExperts)
+    return _swap(model, lambda linear: Bf16PackedLinear(linear, kernel), PackedExperts)
 
 
 def _kernel_or_torch(

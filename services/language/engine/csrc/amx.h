@@ -1,4 +1,4 @@
-/* What EPD's AMX kernels (linear_amx.c, paged_attention.c) share: the process's
+/* What EPD's AMX kernels (linear_bf16.c, paged_attention.c) share: the process's
  * leave to use AMX state, and their tile shapes. Where the build has no AMX
  * (-march=native on a CPU without it), amx_init() says 0 and nothing else is
  * defined. cpu_kernels.build() keys its cache on this header too. */

@@ -1,12 +1,12 @@
-/* A decode step's decoder layers in one call, bfloat16 on AMX.
+/* A decode step's decoder layers in one call, bfloat16 on AMX or AVX512-BF16.
  *
  * A decode step of the small demo runs ~600 torch operators and ~80 kernel calls
  * through ctypes, one to a few microseconds of Python and dispatch each: ~30 % of
  * the step (py-spy, docs/performance.md). This file calls the same kernels
- * (linear_amx.c's projections, paged_attention.c's attention and KV writer,
+ * (linear_bf16.c's projections, paged_attention.c's attention and KV writer,
  * fused_ops.c's norms, rotary embedding and SiLU-and-product, given as function
- * pointers, declared in kernels.h: each keeps its own build flags) layer after layer: the bit-exact
- * results of the Python path, in one call.
+ * pointers, declared in kernels.h: each keeps its own build flags) layer after
+ * layer: the bit-exact results of the Python path, in one call.
  *
  * Per layer, on rows of `hidden` (one per sequence):
  *   residual, h = x (+ residual), RMSNorm   (the first layer: no residual yet)
@@ -21,7 +21,7 @@
 #include <string.h>
 
 struct kernels {
-    __typeof__(&linear_amx) linear;
+    __typeof__(&linear_amx) linear; /* or linear_avx512bf16: the same type */
     __typeof__(&paged_decode_attention) attention;
     __typeof__(&write_kv) write_kv;
     __typeof__(&rms_norm) rms_norm;
@@ -37,7 +37,7 @@ struct model {
     const void *final_norm;
 };
 
-/* one decoder layer's weights (the projections as linear_amx.c's tiles, their
+/* one decoder layer's weights (the projections as linear_bf16.c's tiles, their
  * biases or NULL) and cache */
 struct layer {
     const void *input_norm, *post_norm, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;

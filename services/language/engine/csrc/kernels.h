@@ -6,9 +6,12 @@
 
 #include <stdint.h>
 
-/* linear_amx.c */
+/* linear_bf16.c: the two take the same arguments, so decode.c calls either */
 void linear_amx(uint16_t *y, const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                 int64_t M, int64_t K, int64_t N, int64_t x_stride, int num_threads);
+void linear_avx512bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                       const uint16_t *bias, int64_t M, int64_t K, int64_t N, int64_t x_stride,
+                       int num_threads);
 
 /* paged_attention.c */
 int paged_decode_attention(void *out, const void *q, const void *keys, const void *values,

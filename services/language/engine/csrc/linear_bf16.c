@@ -1,17 +1,20 @@
-/* The language model's projections in bfloat16 on Intel AMX, for the few rows
- * of a decode step: y = x w^T (+ bias), x [M][K] and y [M][N] bfloat16, sums in
- * float32, each output rounded once.
+/* The language model's projections in bfloat16 for the few rows of a decode
+ * step: y = x w^T (+ bias), x [M][K] and y [M][N] bfloat16, sums in float32,
+ * each output rounded once. Two kernels on one packing of the weights: AMX's
+ * tiles (linear_amx) where the CPU has AMX, AVX512-BF16's pair dot products
+ * (linear_avx512bf16) where it has those without AMX.
  *
  * oneDNN's AMX GEMM (torch's packed path) reads the small demo's weights at
  * 13-20 GB/s in a step of 16 rows on a 2-core Sapphire Rapids, where a plain
  * read of them runs at 20-40: a decode step's projections are a stream of
- * weights. Here each weight is packed once, at load (cpu_kernels.AmxLinear.pack),
+ * weights. Here each weight is packed once, at load (cpu_kernels.Bf16Linear.pack),
  * into the tiles AMX multiplies: for 16 outputs and 32 inputs, a 1 KB tile whose
  * row r holds the pairs w[n][2r], w[n][2r+1] of its 16 outputs; a group of 64
  * outputs is four such columns of tiles along k, one after the other, so a call
- * reads the weight in order.
+ * reads the weight in order. A tile's row is also what one AVX512-BF16 dot
+ * product (vdpbf16ps) takes: 16 outputs' pairs against a pair of x broadcast.
  *
- * A thread takes groups of 64 outputs. For each 16 rows of x (group_rows) it
+ * AMX: a thread takes groups of 64 outputs. For each 16 rows of x (group_rows) it
  * keeps the four 16x16 float32 sums in tiles 0-3 and, along k, multiplies 32
  * columns of x (tile 4) by the group's four weight tiles, prefetching the tiles
  * AHEAD blocks on; 32 rows at a time (pair_rows) it sums 2 x 2 tiles, so each
@@ -25,13 +28,15 @@
 #include "amx.h"
 #include "kernels.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <string.h>
 
 #define TILE_K 32     /* bfloat16 inputs a tile multiplies */
 #define TILE_N 16     /* outputs a tile sums */
 #define GROUP_N 64    /* outputs a thread takes at once: four tiles */
 #define TILE_ELEMS 512 /* bfloat16 elements in a weight tile: TILE_K * TILE_N */
-#define AHEAD 2       /* weight tiles group_rows prefetches ahead of its loads */
+#define DOT_ROWS 6    /* rows of x linear_avx512bf16 sums at once */
 
 /* y's rows [m, m + rows), columns [n, n + width): the float32 sums (rows `stride`
  * apart) plus bias, rounded to bfloat16 */
@@ -51,6 +56,10 @@ static inline void store(uint16_t *y, const float *sums, int64_t stride, const u
         }
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+#define AHEAD 2 /* weight tiles group_rows prefetches ahead of its loads */
 
 /* rows [m, m + rows) of x against one group of 64 outputs from `n` on */
 static void group_rows(uint16_t *y, const uint16_t *x, const uint16_t *group,
@@ -159,12 +168,89 @@ void linear_amx(uint16_t *y, const uint16_t *x, const uint16_t *packed, const ui
     }
 }
 
-#else
+#endif /* AMX */
 
+/* rows [m, m + R) of x against one group of 64 outputs from `n` on, R <= DOT_ROWS:
+ * the 4 R sums in registers, along k a pair of each row's x broadcast and
+ * multiplied by the group's four tile rows for that pair */
+static inline __attribute__((always_inline)) void dot_rows(
+    uint16_t *y, const uint16_t *x, const uint16_t *group, const uint16_t *bias, int64_t m,
+    const int R, int64_t n, int64_t N, int64_t K, int64_t x_stride) {
+    const int64_t blocks = K / TILE_K, column = blocks * TILE_ELEMS;
+    __m512 sums[DOT_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            sums[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *w = group + b * TILE_ELEMS, *xb = x + m * x_stride + b * TILE_K;
+        for (int p = 0; p < TILE_K / 2; p++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + column + p * 32);
+            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2 * column + p * 32);
+            const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 3 * column + p * 32);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, xb + r * x_stride + 2 * p, sizeof pair);
+                const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+                sums[r][0] = _mm512_dpbf16_ps(sums[r][0], xr, w0);
+                sums[r][1] = _mm512_dpbf16_ps(sums[r][1], xr, w1);
+                sums[r][2] = _mm512_dpbf16_ps(sums[r][2], xr, w2);
+                sums[r][3] = _mm512_dpbf16_ps(sums[r][3], xr, w3);
+            }
+        }
+    }
+    float out[DOT_ROWS][GROUP_N];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(&out[r][16 * j], sums[r][j]);
+    store(y, &out[0][0], GROUP_N, bias, m, R, n, N < n + GROUP_N ? N - n : GROUP_N, N);
+}
+
+/* linear_amx's product on the same packed weight, without AMX: a thread takes
+ * groups of 64 outputs and runs them DOT_ROWS rows of x at a time (the sums of
+ * 6 rows and the 4 weight rows fill 28 of the 32 vector registers); a group's
+ * weights stay in L2 for its next rows. */
+void linear_avx512bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                       const uint16_t *bias, int64_t M, int64_t K, int64_t N, int64_t x_stride,
+                       int num_threads) {
+    const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
+    const int64_t group_elems = 4 * (K / TILE_K) * TILE_ELEMS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *group = packed + g * group_elems;
+        for (int64_t m = 0; m < M; m += DOT_ROWS) {
+            const int64_t n = g * GROUP_N;
+            switch (M - m < DOT_ROWS ? (int)(M - m) : DOT_ROWS) {
+            case 1: dot_rows(y, x, group, bias, m, 1, n, N, K, x_stride); break;
+            case 2: dot_rows(y, x, group, bias, m, 2, n, N, K, x_stride); break;
+            case 3: dot_rows(y, x, group, bias, m, 3, n, N, K, x_stride); break;
+            case 4: dot_rows(y, x, group, bias, m, 4, n, N, K, x_stride); break;
+            case 5: dot_rows(y, x, group, bias, m, 5, n, N, K, x_stride); break;
+            default: dot_rows(y, x, group, bias, m, 6, n, N, K, x_stride); break;
+            }
+        }
+    }
+}
+
+int has_avx512bf16(void) { return 1; }
+
+#endif /* AVX512-BF16 */
+
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__))
 void linear_amx(uint16_t *y, const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                 int64_t M, int64_t K, int64_t N, int64_t x_stride, int num_threads) {
     (void)y, (void)x, (void)packed, (void)bias, (void)M, (void)K, (void)N, (void)x_stride;
     (void)num_threads;
 }
+#endif
 
+#if !defined(__AVX512BF16__)
+void linear_avx512bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
+                       const uint16_t *bias, int64_t M, int64_t K, int64_t N, int64_t x_stride,
+                       int num_threads) {
+    (void)y, (void)x, (void)packed, (void)bias, (void)M, (void)K, (void)N, (void)x_stride;
+    (void)num_threads;
+}
+
+int has_avx512bf16(void) { return 0; }
 #endif
