@@ -1,7 +1,8 @@
 """Engine throughput against Hugging Face generate(), same checkpoint, same run.
 
     .venv/bin/python -m bench.engine [--arch qwen2_5_vl] [--size small] [--concurrency 1 4 16]
-        [--linear auto|torch|cpu|onednn|amx|avx512bf16] [--attention auto|torch|cpu] [--ops auto|torch|cpu]
+        [--linear auto|torch|cpu|onednn|amx|avx512bf16] [--attention auto|torch|cpu]
+        [--ops auto|torch|cpu]
 
 For each concurrency c, c requests (same prompts, fixed output length) go to
 the engine at once; the baseline is generate() on the same requests one at a
