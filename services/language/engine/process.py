@@ -362,21 +362,24 @@ class EngineProcess:
             await asyncio.to_thread(process.wait)
 
     def _receive(self) -> None:
+        """One message of the child's; the loop calls again while the pipe holds more
+        (not Connection.poll(), which builds a selector a call: ~10 % of this
+        process's time under load)."""
         assert self._conn is not None
         try:
-            while self._conn.poll():
-                outputs = _get(self._conn)
-                for request_id, item, timing in outputs.items:
-                    if (waiting := self._waiting.get(request_id)) is not None:
-                        request, q = waiting
-                        if timing is not None:
-                            _apply(timing, request)
-                        q.put_nowait(item)
-                self.load = outputs.load
-                if outputs.step is not None:
-                    self._on_step(*outputs.step)
+            outputs = _get(self._conn)
         except (EOFError, OSError):
             self._died()
+            return
+        for request_id, item, timing in outputs.items:
+            if (waiting := self._waiting.get(request_id)) is not None:
+                request, q = waiting
+                if timing is not None:
+                    _apply(timing, request)
+                q.put_nowait(item)
+        self.load = outputs.load
+        if outputs.step is not None:
+            self._on_step(*outputs.step)
 
     def _died(self) -> None:
         """The child is gone: every request fails, and nothing new is taken."""
