@@ -4,14 +4,13 @@ On the CPU a decode step of a small model is bound by its per-operator cost:
 the small demo's ~600 torch operators and ~80 ctypes calls a step, a few
 microseconds of Python and dispatch each, are ~30 % of it. Where every part of
 a layer already runs in EPD's kernels (bfloat16 projections on AMX or
-AVX512-BF16, the fused
-norms and rotary embedding, the compiled paged attention and KV writer), the
-step calls them layer after layer from C, with the same inputs in the same
-order: the hidden states are bit-equal to the Python path's.
+AVX512-BF16, the fused norms and rotary embedding, the compiled paged attention
+and KV writer), the step calls them layer after layer from C, with the same
+inputs in the same order: the hidden states are bit-equal to the Python path's.
 
 Steps with a prompt (prefill chunks), with deepstack features, or with more
-rows than the projection kernel takes stay on the Python path, as do models it does
-not cover (MoE layers, q/k norms) and other dtypes and backends.
+rows than the projection kernel takes stay on the Python path, as do models it
+does not cover (MoE layers, q/k norms) and other dtypes and backends.
 """
 
 from __future__ import annotations

@@ -363,7 +363,7 @@ class EngineProcess:
 
     def _receive(self) -> None:
         """One message of the child's; the loop calls again while the pipe holds more
-        (not Connection.poll(), which builds a selector a call: ~10 % of this
+        (not Connection.poll(), which builds a selector a call: ~9 % of this
         process's time under load)."""
         assert self._conn is not None
         try:

@@ -66,8 +66,6 @@ static float *result_row(void *tensor, int64_t at, int bf16, float *buf) {
     return bf16 ? buf : (float *)tensor + at;
 }
 
-/* A bfloat16 tensor's row from buf's n values (already rounded); float32 rows were
- * computed in place */
 /* bfloat16 bits of a float32 that holds a bfloat16 value (round_bf16's) */
 static inline uint16_t bf16_bits(float f) {
     uint32_t bits;
@@ -75,6 +73,8 @@ static inline uint16_t bf16_bits(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* A bfloat16 tensor's row from buf's n values (already rounded); float32 rows were
+ * computed in place */
 static void store(void *tensor, int64_t at, const float *restrict buf, int64_t n, int bf16) {
     if (!bf16) return;
     uint16_t *dst = (uint16_t *)tensor + at;
