@@ -1,10 +1,10 @@
 """The compiled paged decode attention (csrc/paged_attention.c) against torch's
 path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
 on and off page boundaries, grouped-query ratios 1 to 7, head_dim 64 and 128,
-page sizes 16 and 5, float32 and bfloat16; its AMX prefill kernel (bfloat16)
-the same way, with and without a cached prefix. Then how it is built and cached, and when the engine
-uses it (and, without a compiler, the fused operations of test_fused_ops.py and
-the linear kernel of test_linear.py)."""
+page sizes 16 and 5, float32 and bfloat16; its prefill kernels (bfloat16: AMX,
+AVX512-BF16) the same way, with and without a cached prefix. Then how it is
+built and cached, and when the engine uses it (and, without a compiler, the
+fused operations of test_fused_ops.py and the linear kernel of test_linear.py)."""
 
 from __future__ import annotations
 
@@ -80,11 +80,11 @@ def test_paged_kernel_equals_gathered_sdpa(
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
-@pytest.fixture(scope="module")
-def prefill_kernel() -> cpu_kernels.Kernel:
-    built = cpu_kernels.prefill_attention_amx()
+@pytest.fixture(scope="module", params=cpu_kernels.PREFILL_KINDS)
+def prefill_kernel(request: pytest.FixtureRequest) -> cpu_kernels.Kernel:
+    built = cpu_kernels.prefill_attention(request.param)
     if built is None:
-        pytest.skip("this CPU has no AMX-BF16: prefills stay in SDPA")
+        pytest.skip(f"this CPU has no {request.param} prefill kernel (its instructions)")
     return built
 
 
@@ -101,7 +101,7 @@ PREFILLS = {
     ("heads", "kv_heads", "dim", "page"),
     [(8, 4, 64, 16), (16, 8, 64, 16), (28, 4, 128, 16), (6, 2, 64, 5), (4, 4, 64, 16)],
 )
-def test_amx_prefill_equals_gathered_sdpa(
+def test_prefill_kernel_equals_gathered_sdpa(
     kernel: cpu_kernels.Kernel,
     prefill_kernel: cpu_kernels.Kernel,
     step: str,
@@ -138,7 +138,19 @@ def test_amx_prefill_equals_gathered_sdpa(
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-2, rtol=1e-2)
 
 
-def test_amx_prefill_leaves_other_head_sizes_to_sdpa(prefill_kernel: cpu_kernels.Kernel) -> None:
+def test_bfloat16_prefills_in_the_first_kernel_this_cpu_has(
+    prefill_kernel: cpu_kernels.Kernel,
+) -> None:
+    """AMX where the CPU has it, else AVX512-BF16 (every AMX CPU has AVX512-BF16 too)."""
+    amx = cpu_kernels.prefill_attention("amx")
+    chosen = cpu_kernels.bf16_prefill_attention()
+    assert chosen is (amx or cpu_kernels.prefill_attention("avx512bf16"))
+    assert chosen is not None
+
+
+def test_the_prefill_kernel_leaves_other_head_sizes_to_sdpa(
+    prefill_kernel: cpu_kernels.Kernel,
+) -> None:
     attention = TorchAttention(80**-0.5, None, prefill_kernel)
     cache = torch.zeros(2, 4, 16, 2, 80).bfloat16()
     assert not attention._prefills_in_kernel(torch.zeros(3, 4, 80).bfloat16(), (cache[0], cache[1]))
@@ -146,7 +158,7 @@ def test_amx_prefill_leaves_other_head_sizes_to_sdpa(prefill_kernel: cpu_kernels
     assert not attention._prefills_in_kernel(torch.zeros(3, 4, 64), (cache64[0], cache64[1]))
 
 
-def test_an_amx_prefill_reads_only_its_own_pages(
+def test_a_kernel_prefill_reads_only_its_own_pages(
     kernel: cpu_kernels.Kernel, prefill_kernel: cpu_kernels.Kernel
 ) -> None:
     """NaN in every page but the prompt's, and past its last token: none reaches its output."""

@@ -109,8 +109,9 @@ def gather_pages(half: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttention:
-    """CPU backend: each prefill in the compiled AMX kernel where given one
-    (bfloat16, head_dim a multiple of 64; it reads the prompt's pages in place),
+    """CPU backend: each prefill in the compiled bfloat16 kernel (AMX or
+    AVX512-BF16) where given one (head_dim a multiple of 64; it reads the
+    prompt's pages in place),
     else in SDPA over its gathered pages; all decodes at once, either in the
     compiled paged kernel (cpu_kernels.py: reads each sequence's pages in place;
     float32 and bfloat16) or, without it, in one padded SDPA over their gathered
@@ -208,7 +209,7 @@ class TorchAttention:
         return self._decode_pages, self._decode_lens
 
     def _prefills_in_kernel(self, q: torch.Tensor, cache: KVLayer) -> bool:
-        """Whether this step's prefills go to the AMX kernel: bfloat16, whole 64-wide
+        """Whether this step's prefills go to the prefill kernel: bfloat16, whole 64-wide
         blocks of each head, a token's heads side by side."""
         dim = q.shape[2]
         return (

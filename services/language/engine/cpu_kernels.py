@@ -164,17 +164,30 @@ def kv_writer() -> Kernel | None:
     return kernel
 
 
+PREFILL_KINDS = ("amx", "avx512bf16")  # fastest first
+
+
 @functools.cache
-def prefill_attention_amx() -> Kernel | None:
-    """csrc/paged_attention.c's prefill kernel (bfloat16, AMX), or None where it
-    cannot be built, this CPU has no AMX-BF16 or the process gets no AMX state."""
+def prefill_attention(kind: str) -> Kernel | None:
+    """csrc/paged_attention.c's prefill kernel (bfloat16) of `kind` (PREFILL_KINDS),
+    or None where it cannot be built, this CPU lacks its instructions or (AMX) the
+    process gets no AMX state."""
     library = _attention_library()
-    if library is None or not library.amx_init():
+    if library is None:
         return None
-    kernel = library.prefill_attention_amx
+    if not (library.amx_init() if kind == "amx" else library.has_avx512bf16()):
+        return None
+    kernel = getattr(library, f"prefill_attention_{kind}")
     kernel.restype = _int
     kernel.argtypes = [_ptr] * 5 + [_i64] * 7 + [_f32, _int]
     return kernel
+
+
+def bf16_prefill_attention() -> Kernel | None:
+    """The prefill kernel a bfloat16 engine uses: the first of PREFILL_KINDS this
+    CPU has (measured against gather + SDPA on AVX512-BF16 without AMX: 5x a call
+    for the demos' heads, a text prefill step 18-30 % shorter), else None (SDPA)."""
+    return next(filter(None, map(prefill_attention, PREFILL_KINDS)), None)
 
 
 class FusedOps:

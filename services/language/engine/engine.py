@@ -22,11 +22,11 @@ from services.language.engine.config import (
 from services.language.engine.cpu_decode import compiled_decode
 from services.language.engine.cpu_kernels import (
     bf16_linear,
+    bf16_prefill_attention,
     fused_ops,
     kv_writer,
     linear_kernel,
     paged_decode_attention,
-    prefill_attention_amx,
 )
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
@@ -264,7 +264,7 @@ class LLMEngine:
             )
         if backend != "cpu":
             return TorchAttention(scale)
-        prefill = prefill_attention_amx() if self.config.dtype == torch.bfloat16 else None
+        prefill = bf16_prefill_attention() if self.config.dtype == torch.bfloat16 else None
         return TorchAttention(scale, paged_decode_attention(), prefill, kv_writer())
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:

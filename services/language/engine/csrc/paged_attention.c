@@ -358,10 +358,11 @@ int write_kv(void *keys, void *values, const void *k, const void *v, const int64
     return 0;
 }
 
-/* Prefill attention over the paged KV cache in bfloat16 on Intel AMX: a prompt's
- * n new tokens, the last of its len tokens (the first len - n are its cached
- * prefix, already in the pages), each attending causally to the keys up to its
- * own position.
+/* Prefill attention over the paged KV cache in bfloat16, on Intel AMX
+ * (prefill_attention_amx) or, without it, with AVX512-BF16's dot products of
+ * pairs (prefill_attention_avx512bf16): a prompt's n new tokens, the last of its
+ * len tokens (the first len - n are its cached prefix, already in the pages),
+ * each attending causally to the keys up to its own position.
  *
  *   q, out        [n][num_heads][head_dim]  (q's token rows q_stride apart)
  *   keys, values  the layer's cache, as above; pages: the prompt's pages in order
@@ -370,16 +371,30 @@ int write_kv(void *keys, void *values, const void *k, const void *v, const int64
  * tiles AMX multiplies (keys transposed: a tile's row r holds dimensions 2r and
  * 2r + 1 of 16 keys; values: row r holds keys 2r and 2r + 1 of 16 dimensions).
  * Then each task, one query head and 16 query tokens, computes its scores S = q
- * k^T (16 keys a tile, summed over head_dim in 32-wide tiles; at head_dim 64 the
- * queries stay in two tiles and two key blocks go at once), the
- * softmax of each row in float32 (its keys up to the token's position), rounds
- * the exponentials to bfloat16 (as SDPA's CPU kernel rounds them before they
- * weigh the values) and sums P v in tiles 0-3, 64 output dimensions at a time,
- * dividing by each row's sum at the end. Sums in another order than SDPA's:
- * within bfloat16 rounding of them. head_dim must be a multiple of 64.
- * Returns 0, -1 when out of memory, -2 where the build has no AMX (amx_init()
- * says 0 there, and the engine never calls it). */
+ * k^T, the softmax of each row in float32 (its keys up to the token's position),
+ * rounds the exponentials to bfloat16 (as SDPA's CPU kernel rounds them before
+ * they weigh the values) and sums P v, 64 output dimensions at a time, dividing
+ * by each row's sum at the end. On AMX the products are tiles (16 keys a tile,
+ * summed over head_dim in 32-wide tiles; at head_dim 64 the queries stay in two
+ * tiles and two key blocks go at once). Without AMX the same tiles are read a
+ * row at a time: a key tile's row is one pair of dimensions of 16 keys, a value
+ * tile's one pair of keys of 16 dimensions, which is what one vdpbf16ps
+ * multiplies by a broadcast pair of a query (of the weights); 6 query rows by 64
+ * keys (dimensions) at a time, their sums in 24 of the 32 vector registers, as
+ * linear_bf16.c's linear_avx512bf16. Sums in another order than SDPA's: within
+ * bfloat16 rounding of them. head_dim must be a multiple of 64.
+ * Returns 0, -1 when out of memory, -2 where the build lacks the kernel's
+ * instructions (amx_init() says 0 there, has_avx512bf16() likewise, and the
+ * engine never calls it). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PREFILL_AMX 1
+#endif
+
+#if defined(__AVX512BF16__)
+
+#define DOT_ROWS 6 /* query rows the AVX512-BF16 kernel sums at once */
+
+int has_avx512bf16(void) { return 1; }
 
 /* KV head h's keys [dim block][16-key block] and values [32-key block][16-dim
  * block] as tiles (a tile's elements as 16 x 16 pairs, one 32-bit word each);
@@ -424,11 +439,48 @@ static int pack_head(uint32_t *kt, uint32_t *vt, const uint16_t *keys, const uin
     return 0;
 }
 
-/* query head h, its tokens [i0, i0 + rows) */
-static void attend_rows(uint16_t *out, const uint16_t *q, const uint32_t *kt, const uint32_t *vt,
-                        int64_t i0, int rows, int64_t h, int64_t n, int64_t len,
-                        int64_t padded, int64_t num_heads, int64_t head_dim, int64_t q_stride,
-                        float scale, float *scores, uint16_t *weights, float *sums) {
+/* Each of `rows` rows of scores (row r: the token that sees `first` + r + 1
+ * keys) into its softmax's exponentials, rounded to bfloat16 in `weights` (zeros
+ * past its keys, up to a whole 32-key block), and 1 / their sum in sums[r]. */
+static void softmax_rows(float *scores, uint16_t *weights, float *sums, int rows, int64_t first,
+                         int64_t padded, int64_t blocks32, float scale) {
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + r * padded;
+        uint16_t *w = weights + r * padded;
+        const int64_t keys = first + r + 1;
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < keys; j += 16) {
+            const __mmask16 valid = keys - j >= 16 ? 0xffff : (__mmask16)((1u << (keys - j)) - 1);
+            most = _mm512_mask_max_ps(most, valid, most, _mm512_maskz_loadu_ps(valid, s + j));
+        }
+        const float max = _mm512_reduce_max_ps(most) * scale;
+        float sum = 0.0f;
+#pragma omp simd simdlen(16) reduction(+ : sum)
+        for (int64_t j = 0; j < keys; j++) {
+            const float e = exp_nonpositive(s[j] * scale - max);
+            sum += e;
+            s[j] = e;
+        }
+        for (int64_t j = keys; j < blocks32 * 32; j++) s[j] = 0.0f;
+        for (int64_t j = 0; j < blocks32 * 32; j += 16)
+            _mm256_storeu_si256((__m256i *)(w + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+        sums[r] = 1.0f / sum;
+    }
+}
+
+/* 16 output dimensions of a row, each times `inverse` (1 / the row's sum), as bfloat16 */
+static inline void store_out(uint16_t *dst, __m512 sum, float inverse) {
+    _mm256_storeu_si256((__m256i *)dst,
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sum, _mm512_set1_ps(inverse))));
+}
+
+#if defined(PREFILL_AMX)
+/* query head h, its tokens [i0, i0 + rows), on AMX (this thread's tiles configured for rows) */
+static void attend_rows_amx(uint16_t *out, const uint16_t *q, const uint32_t *kt,
+                            const uint32_t *vt, int64_t i0, int rows, int64_t h, int64_t n,
+                            int64_t len, int64_t padded, int64_t num_heads, int64_t head_dim,
+                            int64_t q_stride, float scale, float *scores, uint16_t *weights,
+                            float *sums) {
     const int64_t first = len - n;        /* the position of new token 0 */
     const int64_t seen = first + i0 + rows; /* keys the last row sees */
     const int64_t key_blocks = padded / 16, dim_blocks = head_dim / 32;
@@ -474,28 +526,7 @@ static void attend_rows(uint16_t *out, const uint16_t *q, const uint32_t *kt, co
             _tile_stored(0, scores + b * 16, padded * 4);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float *s = scores + r * padded;
-        uint16_t *w = weights + r * padded;
-        const int64_t keys = first + i0 + r + 1;
-        __m512 most = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < keys; j += 16) {
-            const __mmask16 valid = keys - j >= 16 ? 0xffff : (__mmask16)((1u << (keys - j)) - 1);
-            most = _mm512_mask_max_ps(most, valid, most, _mm512_maskz_loadu_ps(valid, s + j));
-        }
-        const float max = _mm512_reduce_max_ps(most) * scale;
-        float sum = 0.0f;
-#pragma omp simd simdlen(16) reduction(+ : sum)
-        for (int64_t j = 0; j < keys; j++) {
-            const float e = exp_nonpositive(s[j] * scale - max);
-            sum += e;
-            s[j] = e;
-        }
-        for (int64_t j = keys; j < blocks32 * 32; j++) s[j] = 0.0f;
-        for (int64_t j = 0; j < blocks32 * 32; j += 16)
-            _mm256_storeu_si256((__m256i *)(w + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
-        sums[r] = 1.0f / sum;
-    }
+    softmax_rows(scores, weights, sums, rows, first + i0, padded, blocks32, scale);
     const int64_t out_stride = num_heads * head_dim;
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
         _tile_zero(0);
@@ -521,19 +552,127 @@ static void attend_rows(uint16_t *out, const uint16_t *q, const uint32_t *kt, co
         _tile_stored(3, &o[0][48], 256);
         for (int r = 0; r < rows; r++) {
             uint16_t *dst = out + (i0 + r) * out_stride + h * head_dim + d0;
-            const __m512 scale_r = _mm512_set1_ps(sums[r]);
-            for (int c = 0; c < 64; c += 16)
-                _mm256_storeu_si256((__m256i *)(dst + c),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(&o[r][c]), scale_r)));
+            for (int c = 0; c < 64; c += 16) store_out(dst + c, _mm512_loadu_ps(&o[r][c]), sums[r]);
+        }
+    }
+}
+#endif /* PREFILL_AMX */
+
+/* The pair of bfloat16 values at x, as one 32-bit word broadcast to 16 lanes */
+static inline __m512bh broadcast_pair(const uint16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+/* Scores of R query rows (row r at q + r * q_stride) against 64 keys a time,
+ * blocks [0, blocks16) rounded up to 4 (the packing's blocks come in fours): row
+ * r's into scores + r * padded. Always inlined with R known, so that the sums
+ * stay in registers. */
+static inline __attribute__((always_inline)) void
+scores_dp(float *scores, const uint16_t *q, int64_t q_stride, const uint32_t *kt, const int R,
+          int64_t blocks16, int64_t key_blocks, int64_t pairs, int64_t padded) {
+    for (int64_t b = 0; b < blocks16; b += 4) {
+        __m512 sums[DOT_ROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++) sums[r][j] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint32_t *k = kt + ((p / 16) * key_blocks + b) * 256 + (p % 16) * 16;
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k + 256);
+            const __m512bh k2 = (__m512bh)_mm512_loadu_si512(k + 2 * 256);
+            const __m512bh k3 = (__m512bh)_mm512_loadu_si512(k + 3 * 256);
+            for (int r = 0; r < R; r++) {
+                const __m512bh x = broadcast_pair(q + r * q_stride + 2 * p);
+                sums[r][0] = _mm512_dpbf16_ps(sums[r][0], x, k0);
+                sums[r][1] = _mm512_dpbf16_ps(sums[r][1], x, k1);
+                sums[r][2] = _mm512_dpbf16_ps(sums[r][2], x, k2);
+                sums[r][3] = _mm512_dpbf16_ps(sums[r][3], x, k3);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(scores + r * padded + (b + j) * 16, sums[r][j]);
+    }
+}
+
+/* P v of R rows (row r's weights at w + r * padded), 64 output dimensions from
+ * d0, divided by each row's sum and rounded: into out's rows, out_stride apart.
+ * Always inlined with R known, as scores_dp. */
+static inline __attribute__((always_inline)) void
+values_dp(uint16_t *out, int64_t out_stride, const uint16_t *w, int64_t padded,
+          const uint32_t *vt, const float *inverse, const int R, int64_t blocks32, int64_t d0,
+          int64_t head_dim) {
+    __m512 sums[DOT_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) sums[r][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < blocks32 * 16; p++) { /* keys 2p and 2p + 1 */
+        const uint32_t *v = vt + ((p / 16) * (head_dim / 16) + d0 / 16) * 256 + (p % 16) * 16;
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
+        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 256);
+        const __m512bh v2 = (__m512bh)_mm512_loadu_si512(v + 2 * 256);
+        const __m512bh v3 = (__m512bh)_mm512_loadu_si512(v + 3 * 256);
+        for (int r = 0; r < R; r++) {
+            const __m512bh x = broadcast_pair(w + r * padded + 2 * p);
+            sums[r][0] = _mm512_dpbf16_ps(sums[r][0], x, v0);
+            sums[r][1] = _mm512_dpbf16_ps(sums[r][1], x, v1);
+            sums[r][2] = _mm512_dpbf16_ps(sums[r][2], x, v2);
+            sums[r][3] = _mm512_dpbf16_ps(sums[r][3], x, v3);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) store_out(out + r * out_stride + 16 * j, sums[r][j], inverse[r]);
+}
+
+/* attend_rows_amx's work without AMX, DOT_ROWS rows at a time */
+static void attend_rows_dp(uint16_t *out, const uint16_t *q, const uint32_t *kt,
+                           const uint32_t *vt, int64_t i0, int rows, int64_t h, int64_t n,
+                           int64_t len, int64_t padded, int64_t num_heads, int64_t head_dim,
+                           int64_t q_stride, float scale, float *scores, uint16_t *weights,
+                           float *sums) {
+    const int64_t first = len - n, seen = first + i0 + rows;
+    const int64_t blocks16 = (seen + 15) / 16, blocks32 = (seen + 31) / 32;
+    const int64_t key_blocks = padded / 16, pairs = head_dim / 2;
+    const uint16_t *qh = q + i0 * q_stride + h * head_dim;
+    for (int r = 0; r < rows; r += DOT_ROWS) {
+        const uint16_t *qr = qh + r * q_stride;
+        float *s = scores + r * padded;
+        switch (rows - r < DOT_ROWS ? rows - r : DOT_ROWS) {
+        case 1: scores_dp(s, qr, q_stride, kt, 1, blocks16, key_blocks, pairs, padded); break;
+        case 2: scores_dp(s, qr, q_stride, kt, 2, blocks16, key_blocks, pairs, padded); break;
+        case 3: scores_dp(s, qr, q_stride, kt, 3, blocks16, key_blocks, pairs, padded); break;
+        case 4: scores_dp(s, qr, q_stride, kt, 4, blocks16, key_blocks, pairs, padded); break;
+        case 5: scores_dp(s, qr, q_stride, kt, 5, blocks16, key_blocks, pairs, padded); break;
+        default: scores_dp(s, qr, q_stride, kt, 6, blocks16, key_blocks, pairs, padded); break;
+        }
+    }
+    softmax_rows(scores, weights, sums, rows, first + i0, padded, blocks32, scale);
+    const int64_t out_stride = num_heads * head_dim;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        for (int r = 0; r < rows; r += DOT_ROWS) {
+            uint16_t *o = out + (i0 + r) * out_stride + h * head_dim + d0;
+            const uint16_t *w = weights + r * padded;
+            const float *inv = sums + r;
+            switch (rows - r < DOT_ROWS ? rows - r : DOT_ROWS) {
+            case 1: values_dp(o, out_stride, w, padded, vt, inv, 1, blocks32, d0, head_dim); break;
+            case 2: values_dp(o, out_stride, w, padded, vt, inv, 2, blocks32, d0, head_dim); break;
+            case 3: values_dp(o, out_stride, w, padded, vt, inv, 3, blocks32, d0, head_dim); break;
+            case 4: values_dp(o, out_stride, w, padded, vt, inv, 4, blocks32, d0, head_dim); break;
+            case 5: values_dp(o, out_stride, w, padded, vt, inv, 5, blocks32, d0, head_dim); break;
+            default: values_dp(o, out_stride, w, padded, vt, inv, 6, blocks32, d0, head_dim); break;
+            }
         }
     }
 }
 
-int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys,
-                          const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t page_size, int64_t q_stride, float scale, int num_threads) {
-    const int64_t padded = (len + 31) / 32 * 32, group = num_heads / num_kv_heads;
+/* Both kernels: the heads packed, then (query head, 16 tokens) tasks; amx picks
+ * attend_rows_amx (a build with AMX only) over attend_rows_dp. */
+static int prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                             const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t page_size, int64_t q_stride, float scale, int num_threads,
+                             int amx) {
+    /* 64-key blocks: scores_dp takes keys 64 at a time */
+    const int64_t padded = (len + 63) / 64 * 64, group = num_heads / num_kv_heads;
     const int64_t head_elems = padded * head_dim;
     const int64_t head_words = head_elems / 2; /* a head's keys (or values) as pairs */
     uint32_t *packed = malloc(sizeof(uint32_t) * 2 * num_kv_heads * head_words);
@@ -541,6 +680,7 @@ int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys
     uint32_t *kt = packed, *vt = packed + num_kv_heads * head_words;
     const int64_t blocks = (n + 15) / 16;
     int failed = 0;
+    (void)amx; /* a build without AMX has the one kernel */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #pragma omp for schedule(static)
@@ -551,27 +691,74 @@ int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys
         float *scores = malloc(sizeof(float) * (16 * padded + 16));
         uint16_t *weights = malloc(sizeof(uint16_t) * 16 * padded);
         if (scores == NULL || weights == NULL) failed = 1;
+#if defined(PREFILL_AMX)
         int configured = 0;
+#endif
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < num_heads * blocks; task++) {
             if (failed) continue;
             const int64_t h = task / blocks, i0 = (task % blocks) * 16;
             const int rows = n - i0 < 16 ? (int)(n - i0) : 16;
-            if (rows != configured) {
-                amx_configure(rows);
-                configured = rows;
-            }
             const int64_t kv = h / group;
-            attend_rows(out, q, kt + kv * head_words, vt + kv * head_words, i0, rows, h, n, len,
-                        padded, num_heads, head_dim, q_stride, scale, scores, weights,
-                        scores + 16 * padded);
+            const uint32_t *k = kt + kv * head_words, *v = vt + kv * head_words;
+#if defined(PREFILL_AMX)
+            if (amx) {
+                if (rows != configured) {
+                    amx_configure(rows);
+                    configured = rows;
+                }
+                attend_rows_amx(out, q, k, v, i0, rows, h, n, len, padded, num_heads, head_dim,
+                                q_stride, scale, scores, weights, scores + 16 * padded);
+                continue;
+            }
+#endif
+            attend_rows_dp(out, q, k, v, i0, rows, h, n, len, padded, num_heads, head_dim,
+                           q_stride, scale, scores, weights, scores + 16 * padded);
         }
+#if defined(PREFILL_AMX)
         if (configured) _tile_release();
+#endif
         free(scores);
         free(weights);
     }
     free(packed);
     return failed ? -1 : 0;
+}
+
+int prefill_attention_avx512bf16(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                                 const uint16_t *values, const int64_t *pages, int64_t n,
+                                 int64_t len, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t page_size, int64_t q_stride,
+                                 float scale, int num_threads) {
+    return prefill_attention(out, q, keys, values, pages, n, len, num_heads, num_kv_heads,
+                             head_dim, page_size, q_stride, scale, num_threads, 0);
+}
+
+#else
+
+int has_avx512bf16(void) { return 0; }
+
+int prefill_attention_avx512bf16(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                                 const uint16_t *values, const int64_t *pages, int64_t n,
+                                 int64_t len, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t page_size, int64_t q_stride,
+                                 float scale, int num_threads) {
+    (void)out, (void)q, (void)keys, (void)values, (void)pages, (void)n, (void)len;
+    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)page_size, (void)q_stride;
+    (void)scale, (void)num_threads;
+    return -2;
+}
+
+#endif /* AVX512-BF16 */
+
+#if defined(PREFILL_AMX)
+
+int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                          const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t page_size, int64_t q_stride, float scale, int num_threads) {
+    return prefill_attention(out, q, keys, values, pages, n, len, num_heads, num_kv_heads,
+                             head_dim, page_size, q_stride, scale, num_threads, 1);
 }
 
 #else
