@@ -2,10 +2,12 @@
 against HF's own: each architecture, float32 and bfloat16, images whose windows
 are all one length and images whose windows are not (a run of equal windows
 attends in one call; the runs must split where lengths change). Bit for bit in
-float32. In bfloat16 the attention is bit for bit HF's; the whole tower is close
+float32. In bfloat16 the attention on SDPA is bit for bit HF's; the compiled
+window kernel is within bfloat16 rounding of SDPA; the whole tower is close
 to HF's, not equal: its patch embedding is a GEMM (within a bfloat16 step of the
-convolution), its projections oneDNN's packed GEMM and Qwen2.5-VL's norms the
-language model's kernels, each rounding in its own order."""
+convolution), its projections oneDNN's packed GEMM, its attention the window
+kernel where the CPU has one, and Qwen2.5-VL's norms the language model's
+kernels, each rounding in its own order."""
 
 from __future__ import annotations
 
@@ -15,7 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from services.language.engine.cpu_kernels import fused_ops
+from services.language.engine.cpu_kernels import (
+    PREFILL_KINDS,
+    bf16_window_attention,
+    fused_ops,
+    window_attention,
+)
 from services.language.engine.fused_vision import (
     FusedVisionAttention,
     FusedVisionBlock,
@@ -104,6 +111,10 @@ def test_the_fused_tower_computes_what_hf_does(
     bf16 = dtype == torch.bfloat16
     assert fuse_vision_tower(fused) >= len(fused.blocks)
     assert all(isinstance(block.attn, FusedVisionAttention) for block in fused.blocks)
+    kernels = [block.attn.kernel for block in fused.blocks]
+    assert kernels == [bf16_window_attention(hf.blocks[0].attn.head_dim) if bf16 else None] * len(
+        kernels
+    )
     assert isinstance(fused.patch_embed.proj, LinearPatchEmbedding) == bf16
     rms_norms = hasattr(hf.blocks[0].norm1, "variance_epsilon")  # Qwen2.5-VL's
     blocks = [isinstance(block, FusedVisionBlock) for block in fused.blocks]
@@ -171,3 +182,48 @@ def test_the_patch_embedding_as_a_gemm_equals_the_convolution(
 def test_windows_are_grouped_into_runs_of_one_length() -> None:
     cu = torch.tensor([0, 64, 128, 192, 240, 240, 304, 368, 400])
     assert list(_runs(cu)) == [(0, 64, 3), (192, 48, 1), (240, 64, 2), (368, 32, 1)]
+
+
+@pytest.mark.parametrize("kind", PREFILL_KINDS)
+@pytest.mark.parametrize(
+    "lengths",
+    [[64] * 4, [0, 37, 64, 5, 0, 16, 1], [1024]],
+    ids=["equal", "ragged-and-empty", "one-image"],
+)
+@pytest.mark.parametrize(("heads", "head_dim"), [(12, 64), (16, 80), (4, 128)])
+def test_the_window_kernel_attends_as_sdpa_does(
+    kind: str, lengths: list[int], heads: int, head_dim: int
+) -> None:
+    """Each window's tokens attend to one another, as SDPA on that window alone;
+    q, k and v read from the fused QKV projection's rows, in bfloat16."""
+    kernel = window_attention(kind)
+    if kernel is None:
+        pytest.skip(f"this CPU has no {kind} window kernel (its instructions)")
+    if kind == "amx" and head_dim % 64:
+        pytest.skip("the AMX kernel takes head_dim in multiples of 64")
+    n = sum(lengths)
+    generator = torch.Generator().manual_seed(heads * head_dim + n)
+    qkv = torch.randn(n, 3 * heads, head_dim, generator=generator).bfloat16()
+    starts = torch.tensor([0, *lengths]).cumsum(0)
+    out = torch.full((n, heads, head_dim), float("nan")).bfloat16()
+    scale = head_dim**-0.5
+    failed = kernel(
+        out.data_ptr(),
+        qkv.data_ptr(),
+        qkv[:, heads].data_ptr(),
+        qkv[:, 2 * heads].data_ptr(),
+        starts.data_ptr(),
+        len(lengths),
+        heads,
+        head_dim,
+        qkv.stride(0),
+        scale,
+        torch.get_num_threads(),
+    )
+    assert failed == 0
+    q, k, v = qkv.view(n, 3, heads, head_dim).permute(1, 2, 0, 3).unbind(0)
+    for start, end in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, start:end], k[:, start:end], v[:, start:end], scale=scale
+        )
+        torch.testing.assert_close(out[start:end], want.transpose(0, 1), atol=1e-2, rtol=1e-2)

@@ -167,20 +167,25 @@ def kv_writer() -> Kernel | None:
 PREFILL_KINDS = ("amx", "avx512bf16")  # fastest first
 
 
-@functools.cache
-def prefill_attention(kind: str) -> Kernel | None:
-    """csrc/paged_attention.c's prefill kernel (bfloat16) of `kind` (PREFILL_KINDS),
-    or None where it cannot be built, this CPU lacks its instructions or (AMX) the
+def _bf16_attention(name: str, kind: str, argtypes: list[Any]) -> Kernel | None:
+    """csrc/paged_attention.c's `name`_`kind` (a bfloat16 kernel of PREFILL_KINDS), or
+    None where it cannot be built, this CPU lacks its instructions or (AMX) the
     process gets no AMX state."""
     library = _attention_library()
     if library is None:
         return None
     if not (library.amx_init() if kind == "amx" else library.has_avx512bf16()):
         return None
-    kernel = getattr(library, f"prefill_attention_{kind}")
+    kernel = getattr(library, f"{name}_{kind}")
     kernel.restype = _int
-    kernel.argtypes = [_ptr] * 5 + [_i64] * 7 + [_f32, _int]
+    kernel.argtypes = argtypes
     return kernel
+
+
+@functools.cache
+def prefill_attention(kind: str) -> Kernel | None:
+    """A prompt's attention over the paged KV cache, causal (head_dim a multiple of 64)."""
+    return _bf16_attention("prefill_attention", kind, [_ptr] * 5 + [_i64] * 7 + [_f32, _int])
 
 
 def bf16_prefill_attention() -> Kernel | None:
@@ -188,6 +193,22 @@ def bf16_prefill_attention() -> Kernel | None:
     CPU has (measured against gather + SDPA on AVX512-BF16 without AMX: 5x a call
     for the demos' heads, a text prefill step 18-30 % shorter), else None (SDPA)."""
     return next(filter(None, map(prefill_attention, PREFILL_KINDS)), None)
+
+
+@functools.cache
+def window_attention(kind: str) -> Kernel | None:
+    """A vision tower's attention, each window's tokens attending to one another
+    (head_dim a multiple of 64 on AMX, of 16 otherwise)."""
+    return _bf16_attention("window_attention", kind, [_ptr] * 5 + [_i64] * 4 + [_f32, _int])
+
+
+def bf16_window_attention(head_dim: int) -> Kernel | None:
+    """The window kernel a bfloat16 vision tower of head_dim uses: the first of
+    PREFILL_KINDS this CPU has that takes it, else None (SDPA)."""
+    for kind in PREFILL_KINDS:
+        if head_dim % (64 if kind == "amx" else 16) == 0 and (kernel := window_attention(kind)):
+            return kernel
+    return None
 
 
 class FusedOps:

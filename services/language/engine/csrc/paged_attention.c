@@ -382,7 +382,10 @@ int write_kv(void *keys, void *values, const void *k, const void *v, const int64
  * multiplies by a broadcast pair of a query (of the weights); 6 query rows by 64
  * keys (dimensions) at a time, their sums in 24 of the 32 vector registers, as
  * linear_bf16.c's linear_avx512bf16. Sums in another order than SDPA's: within
- * bfloat16 rounding of them. head_dim must be a multiple of 64.
+ * bfloat16 rounding of them. head_dim must be a multiple of 64 (on AMX; 16
+ * without). The same code serves a vision tower's attention (window_attention_*):
+ * each window's tokens attend to one another, unmasked, their keys and values
+ * read from the QKV projection's rows instead of the pages.
  * Returns 0, -1 when out of memory, -2 where the build lacks the kernel's
  * instructions (amx_init() says 0 there, has_avx512bf16() likewise, and the
  * engine never calls it). */
@@ -401,7 +404,7 @@ int has_avx512bf16(void) { return 1; }
  * zeros past len */
 static int pack_head(uint32_t *kt, uint32_t *vt, const uint16_t *keys, const uint16_t *values,
                       const int64_t *pages, int64_t len, int64_t padded, int64_t h,
-                      int64_t num_kv_heads, int64_t head_dim, int64_t page_size) {
+                      int64_t kv_stride, int64_t head_dim, int64_t page_size) {
     const int64_t key_blocks = padded / 16, pairs = head_dim / 2;
     uint16_t *k16 = malloc(sizeof(uint16_t) * 2 * 16 * head_dim); /* 16 tokens' keys, values */
     if (k16 == NULL) return -1;
@@ -410,8 +413,8 @@ static int pack_head(uint32_t *kt, uint32_t *vt, const uint16_t *keys, const uin
     for (int64_t t0 = 0; t0 < padded; t0 += 16) {
         for (int c = 0; c < 16; c++) { /* copied side by side: the transposes below vectorize */
             const int64_t t = t0 + c;
-            const int64_t at =
-                ((pages[t / page_size] * page_size + t % page_size) * num_kv_heads + h) * head_dim;
+            const int64_t row = pages == NULL ? t : pages[t / page_size] * page_size + t % page_size;
+            const int64_t at = row * kv_stride + h * head_dim;
             if (t < len) {
                 memcpy(k16 + c * head_dim, keys + at, sizeof(uint16_t) * head_dim);
                 memcpy(v16 + c * head_dim, values + at, sizeof(uint16_t) * head_dim);
@@ -439,15 +442,16 @@ static int pack_head(uint32_t *kt, uint32_t *vt, const uint16_t *keys, const uin
     return 0;
 }
 
-/* Each of `rows` rows of scores (row r: the token that sees `first` + r + 1
- * keys) into its softmax's exponentials, rounded to bfloat16 in `weights` (zeros
- * past its keys, up to a whole 32-key block), and 1 / their sum in sums[r]. */
+/* Each of `rows` rows of scores into its softmax's exponentials, rounded to
+ * bfloat16 in `weights` (zeros past its keys, up to a whole 32-key block), and 1 /
+ * their sum in sums[r]. Row r sees `first` + r + 1 keys (causal), or all `len`
+ * where first < 0. */
 static void softmax_rows(float *scores, uint16_t *weights, float *sums, int rows, int64_t first,
-                         int64_t padded, int64_t blocks32, float scale) {
+                         int64_t len, int64_t padded, int64_t blocks32, float scale) {
     for (int r = 0; r < rows; r++) {
         float *s = scores + r * padded;
         uint16_t *w = weights + r * padded;
-        const int64_t keys = first + r + 1;
+        const int64_t keys = first < 0 ? len : first + r + 1;
         __m512 most = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < keys; j += 16) {
             const __mmask16 valid = keys - j >= 16 ? 0xffff : (__mmask16)((1u << (keys - j)) - 1);
@@ -478,11 +482,11 @@ static inline void store_out(uint16_t *dst, __m512 sum, float inverse) {
 /* query head h, its tokens [i0, i0 + rows), on AMX (this thread's tiles configured for rows) */
 static void attend_rows_amx(uint16_t *out, const uint16_t *q, const uint32_t *kt,
                             const uint32_t *vt, int64_t i0, int rows, int64_t h, int64_t n,
-                            int64_t len, int64_t padded, int64_t num_heads, int64_t head_dim,
-                            int64_t q_stride, float scale, float *scores, uint16_t *weights,
-                            float *sums) {
-    const int64_t first = len - n;        /* the position of new token 0 */
-    const int64_t seen = first + i0 + rows; /* keys the last row sees */
+                            int64_t len, int causal, int64_t padded, int64_t num_heads,
+                            int64_t head_dim, int64_t q_stride, float scale, float *scores,
+                            uint16_t *weights, float *sums) {
+    const int64_t first = len - n;                         /* the position of new token 0 */
+    const int64_t seen = causal ? first + i0 + rows : len; /* keys the last row sees */
     const int64_t key_blocks = padded / 16, dim_blocks = head_dim / 32;
     const int64_t blocks16 = (seen + 15) / 16, blocks32 = (seen + 31) / 32;
     const uint16_t *qh = q + i0 * q_stride + h * head_dim;
@@ -526,7 +530,8 @@ static void attend_rows_amx(uint16_t *out, const uint16_t *q, const uint32_t *kt
             _tile_stored(0, scores + b * 16, padded * 4);
         }
     }
-    softmax_rows(scores, weights, sums, rows, first + i0, padded, blocks32, scale);
+    softmax_rows(scores, weights, sums, rows, causal ? first + i0 : -1, len, padded, blocks32,
+                 scale);
     const int64_t out_stride = num_heads * head_dim;
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
         _tile_zero(0);
@@ -595,41 +600,47 @@ scores_dp(float *scores, const uint16_t *q, int64_t q_stride, const uint32_t *kt
     }
 }
 
-/* P v of R rows (row r's weights at w + r * padded), 64 output dimensions from
- * d0, divided by each row's sum and rounded: into out's rows, out_stride apart.
- * Always inlined with R known, as scores_dp. */
+/* P v of R rows (row r's weights at w + r * padded) for D blocks of 16 output
+ * dimensions from d0, divided by each row's sum and rounded: into out's rows,
+ * out_stride apart. Always inlined with R and D known, as scores_dp. */
 static inline __attribute__((always_inline)) void
 values_dp(uint16_t *out, int64_t out_stride, const uint16_t *w, int64_t padded,
-          const uint32_t *vt, const float *inverse, const int R, int64_t blocks32, int64_t d0,
-          int64_t head_dim) {
+          const uint32_t *vt, const float *inverse, const int R, const int D, int64_t blocks32,
+          int64_t d0, int64_t head_dim) {
     __m512 sums[DOT_ROWS][4];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) sums[r][j] = _mm512_setzero_ps();
+        for (int j = 0; j < D; j++) sums[r][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < blocks32 * 16; p++) { /* keys 2p and 2p + 1 */
         const uint32_t *v = vt + ((p / 16) * (head_dim / 16) + d0 / 16) * 256 + (p % 16) * 16;
-        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
-        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 256);
-        const __m512bh v2 = (__m512bh)_mm512_loadu_si512(v + 2 * 256);
-        const __m512bh v3 = (__m512bh)_mm512_loadu_si512(v + 3 * 256);
+        __m512bh vs[4];
+        for (int j = 0; j < D; j++) vs[j] = (__m512bh)_mm512_loadu_si512(v + j * 256);
         for (int r = 0; r < R; r++) {
             const __m512bh x = broadcast_pair(w + r * padded + 2 * p);
-            sums[r][0] = _mm512_dpbf16_ps(sums[r][0], x, v0);
-            sums[r][1] = _mm512_dpbf16_ps(sums[r][1], x, v1);
-            sums[r][2] = _mm512_dpbf16_ps(sums[r][2], x, v2);
-            sums[r][3] = _mm512_dpbf16_ps(sums[r][3], x, v3);
+            for (int j = 0; j < D; j++) sums[r][j] = _mm512_dpbf16_ps(sums[r][j], x, vs[j]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) store_out(out + r * out_stride + 16 * j, sums[r][j], inverse[r]);
+        for (int j = 0; j < D; j++) store_out(out + r * out_stride + 16 * j, sums[r][j], inverse[r]);
 }
 
-/* attend_rows_amx's work without AMX, DOT_ROWS rows at a time */
+/* values_dp for R rows over all of head_dim: 64 dimensions a time, then 16 */
+#define VALUES_DP(R)                                                                           \
+    do {                                                                                       \
+        int64_t d0 = 0;                                                                        \
+        for (; d0 + 64 <= head_dim; d0 += 64)                                                  \
+            values_dp(o + d0, out_stride, w, padded, vt, inv, R, 4, blocks32, d0, head_dim);   \
+        for (; d0 < head_dim; d0 += 16)                                                        \
+            values_dp(o + d0, out_stride, w, padded, vt, inv, R, 1, blocks32, d0, head_dim);   \
+    } while (0)
+
+/* attend_rows_amx's work without AMX, DOT_ROWS rows at a time (head_dim a
+ * multiple of 16) */
 static void attend_rows_dp(uint16_t *out, const uint16_t *q, const uint32_t *kt,
                            const uint32_t *vt, int64_t i0, int rows, int64_t h, int64_t n,
-                           int64_t len, int64_t padded, int64_t num_heads, int64_t head_dim,
-                           int64_t q_stride, float scale, float *scores, uint16_t *weights,
-                           float *sums) {
-    const int64_t first = len - n, seen = first + i0 + rows;
+                           int64_t len, int causal, int64_t padded, int64_t num_heads,
+                           int64_t head_dim, int64_t q_stride, float scale, float *scores,
+                           uint16_t *weights, float *sums) {
+    const int64_t first = len - n, seen = causal ? first + i0 + rows : len;
     const int64_t blocks16 = (seen + 15) / 16, blocks32 = (seen + 31) / 32;
     const int64_t key_blocks = padded / 16, pairs = head_dim / 2;
     const uint16_t *qh = q + i0 * q_stride + h * head_dim;
@@ -645,75 +656,111 @@ static void attend_rows_dp(uint16_t *out, const uint16_t *q, const uint32_t *kt,
         default: scores_dp(s, qr, q_stride, kt, 6, blocks16, key_blocks, pairs, padded); break;
         }
     }
-    softmax_rows(scores, weights, sums, rows, first + i0, padded, blocks32, scale);
+    softmax_rows(scores, weights, sums, rows, causal ? first + i0 : -1, len, padded, blocks32,
+                 scale);
     const int64_t out_stride = num_heads * head_dim;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-        for (int r = 0; r < rows; r += DOT_ROWS) {
-            uint16_t *o = out + (i0 + r) * out_stride + h * head_dim + d0;
-            const uint16_t *w = weights + r * padded;
-            const float *inv = sums + r;
-            switch (rows - r < DOT_ROWS ? rows - r : DOT_ROWS) {
-            case 1: values_dp(o, out_stride, w, padded, vt, inv, 1, blocks32, d0, head_dim); break;
-            case 2: values_dp(o, out_stride, w, padded, vt, inv, 2, blocks32, d0, head_dim); break;
-            case 3: values_dp(o, out_stride, w, padded, vt, inv, 3, blocks32, d0, head_dim); break;
-            case 4: values_dp(o, out_stride, w, padded, vt, inv, 4, blocks32, d0, head_dim); break;
-            case 5: values_dp(o, out_stride, w, padded, vt, inv, 5, blocks32, d0, head_dim); break;
-            default: values_dp(o, out_stride, w, padded, vt, inv, 6, blocks32, d0, head_dim); break;
-            }
+    for (int r = 0; r < rows; r += DOT_ROWS) {
+        uint16_t *o = out + (i0 + r) * out_stride + h * head_dim;
+        const uint16_t *w = weights + r * padded;
+        const float *inv = sums + r;
+        switch (rows - r < DOT_ROWS ? rows - r : DOT_ROWS) {
+        case 1: VALUES_DP(1); break;
+        case 2: VALUES_DP(2); break;
+        case 3: VALUES_DP(3); break;
+        case 4: VALUES_DP(4); break;
+        case 5: VALUES_DP(5); break;
+        default: VALUES_DP(6); break;
         }
     }
 }
 
-/* Both kernels: the heads packed, then (query head, 16 tokens) tasks; amx picks
- * attend_rows_amx (a build with AMX only) over attend_rows_dp. */
-static int prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *keys,
-                             const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t page_size, int64_t q_stride, float scale, int num_threads,
-                             int amx) {
-    /* 64-key blocks: scores_dp takes keys 64 at a time */
-    const int64_t padded = (len + 63) / 64 * 64, group = num_heads / num_kv_heads;
-    const int64_t head_elems = padded * head_dim;
-    const int64_t head_words = head_elems / 2; /* a head's keys (or values) as pairs */
-    uint32_t *packed = malloc(sizeof(uint32_t) * 2 * num_kv_heads * head_words);
-    if (packed == NULL) return -1;
-    uint32_t *kt = packed, *vt = packed + num_kv_heads * head_words;
-    const int64_t blocks = (n + 15) / 16;
+/* Both kernels over `windows` sequences of queries: window w's are tokens
+ * [starts[w], starts[w + 1]) of q (rows q_stride apart) and out ([token][num_heads]
+ * [head_dim]). With pages there is one window, whose keys are the prompt's len in
+ * the pages (its queries the last of them, causally); without, each window's keys
+ * are its own tokens' rows of keys and values (kv_stride apart), all seen by each
+ * query (a vision tower's windows). The heads packed, then (window, query head, 16
+ * tokens) tasks; amx picks attend_rows_amx (a build with AMX only, head_dim a
+ * multiple of 64) over attend_rows_dp. */
+static int attention_bf16(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                          const uint16_t *values, const int64_t *pages, int64_t page_size,
+                          int64_t len, const int64_t *starts, int64_t windows, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
+                          int64_t kv_stride, float scale, int num_threads, int amx) {
+    const int64_t group = num_heads / num_kv_heads, pair_blocks = (head_dim / 2 + 15) / 16;
+    /* per window: its first task, and where its packed heads start (words) */
+    int64_t *tasks = malloc(sizeof(int64_t) * 2 * (windows + 1));
+    if (tasks == NULL) return -1;
+    int64_t *offsets = tasks + windows + 1, most = 0;
+    tasks[0] = offsets[0] = 0;
+    for (int64_t w = 0; w < windows; w++) {
+        const int64_t n = starts[w + 1] - starts[w];
+        const int64_t keys_w = pages != NULL ? len : n;
+        const int64_t padded = (keys_w + 63) / 64 * 64; /* scores_dp takes keys 64 at a time */
+        most = padded > most ? padded : most;
+        tasks[w + 1] = tasks[w] + num_heads * ((n + 15) / 16);
+        offsets[w + 1] = offsets[w] + num_kv_heads * padded * (pair_blocks * 16 + head_dim / 2);
+    }
+    uint32_t *packed = malloc(sizeof(uint32_t) * (offsets[windows] > 0 ? offsets[windows] : 1));
+    if (packed == NULL) {
+        free(tasks);
+        return -1;
+    }
     int failed = 0;
     (void)amx; /* a build without AMX has the one kernel */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
+        /* window w's KV head h: keys at offsets[w] + h * head_words, values after them */
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < num_kv_heads; h++)
-            if (pack_head(kt + h * head_words, vt + h * head_words, keys, values, pages, len,
-                          padded, h, num_kv_heads, head_dim, page_size))
+        for (int64_t wh = 0; wh < windows * num_kv_heads; wh++) {
+            const int64_t w = wh / num_kv_heads, h = wh % num_kv_heads;
+            const int64_t n = starts[w + 1] - starts[w], keys_w = pages != NULL ? len : n;
+            const int64_t padded = (keys_w + 63) / 64 * 64;
+            const int64_t key_words = pair_blocks * 16 * padded;
+            uint32_t *kt = packed + offsets[w] + h * (key_words + padded * head_dim / 2);
+            const int64_t at = pages != NULL ? 0 : starts[w] * kv_stride;
+            if (pack_head(kt, kt + key_words, keys + at, values + at, pages, keys_w, padded, h,
+                          kv_stride, head_dim, page_size))
                 failed = 1;
-        float *scores = malloc(sizeof(float) * (16 * padded + 16));
-        uint16_t *weights = malloc(sizeof(uint16_t) * 16 * padded);
+        }
+        float *scores = malloc(sizeof(float) * (16 * most + 16));
+        uint16_t *weights = malloc(sizeof(uint16_t) * 16 * most);
         if (scores == NULL || weights == NULL) failed = 1;
 #if defined(PREFILL_AMX)
         int configured = 0;
 #endif
 #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < num_heads * blocks; task++) {
+        for (int64_t task = 0; task < tasks[windows]; task++) {
             if (failed) continue;
-            const int64_t h = task / blocks, i0 = (task % blocks) * 16;
+            int64_t w = 0, last = windows; /* the window whose tasks hold this one */
+            while (last - w > 1) {
+                const int64_t mid = (w + last) / 2;
+                if (tasks[mid] <= task) w = mid;
+                else last = mid;
+            }
+            const int64_t n = starts[w + 1] - starts[w], keys_w = pages != NULL ? len : n;
+            const int64_t padded = (keys_w + 63) / 64 * 64, blocks = (n + 15) / 16;
+            const int64_t h = (task - tasks[w]) / blocks, i0 = (task - tasks[w]) % blocks * 16;
             const int rows = n - i0 < 16 ? (int)(n - i0) : 16;
-            const int64_t kv = h / group;
-            const uint32_t *k = kt + kv * head_words, *v = vt + kv * head_words;
+            const int64_t key_words = pair_blocks * 16 * padded;
+            const uint32_t *k = packed + offsets[w] + h / group * (key_words + padded * head_dim / 2);
+            const uint32_t *v = k + key_words;
+            uint16_t *o = out + starts[w] * num_heads * head_dim;
+            const uint16_t *qw = q + starts[w] * q_stride;
+            const int causal = pages != NULL;
 #if defined(PREFILL_AMX)
             if (amx) {
                 if (rows != configured) {
                     amx_configure(rows);
                     configured = rows;
                 }
-                attend_rows_amx(out, q, k, v, i0, rows, h, n, len, padded, num_heads, head_dim,
-                                q_stride, scale, scores, weights, scores + 16 * padded);
+                attend_rows_amx(o, qw, k, v, i0, rows, h, n, keys_w, causal, padded, num_heads,
+                                head_dim, q_stride, scale, scores, weights, scores + 16 * padded);
                 continue;
             }
 #endif
-            attend_rows_dp(out, q, k, v, i0, rows, h, n, len, padded, num_heads, head_dim,
-                           q_stride, scale, scores, weights, scores + 16 * padded);
+            attend_rows_dp(o, qw, k, v, i0, rows, h, n, keys_w, causal, padded, num_heads,
+                           head_dim, q_stride, scale, scores, weights, scores + 16 * padded);
         }
 #if defined(PREFILL_AMX)
         if (configured) _tile_release();
@@ -722,7 +769,20 @@ static int prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k
         free(weights);
     }
     free(packed);
+    free(tasks);
     return failed ? -1 : 0;
+}
+
+/* A prompt's prefill (one window: its n new tokens of len, causally, keys in the pages) */
+static int prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *keys,
+                             const uint16_t *values, const int64_t *pages, int64_t n, int64_t len,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t page_size, int64_t q_stride, float scale, int num_threads,
+                             int amx) {
+    const int64_t starts[2] = {0, n};
+    return attention_bf16(out, q, keys, values, pages, page_size, len, starts, 1, num_heads,
+                          num_kv_heads, head_dim, q_stride, num_kv_heads * head_dim, scale,
+                          num_threads, amx);
 }
 
 int prefill_attention_avx512bf16(uint16_t *out, const uint16_t *q, const uint16_t *keys,
@@ -732,6 +792,17 @@ int prefill_attention_avx512bf16(uint16_t *out, const uint16_t *q, const uint16_
                                  float scale, int num_threads) {
     return prefill_attention(out, q, keys, values, pages, n, len, num_heads, num_kv_heads,
                              head_dim, page_size, q_stride, scale, num_threads, 0);
+}
+
+/* A vision tower's attention: each window's tokens [starts[w], starts[w + 1]) attend
+ * to one another (no mask); q, k and v rows `stride` apart (the fused QKV
+ * projection's), `heads` each; out [tokens][heads][head_dim]. */
+int window_attention_avx512bf16(uint16_t *out, const uint16_t *q, const uint16_t *k,
+                                const uint16_t *v, const int64_t *starts, int64_t windows,
+                                int64_t heads, int64_t head_dim, int64_t stride, float scale,
+                                int num_threads) {
+    return attention_bf16(out, q, k, v, NULL, 0, 0, starts, windows, heads, heads, head_dim,
+                          stride, stride, scale, num_threads, 0);
 }
 
 #else
@@ -749,6 +820,15 @@ int prefill_attention_avx512bf16(uint16_t *out, const uint16_t *q, const uint16_
     return -2;
 }
 
+int window_attention_avx512bf16(uint16_t *out, const uint16_t *q, const uint16_t *k,
+                                const uint16_t *v, const int64_t *starts, int64_t windows,
+                                int64_t heads, int64_t head_dim, int64_t stride, float scale,
+                                int num_threads) {
+    (void)out, (void)q, (void)k, (void)v, (void)starts, (void)windows, (void)heads;
+    (void)head_dim, (void)stride, (void)scale, (void)num_threads;
+    return -2;
+}
+
 #endif /* AVX512-BF16 */
 
 #if defined(PREFILL_AMX)
@@ -761,6 +841,13 @@ int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys
                              head_dim, page_size, q_stride, scale, num_threads, 1);
 }
 
+int window_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         const int64_t *starts, int64_t windows, int64_t heads, int64_t head_dim,
+                         int64_t stride, float scale, int num_threads) {
+    return attention_bf16(out, q, k, v, NULL, 0, 0, starts, windows, heads, heads, head_dim,
+                          stride, stride, scale, num_threads, 1);
+}
+
 #else
 
 int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys,
@@ -770,6 +857,14 @@ int prefill_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *keys
     (void)out, (void)q, (void)keys, (void)values, (void)pages, (void)n, (void)len;
     (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)page_size, (void)q_stride;
     (void)scale, (void)num_threads;
+    return -2;
+}
+
+int window_attention_amx(uint16_t *out, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         const int64_t *starts, int64_t windows, int64_t heads, int64_t head_dim,
+                         int64_t stride, float scale, int num_threads) {
+    (void)out, (void)q, (void)k, (void)v, (void)starts, (void)windows, (void)heads;
+    (void)head_dim, (void)stride, (void)scale, (void)num_threads;
     return -2;
 }
 
