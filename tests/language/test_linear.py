@@ -197,22 +197,30 @@ def test_bf16_kernel_takes_rows_strided_apart(bf16_kernel: cpu_kernels.Bf16Linea
     assert_rounded_once(bf16_kernel(x, bf16_kernel.pack(weight), 70), x, weight, None)
 
 
-@pytest.mark.parametrize("past_limit", [-127, -1, 0, 1, 172])  # rows - the kernel's max_rows
+# either side of the AMX kernel's row limit (128) and of the AVX512-BF16 kernel's
+# 96-row tasks; a prompt's 2048
+@pytest.mark.parametrize("rows", [1, 95, 96, 97, 127, 128, 129, 300, 2048])
 @pytest.mark.parametrize("bias", [True, False])
-def test_bf16_linear_equals_onednn_on_either_side_of_its_row_limit(
-    bf16_kernel: cpu_kernels.Bf16Linear, past_limit: int, bias: bool
+def test_bf16_linear_equals_onednn_at_any_rows(
+    bf16_kernel: cpu_kernels.Bf16Linear, rows: int, bias: bool
 ) -> None:
-    rows = bf16_kernel.max_rows + past_limit
+    """The kernel takes calls up to its max_rows (all, without one: then no oneDNN
+    layout is held), oneDNN's packed GEMM the rest, and a transposed x too."""
     torch.manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias).bfloat16()
     x = torch.randn(rows, 96).bfloat16()
     module = Bf16PackedLinear(linear, bf16_kernel)
+    assert (module.packed is None) == (bf16_kernel.max_rows is None)
     module.kernel = counting = Mock(wraps=bf16_kernel)
     counting.max_rows = bf16_kernel.max_rows
     expected = PackedLinear(linear)(x)
     torch.testing.assert_close(module(x), expected, atol=0.05, rtol=2**-7)
     torch.testing.assert_close(module(x.unsqueeze(0)), expected.unsqueeze(0), atol=0.05, rtol=2**-7)
-    assert counting.call_count == (2 if past_limit <= 0 else 0)
+    in_kernel = bf16_kernel.max_rows is None or rows <= bf16_kernel.max_rows
+    assert counting.call_count == (2 if in_kernel else 0)
+    if bf16_kernel.max_rows is None:  # no oneDNN layout to fall back on
+        transposed = x.t().contiguous().t()
+        torch.testing.assert_close(module(transposed), expected, atol=0.05, rtol=2**-7)
 
 
 def test_every_projection_uses_the_bf16_kernel(

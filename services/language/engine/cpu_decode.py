@@ -220,7 +220,7 @@ class CompiledDecode:
     def takes(self, num_seqs: int) -> bool:
         """Whether a decode step of this many sequences runs here (the rows the
         projection kernel takes)."""
-        return num_seqs <= self._max_rows
+        return self._max_rows is None or num_seqs <= self._max_rows
 
     def __call__(
         self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor

@@ -400,17 +400,20 @@ class Bf16Linear:
     """csrc/linear_bf16.c: y = x w^T (+ bias) in bfloat16 for x [rows, K] whose
     rows are contiguous (and may be strided apart), on a weight packed by `pack`;
     `kind` "amx" (AMX tiles) or "avx512bf16" (AVX512-BF16 dot products), and the
-    most rows a call should take there (`max_rows`)."""
+    most rows a call should take there (`max_rows`; None: any)."""
 
     TILE_K, GROUP_N = 32, 64  # the kernel's tile depth and output group
 
-    # the most rows a call should run here, oneDNN's packed GEMM above, either kind
-    # (measured on 2 cores, the small demo's projections: AMX 0.8x oneDNN's time at 64
-    # and 128 rows, 1.1x at 256; AVX512-BF16 0.94x at 128 rows, 0.97x at 256)
-    max_rows: ClassVar[int] = 128
+    # The most rows a call should run here, oneDNN's packed GEMM above, by kind.
+    # Measured on 2 cores: AMX 0.8x oneDNN's time at 64 and 128 rows of the small
+    # demo's projections, 1.1x at 256; AVX512-BF16 (Zen 5) 0.94-0.97x from 128 to
+    # 2048 rows (the medium demo's at 2048: 1057 against 1085 ms), so it takes all
+    # and a weight is held once, not also in oneDNN's layout.
+    MAX_ROWS: ClassVar[dict[str, int | None]] = {"amx": 128, "avx512bf16": None}
 
     def __init__(self, library: ctypes.CDLL, kind: str) -> None:
         self.kind = kind
+        self.max_rows = self.MAX_ROWS[kind]
         self._linear = getattr(library, f"linear_{kind}")
         self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
         self._linear.restype = None

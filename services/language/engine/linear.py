@@ -19,12 +19,14 @@
   3.4 with the weights out of cache), at 64 rows 2.6 against 3.2; at 256 rows
   oneDNN is faster. Each weight is held twice (the tiles and oneDNN's layout).
 - "avx512bf16" (bfloat16, where the CPU has AVX512-BF16 but no AMX): the same
-  packing and split, multiplied with AVX512-BF16's dot products (linear_bf16.c).
-  Measured on a 2-core Zen 5 EPYC, the small demo's 32 projections: at 16 rows
-  1.37 ms against oneDNN's 1.65, at 1 row 0.71 against 0.97, at 128 rows 6.5
-  against 6.9; the medium demo's 80 at 16 rows 14.2 against 14.6 ms. A decode
-  step of 16 sequences (bench/engine_ab.py): small 4.57 -> 3.32 ms, medium 27.2
-  -> 22.2 ms, with the decode step compiled (cpu_decode.py), which calls it.
+  packing, multiplied with AVX512-BF16's dot products (linear_bf16.c), at every
+  size of call: measured on a 2-core Zen 5 EPYC, the small demo's 32 projections
+  at 16 rows 1.37 ms against oneDNN's 1.65, at 1 row 0.71 against 0.97, at 128
+  rows 6.5 against 6.9, at 2048 104.6 against 103.7; the medium demo's 80 at 16
+  rows 14.2 against 14.6 ms, at 2048 1057 against 1085. So each weight is held
+  once. A decode step of 16 sequences (bench/engine_ab.py): small 4.57 -> 3.32
+  ms, medium 27.2 -> 22.2 ms, with the decode step compiled (cpu_decode.py),
+  which calls it.
 
 `bench/engine.py --linear` and `bench/engine_ab.py linear A B` compare them.
 """
@@ -91,23 +93,28 @@ class PackedExperts(Experts):
 
 class Bf16PackedLinear(nn.Module):
     """An nn.Linear (bfloat16, on the CPU) whose calls of up to the kernel's
-    max_rows rows run EPD's bfloat16 kernel (AMX or AVX512-BF16) on its tiles, the
-    others oneDNN's GEMM on its packed layout."""
+    max_rows rows (any, where it has no limit) run EPD's bfloat16 kernel (AMX or
+    AVX512-BF16) on its tiles, the others oneDNN's GEMM on its packed layout (held
+    only where the kernel has a limit)."""
 
     def __init__(self, linear: nn.Linear, kernel: Bf16Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.tiles = kernel.pack(weight)
-        self.packed = _pack(weight)
+        self.packed = None if kernel.max_rows is None else _pack(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > self.kernel.max_rows or x.stride(-1) != 1:
+        rows, limit = x.numel() // x.shape[-1], self.kernel.max_rows
+        if limit is not None and (rows > limit or x.stride(-1) != 1):
+            assert self.packed is not None  # held wherever the kernel has a limit
             return _linear(x, self.packed, self.bias)
-        y = self.kernel(x.reshape(rows, x.shape[-1]), self.tiles, self.out_features, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        if flat.stride(-1) != 1:  # the kernel's rows must be contiguous
+            flat = flat.contiguous()
+        y = self.kernel(flat, self.tiles, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -37,6 +37,7 @@
 #define GROUP_N 64    /* outputs a thread takes at once: four tiles */
 #define TILE_ELEMS 512 /* bfloat16 elements in a weight tile: TILE_K * TILE_N */
 #define DOT_ROWS 6    /* rows of x linear_avx512bf16 sums at once */
+#define CHUNK_ROWS 96 /* and a task's rows: 16 of those */
 
 /* y's rows [m, m + rows), columns [n, n + width): the float32 sums (rows `stride`
  * apart) plus bias, rounded to bfloat16 */
@@ -206,27 +207,32 @@ static inline __attribute__((always_inline)) void dot_rows(
     store(y, &out[0][0], GROUP_N, bias, m, R, n, N < n + GROUP_N ? N - n : GROUP_N, N);
 }
 
-/* linear_amx's product on the same packed weight, without AMX: a thread takes
- * groups of 64 outputs and runs them DOT_ROWS rows of x at a time (the sums of
- * 6 rows and the 4 weight rows fill 28 of the 32 vector registers); a group's
- * weights stay in L2 for its next rows. */
+/* linear_amx's product on the same packed weight, without AMX: a task is a
+ * group of 64 outputs and up to CHUNK_ROWS rows of x (a prompt's call splits over
+ * more threads than its groups), run DOT_ROWS rows at a time (the sums of 6 rows
+ * and the 4 weight rows fill 28 of the 32 vector registers); a group's weights
+ * stay in L2 for its next rows, and a thread's tasks run a group's chunks in turn. */
 void linear_avx512bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
                        const uint16_t *bias, int64_t M, int64_t K, int64_t N, int64_t x_stride,
                        int num_threads) {
     const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
     const int64_t group_elems = 4 * (K / TILE_K) * TILE_ELEMS;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    const int64_t chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
     for (int64_t g = 0; g < groups; g++) {
-        const uint16_t *group = packed + g * group_elems;
-        for (int64_t m = 0; m < M; m += DOT_ROWS) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint16_t *group = packed + g * group_elems;
             const int64_t n = g * GROUP_N;
-            switch (M - m < DOT_ROWS ? (int)(M - m) : DOT_ROWS) {
-            case 1: dot_rows(y, x, group, bias, m, 1, n, N, K, x_stride); break;
-            case 2: dot_rows(y, x, group, bias, m, 2, n, N, K, x_stride); break;
-            case 3: dot_rows(y, x, group, bias, m, 3, n, N, K, x_stride); break;
-            case 4: dot_rows(y, x, group, bias, m, 4, n, N, K, x_stride); break;
-            case 5: dot_rows(y, x, group, bias, m, 5, n, N, K, x_stride); break;
-            default: dot_rows(y, x, group, bias, m, 6, n, N, K, x_stride); break;
+            const int64_t end = (c + 1) * CHUNK_ROWS < M ? (c + 1) * CHUNK_ROWS : M;
+            for (int64_t m = c * CHUNK_ROWS; m < end; m += DOT_ROWS) {
+                switch (end - m < DOT_ROWS ? (int)(end - m) : DOT_ROWS) {
+                case 1: dot_rows(y, x, group, bias, m, 1, n, N, K, x_stride); break;
+                case 2: dot_rows(y, x, group, bias, m, 2, n, N, K, x_stride); break;
+                case 3: dot_rows(y, x, group, bias, m, 3, n, N, K, x_stride); break;
+                case 4: dot_rows(y, x, group, bias, m, 4, n, N, K, x_stride); break;
+                case 5: dot_rows(y, x, group, bias, m, 5, n, N, K, x_stride); break;
+                default: dot_rows(y, x, group, bias, m, 6, n, N, K, x_stride); break;
+                }
             }
         }
     }
