@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from services.bench.client import RequestResult, send
 from services.bench.workload import BenchRequest
@@ -50,9 +50,14 @@ def arrival_times(count: int, rate: float, seed: int) -> list[float]:
 async def run(config: RunConfig, requests: list[BenchRequest]) -> RunResult:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     base = config.base_url.rstrip("/")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        timeout=config.timeout_s, headers=headers, limits=limits
+    async with aiohttp.ClientSession(
+        headers=headers,
+        # a deadline on each connect and read, not on a whole (long) generation
+        timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=config.timeout_s, sock_read=config.timeout_s
+        ),
+        connector=aiohttp.TCPConnector(limit=0),  # as many connections as requests in flight
+        read_bufsize=1 << 20,  # an event's line may be long (logprobs, a tool call)
     ) as client:
         for request in requests[: config.warmup]:
             await send(client, base + request.path, request, time.perf_counter())

@@ -4,6 +4,7 @@ with the official openai client, and through `epd bench`."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,23 @@ async def test_epd_bench_drives_completions(gateway: GatewayServer) -> None:
     result = await run(config, requests)
     assert [r.ok for r in result.results] == [True] * 6, [r.error for r in result.results]
     assert all(r.output_tokens == 8 and r.ttft is not None for r in result.results)
+
+
+async def test_epd_bench_reports_what_failed(gateway: GatewayServer) -> None:
+    """A status other than 200 (a wrong key) and a server that is not there: each
+    request fails with what happened, none raises."""
+    workload = Workload(
+        num_prompts=2, input_len=12, output_len=8, image_ratio=0, endpoint="completions"
+    )
+    requests = build_requests(workload, MODEL)
+    config = RunConfig(gateway.url + "/v1", api_key="wrong", warmup=0, progress=False)
+    refused = await run(config, requests)
+    assert [r.ok for r in refused.results] == [False, False]
+    assert all(r.error.startswith("HTTP 401: ") for r in refused.results), refused.results
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{unused.getsockname()[1]}/v1"
+        config = RunConfig(nowhere, warmup=0, progress=False, timeout_s=5)
+        gone = await run(config, requests)
+    assert [r.ok for r in gone.results] == [False, False]
+    assert all(r.error.startswith("ClientConnectorError") for r in gone.results), gone.results
