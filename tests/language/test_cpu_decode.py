@@ -144,3 +144,16 @@ def test_a_kv_slot_outside_the_cache_fails_the_step(linear: str, tiny_checkpoint
         engine.step()
     after = [keys for keys, _ in runner.kv_cache.layers]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_the_compiled_step_takes_as_many_sequences_as_its_kernel(
+    linear: str, tiny_checkpoint: Path
+) -> None:
+    """AMX's kernel takes up to 128 rows (oneDNN above, so the Python path); the
+    AVX512-BF16 kernel any number."""
+    decode = make_engine(tiny_checkpoint, dtype=torch.bfloat16, linear=linear).runner.decode
+    assert decode is not None
+    limit = cpu_kernels.Bf16Linear.MAX_ROWS[linear]
+    assert decode.takes(128)
+    assert decode.takes(129) == (limit is None)
+    assert decode.takes(4096) == (limit is None)

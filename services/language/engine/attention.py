@@ -111,11 +111,10 @@ def gather_pages(half: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 class TorchAttention:
     """CPU backend: each prefill in the compiled bfloat16 kernel (AMX or
     AVX512-BF16) where given one (head_dim a multiple of 64; it reads the
-    prompt's pages in place),
-    else in SDPA over its gathered pages; all decodes at once, either in the
-    compiled paged kernel (cpu_kernels.py: reads each sequence's pages in place;
-    float32 and bfloat16) or, without it, in one padded SDPA over their gathered
-    pages."""
+    prompt's pages in place), else in SDPA over its gathered pages; all decodes
+    at once, either in the compiled paged kernel (cpu_kernels.py: reads each
+    sequence's pages in place; float32 and bfloat16) or, without it, in one
+    padded SDPA over their gathered pages."""
 
     def __init__(
         self,

@@ -164,11 +164,11 @@ def kv_writer() -> Kernel | None:
     return kernel
 
 
-PREFILL_KINDS = ("amx", "avx512bf16")  # fastest first
+ATTENTION_KINDS = ("amx", "avx512bf16")  # fastest first
 
 
 def _bf16_attention(name: str, kind: str, argtypes: list[Any]) -> Kernel | None:
-    """csrc/paged_attention.c's `name`_`kind` (a bfloat16 kernel of PREFILL_KINDS), or
+    """csrc/paged_attention.c's `name`_`kind` (a bfloat16 kernel of ATTENTION_KINDS), or
     None where it cannot be built, this CPU lacks its instructions or (AMX) the
     process gets no AMX state."""
     library = _attention_library()
@@ -189,10 +189,10 @@ def prefill_attention(kind: str) -> Kernel | None:
 
 
 def bf16_prefill_attention() -> Kernel | None:
-    """The prefill kernel a bfloat16 engine uses: the first of PREFILL_KINDS this
+    """The prefill kernel a bfloat16 engine uses: the first of ATTENTION_KINDS this
     CPU has (measured against gather + SDPA on AVX512-BF16 without AMX: 5x a call
     for the demos' heads, a text prefill step 18-30 % shorter), else None (SDPA)."""
-    return next(filter(None, map(prefill_attention, PREFILL_KINDS)), None)
+    return next(filter(None, map(prefill_attention, ATTENTION_KINDS)), None)
 
 
 @functools.cache
@@ -204,8 +204,8 @@ def window_attention(kind: str) -> Kernel | None:
 
 def bf16_window_attention(head_dim: int) -> Kernel | None:
     """The window kernel a bfloat16 vision tower of head_dim uses: the first of
-    PREFILL_KINDS this CPU has that takes it, else None (SDPA)."""
-    for kind in PREFILL_KINDS:
+    ATTENTION_KINDS this CPU has that takes it, else None (SDPA)."""
+    for kind in ATTENTION_KINDS:
         if head_dim % (64 if kind == "amx" else 16) == 0 and (kernel := window_attention(kind)):
             return kernel
     return None

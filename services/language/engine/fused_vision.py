@@ -88,7 +88,7 @@ class FusedVisionAttention(nn.Module):
         self.ops.rotary(qkv[:, : 2 * heads], cos, sin)
         out = torch.empty(n, heads, self.head_dim, dtype=qkv.dtype)
         if self.kernel is not None and qkv.dtype == torch.bfloat16:
-            starts = cu_seqlens.to(torch.int64)
+            starts = cu_seqlens.to(torch.int64).contiguous()
             failed = self.kernel(
                 out.data_ptr(),
                 qkv.data_ptr(),
