@@ -1,6 +1,7 @@
-"""Decode attention of one layer: the compiled paged kernel against torch's path.
+"""Attention of one layer: the compiled kernels against torch's path.
 
     .venv/bin/python -m bench.attention [--seqs 16] [--context 260] [--layers 8] [--repeat 300]
+        [--prompt 207] [--prefix 16]
 
 One decode step's attention for one layer (the new tokens' keys and values written
 into the paged cache, then every sequence's query against its pages), on the small
@@ -10,6 +11,11 @@ sequence's pages gathered, then one padded SDPA), measured in the same run. Page
 are scattered over the cache, as a serving cache's are, and the calls take the
 caches of `--layers` layers in turn, as a step does (one layer's cache, read over
 and over, stays in the CPU's nearer caches, which a serving step's do not).
+
+Then a prompt's attention in bfloat16 (`--prompt` new tokens after a cached
+prefix of `--prefix`, as bench/peer.py's prompts after their shared chat header):
+the prefill kernel this CPU has (AMX, else AVX512-BF16) against gather + SDPA,
+both writing the prompt's keys and values first.
 """
 
 from __future__ import annotations
@@ -51,6 +57,19 @@ def decode_metadata(seqs: int, context: int) -> tuple[AttentionMetadata, int]:
     return meta, num_pages
 
 
+def prefill_metadata(new: int, prefix: int) -> tuple[AttentionMetadata, int]:
+    """One prompt: `new` tokens after `prefix` cached ones, its pages drawn at random."""
+    length = prefix + new
+    pages_each = -(-length // PAGE_SIZE)
+    table = list(range(pages_each))
+    random.Random(0).shuffle(table)
+    slots = [table[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE for t in range(prefix, length)]
+    meta = AttentionMetadata(
+        [0, new], [length], [table], torch.tensor(slots), num_prefills=1, page_size=PAGE_SIZE
+    )
+    return meta, pages_each
+
+
 def us_per_layer(
     backend: TorchAttention,
     meta: AttentionMetadata,
@@ -78,6 +97,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=260, help="keys per sequence")
     parser.add_argument("--layers", type=int, default=8, help="caches, taken in turn")
     parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--prompt", type=int, default=207, help="a prompt's new tokens")
+    parser.add_argument("--prefix", type=int, default=16, help="and its cached ones")
     args = parser.parse_args()
     kernel = cpu_kernels.paged_decode_attention()
     if kernel is None:
@@ -112,6 +133,36 @@ def main() -> None:
                 f"{name:<8} {str(dtype).removeprefix('torch.'):<9} {compiled_us:>8.0f} "
                 f"{gathered_us:>8.0f} {gathered_us / compiled_us:>8.2f}x"
             )
+    prefill = cpu_kernels.bf16_prefill_attention()
+    if prefill is None:
+        print("\nno bfloat16 prefill kernel on this CPU (it needs AMX or AVX512-BF16)")
+        return
+    print(
+        f"\na prompt of {args.prompt} tokens after {args.prefix} cached, bfloat16; µs per layer\n"
+    )
+    print(f"{'shape':<8} {'kernel':>8} {'SDPA':>8} {'speed-up':>9}")
+    meta, num_pages = prefill_metadata(args.prompt, args.prefix)
+    for name, (heads, kv_heads, dim) in SHAPES.items():
+        q, k, v = (
+            torch.randn(args.prompt, h, dim, generator=generator).bfloat16()
+            for h in (heads, kv_heads, kv_heads)
+        )
+        shape = (num_pages, PAGE_SIZE, kv_heads, dim)
+        caches = [
+            (
+                torch.randn(*shape, generator=generator).bfloat16(),
+                torch.randn(*shape, generator=generator).bfloat16(),
+            )
+            for _ in range(args.layers)
+        ]
+        repeat = max(10, args.repeat // 10)
+        compiled_us = us_per_layer(
+            TorchAttention(dim**-0.5, kernel, prefill), meta, q, k, v, caches, repeat
+        )
+        gathered_us = us_per_layer(TorchAttention(dim**-0.5, kernel), meta, q, k, v, caches, repeat)
+        print(
+            f"{name:<8} {compiled_us:>8.0f} {gathered_us:>8.0f} {gathered_us / compiled_us:>8.2f}x"
+        )
 
 
 if __name__ == "__main__":
