@@ -20,6 +20,7 @@ import torch
 
 from services.allocator import keep_freed_memory
 from services.language.engine.config import EngineConfig
+from services.language.engine.cpu_kernels import BF16_KINDS
 from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
@@ -120,7 +121,7 @@ def main() -> None:
     parser.add_argument(
         "--linear",
         default="auto",
-        choices=("auto", "torch", "cpu", "onednn", "amx", "avx512bf16"),
+        choices=("auto", "torch", "cpu", "onednn", *BF16_KINDS),
         help="EngineConfig.linear",
     )
     parser.add_argument(

@@ -80,7 +80,7 @@ def test_paged_kernel_equals_gathered_sdpa(
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
-@pytest.fixture(scope="module", params=cpu_kernels.ATTENTION_KINDS)
+@pytest.fixture(scope="module", params=cpu_kernels.BF16_KINDS)
 def prefill_kernel(request: pytest.FixtureRequest) -> cpu_kernels.Kernel:
     built = cpu_kernels.prefill_attention(request.param)
     if built is None:

@@ -21,7 +21,7 @@ from tests.language.engine_fixtures import make_engine, make_request
 from tests.reference import chat
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512bf16"])
+@pytest.fixture(scope="module", params=cpu_kernels.BF16_KINDS)
 def linear(request: pytest.FixtureRequest) -> str:
     """EPD's bfloat16 projection kernels, the compiled step's: each where the CPU has it."""
     if cpu_kernels.bf16_linear(request.param) is None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.language.engine.cpu_kernels import (
-    ATTENTION_KINDS,
+    BF16_KINDS,
     bf16_window_attention,
     fused_ops,
     window_attention,
@@ -184,7 +184,7 @@ def test_windows_are_grouped_into_runs_of_one_length() -> None:
     assert list(_runs(cu)) == [(0, 64, 3), (192, 48, 1), (240, 64, 2), (368, 32, 1)]
 
 
-@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+@pytest.mark.parametrize("kind", BF16_KINDS)
 @pytest.mark.parametrize(
     "lengths",
     [[64] * 4, [0, 37, 64, 5, 0, 16, 1], [1024]],

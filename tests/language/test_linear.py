@@ -138,7 +138,7 @@ def test_linear_backend_choice(kernel: cpu_kernels.LinearKernel) -> None:
     assert linear_backend("auto", torch.bfloat16, CUDA) == "torch"
     assert linear_backend("torch", torch.float32, CPU) == "torch"
     packs = onednn_supports(torch.bfloat16)
-    kernels = [kind for kind in KINDS if packs and cpu_kernels.bf16_linear(kind)]
+    kernels = [kind for kind in cpu_kernels.BF16_KINDS if packs and cpu_kernels.bf16_linear(kind)]
     bf16 = kernels[0] if kernels else "onednn" if packs else "torch"
     assert linear_backend("auto", torch.bfloat16, CPU) == bf16
     with pytest.raises(ValueError, match="oneDNN"):
@@ -151,10 +151,7 @@ def test_linear_backend_choice(kernel: cpu_kernels.LinearKernel) -> None:
         linear_backend("avx512bf16", torch.float32, CPU)
 
 
-KINDS = ("amx", "avx512bf16")  # EPD's bfloat16 kernels, in the order "auto" prefers them
-
-
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=cpu_kernels.BF16_KINDS)
 def bf16_kernel(request: pytest.FixtureRequest) -> cpu_kernels.Bf16Linear:
     built = cpu_kernels.bf16_linear(request.param)
     if built is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.language.engine.cpu_kernels import (
+    BF16_KINDS,
     KERNEL_DTYPES,
     bf16_linear,
     fused_ops,
@@ -36,11 +37,11 @@ class EngineConfig:
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
-    # (packed), "amx" or "avx512bf16" (EPD's bfloat16 kernel for few rows on AMX or
-    # AVX512-BF16, oneDNN above), or "auto": "cpu" on a CPU in float32 where the
-    # kernel builds, in bfloat16 "amx" where the CPU has AMX, else "avx512bf16"
-    # where it has AVX512-BF16, else oneDNN where it packs the dtype, else torch
-    # (linear.py)
+    # (packed), "amx" (EPD's bfloat16 kernel on AMX for few rows, oneDNN above) or
+    # "avx512bf16" (on AVX512-BF16, every call), or "auto": "cpu" on a CPU in
+    # float32 where the kernel builds, in bfloat16 "amx" where the CPU has AMX, else
+    # "avx512bf16" where it has AVX512-BF16, else oneDNN where it packs the dtype,
+    # else torch (linear.py)
     linear: str = "auto"
     # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32 or
     # bfloat16), or "auto" ("cpu" on a CPU where the kernels build, else torch)
@@ -119,7 +120,7 @@ def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str
     if kernel:
         return "cpu"
     if bf16:
-        return next((kind for kind in ("amx", "avx512bf16") if bf16_linear(kind)), "onednn")
+        return next((kind for kind in BF16_KINDS if bf16_linear(kind)), "onednn")
     return "onednn" if packs else "torch"
 
 

@@ -164,17 +164,22 @@ def kv_writer() -> Kernel | None:
     return kernel
 
 
-ATTENTION_KINDS = ("amx", "avx512bf16")  # fastest first
+# EPD's bfloat16 kernels (projections, attention), fastest first: "auto" takes the
+# first this CPU has
+BF16_KINDS = ("amx", "avx512bf16")
+
+
+def _has(library: ctypes.CDLL, kind: str) -> bool:
+    """Whether `library`'s build has the instructions of `kind` (BF16_KINDS) and,
+    for AMX, the kernel gives this process AMX state."""
+    return bool(library.amx_init() if kind == "amx" else library.has_avx512bf16())
 
 
 def _bf16_attention(name: str, kind: str, argtypes: list[Any]) -> Kernel | None:
-    """csrc/paged_attention.c's `name`_`kind` (a bfloat16 kernel of ATTENTION_KINDS), or
-    None where it cannot be built, this CPU lacks its instructions or (AMX) the
-    process gets no AMX state."""
+    """csrc/paged_attention.c's `name`_`kind` (a bfloat16 kernel of BF16_KINDS), or
+    None where it cannot be built or this CPU lacks `kind` (`_has`)."""
     library = _attention_library()
-    if library is None:
-        return None
-    if not (library.amx_init() if kind == "amx" else library.has_avx512bf16()):
+    if library is None or not _has(library, kind):
         return None
     kernel = getattr(library, f"{name}_{kind}")
     kernel.restype = _int
@@ -189,10 +194,10 @@ def prefill_attention(kind: str) -> Kernel | None:
 
 
 def bf16_prefill_attention() -> Kernel | None:
-    """The prefill kernel a bfloat16 engine uses: the first of ATTENTION_KINDS this
+    """The prefill kernel a bfloat16 engine uses: the first of BF16_KINDS this
     CPU has (measured against gather + SDPA on AVX512-BF16 without AMX: 5x a call
     for the demos' heads, a text prefill step 18-30 % shorter), else None (SDPA)."""
-    return next(filter(None, map(prefill_attention, ATTENTION_KINDS)), None)
+    return next(filter(None, map(prefill_attention, BF16_KINDS)), None)
 
 
 @functools.cache
@@ -204,8 +209,8 @@ def window_attention(kind: str) -> Kernel | None:
 
 def bf16_window_attention(head_dim: int) -> Kernel | None:
     """The window kernel a bfloat16 vision tower of head_dim uses: the first of
-    ATTENTION_KINDS this CPU has that takes it, else None (SDPA)."""
-    for kind in ATTENTION_KINDS:
+    BF16_KINDS this CPU has that takes it, else None (SDPA)."""
+    for kind in BF16_KINDS:
         if head_dim % (64 if kind == "amx" else 16) == 0 and (kernel := window_attention(kind)):
             return kernel
     return None
@@ -470,17 +475,14 @@ def _bf16_linear_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def bf16_linear(kind: str) -> Bf16Linear | None:
-    """csrc/linear_bf16.c's kernel of `kind` ("amx" or "avx512bf16"), or None where
+    """csrc/linear_bf16.c's kernel of `kind` (BF16_KINDS), or None where
     this CPU (or its build) lacks it, or the kernel denies the process AMX state
     (a log line says which)."""
     library = _bf16_linear_library()
     if library is None:
         return None
-    if kind == "amx" and not library.amx_init():
-        logger.info("no AMX-BF16 here (or no leave to use it)")
-        return None
-    if kind == "avx512bf16" and not library.has_avx512bf16():
-        logger.info("no AVX512-BF16 here")
+    if not _has(library, kind):
+        logger.info("no %s kernel here (its instructions, or leave to use AMX)", kind)
         return None
     return Bf16Linear(library, kind)
 

@@ -21,6 +21,7 @@ from services.language.engine.config import (
 )
 from services.language.engine.cpu_decode import compiled_decode
 from services.language.engine.cpu_kernels import (
+    BF16_KINDS,
     bf16_linear,
     bf16_prefill_attention,
     fused_ops,
@@ -244,7 +245,7 @@ class LLMEngine:
             kernel = linear_kernel()
             assert kernel is not None  # linear_backend checked
             use_linear_kernel(model, kernel)
-        elif linear in ("amx", "avx512bf16"):
+        elif linear in BF16_KINDS:
             bf16 = bf16_linear(linear)
             assert bf16 is not None  # linear_backend checked
             use_bf16_linears(model, bf16)

@@ -1,8 +1,8 @@
-/* The language model's projections in bfloat16 for the few rows of a decode
- * step: y = x w^T (+ bias), x [M][K] and y [M][N] bfloat16, sums in float32,
- * each output rounded once. Two kernels on one packing of the weights: AMX's
- * tiles (linear_amx) where the CPU has AMX, AVX512-BF16's pair dot products
- * (linear_avx512bf16) where it has those without AMX.
+/* The language model's projections in bfloat16: y = x w^T (+ bias), x [M][K] and
+ * y [M][N] bfloat16, sums in float32, each output rounded once. Two kernels on one
+ * packing of the weights: AMX's tiles (linear_amx, for the few rows of a decode
+ * step) where the CPU has AMX, AVX512-BF16's pair dot products
+ * (linear_avx512bf16, any rows) where it has those without AMX.
  *
  * oneDNN's AMX GEMM (torch's packed path) reads the small demo's weights at
  * 13-20 GB/s in a step of 16 rows on a 2-core Sapphire Rapids, where a plain
