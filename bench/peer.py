@@ -39,23 +39,36 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.engine import engine_tokens_per_second, load_engine
-from bench.report import DOC, END, START, Setup, cpu_class, machine, serve
+from bench.report import (
+    DOC,
+    END,
+    START,
+    ProcessCpu,
+    Setup,
+    component,
+    cpu_class,
+    machine,
+    process_cpu,
+    serve,
+)
 from services.bench.command import first_model, strict_json
 from services.bench.runner import RunConfig, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
 from services.cli import build_parser
 from services.language.engine.config import EngineConfig
+from services.language.engine.process import CHILD
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.model.spec import load_spec
@@ -63,6 +76,7 @@ from services.model.tokenizer import build_prompt, load_tokenizer
 from services.wire.dtypes import resolve_dtype
 
 CONCURRENCY = 16
+WARMUP = 2  # requests, one at a time, before each workload
 
 
 def workloads(quick: bool) -> dict[str, Workload]:
@@ -92,13 +106,61 @@ async def _probed(base_url: str, model: str, load: Workload, probe: Workload) ->
     return {"load": summarize(loaded), "probes": summarize(probed)}
 
 
+def process_name(command: list[str]) -> str:
+    """A process's name in the CPU figures: an `epd` component's, the language
+    engine's child, a Python module's (`python -m MODULE`), else its program
+    (vLLM's processes rename themselves: VLLM::EngineCore, VLLM::Worker)."""
+    if name := component(command):
+        return name
+    if command[1:3] == ["-c", CHILD]:
+        return "language engine"
+    if command[1:2] == ["-m"] and len(command) > 2:
+        return command[2].rsplit(".", 1)[-1]
+    return Path(command[0]).name
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Every process's CPU so far, and this one's: the client's."""
+
+    processes: dict[int, ProcessCpu]
+    client: float
+
+    @classmethod
+    def now(cls) -> CpuSnapshot:
+        own = os.times()
+        return cls(process_cpu(), own.user + own.system)
+
+    def per_token(self, tokens: int) -> dict[str, float]:
+        """CPU microseconds an output token since this snapshot, by process name
+        (processes of one name summed; "client": this process), most first; what
+        used less than 1 us a token is left out (the machine's other processes)."""
+        later = CpuSnapshot.now()
+        seconds = {"client": later.client - self.client}
+        for pid, process in later.processes.items():
+            before = self.processes.get(pid)
+            if pid == os.getpid() or not process.command or before is None:
+                continue
+            if before.command == process.command:  # not a pid used again
+                name = process_name(process.command)
+                seconds[name] = seconds.get(name, 0.0) + process.seconds - before.seconds
+        us = {name: s / max(tokens, 1) * 1e6 for name, s in seconds.items()}
+        return {name: u for name, u in sorted(us.items(), key=lambda kv: -kv[1]) if u >= 1.0}
+
+
 def drive(base_url: str, quick: bool) -> dict[str, Any]:
-    """Every workload against one server."""
+    """Every workload against one server, and the CPU each process used an output
+    token over each (this machine's processes: run nothing else beside it)."""
     model = first_model(base_url, "")
     out: dict[str, Any] = {"model": model}
     for name, workload in workloads(quick).items():
-        config = RunConfig(base_url, max_concurrency=CONCURRENCY, warmup=2, progress=False)
-        out[name] = summarize(asyncio.run(run(config, build_requests(workload, model))))
+        requests = build_requests(workload, model)
+        warm = RunConfig(base_url, max_concurrency=1, warmup=0, progress=False)
+        asyncio.run(run(warm, requests[:WARMUP]))
+        config = RunConfig(base_url, max_concurrency=CONCURRENCY, warmup=0, progress=False)
+        before = CpuSnapshot.now()
+        out[name] = summarize(asyncio.run(run(config, requests)))
+        out[name]["cpu_us_per_token"] = before.per_token(out[name]["total_output_tokens"])
         print(f"  {name}: {out[name]['request_throughput']:.2f} req/s", flush=True)
     out["probe"] = asyncio.run(_probed(base_url, model, workloads(quick)["image"], probes(quick)))
     print(f"  probe p99: {p(out['probe']['probes'], 'e2e', 'p99'):.0f} ms", flush=True)
@@ -224,12 +286,30 @@ def stack_cost(results: dict[str, Any], peer_name: str) -> str:
     return "; ".join(parts)
 
 
+def cpu_cost(results: dict[str, Any], peer_name: str) -> str:
+    """Each server's CPU an output token on the text workload, by process; on a
+    machine whose cores the engine fills, all but the engine's is what the stack
+    takes from it."""
+    parts = []
+    for who, name in (("epd", "EPD"), ("peer", peer_name)):
+        us = results[who]["text"].get("cpu_us_per_token")
+        if us:
+            each = ", ".join(f"{process} {u:.0f}" for process, u in us.items())
+            engine = max((u for process, u in us.items() if process != "client"), default=0.0)
+            rest = sum(us.values()) - engine
+            parts.append(f"{name}: {each} (all but the engine, client included: {rest:.0f})")
+    if not parts:
+        return ""
+    return "CPU an output token on the text workload, by process (us): " + "; ".join(parts)
+
+
 def markdown(
     peer_name: str,
     epd: dict[str, float],
     peer: dict[str, float],
     command: str,
     cost: str,
+    cpu: str,
     size: str,
     quick: bool,
 ) -> str:
@@ -254,6 +334,8 @@ def markdown(
     for name in epd:
         lines.append(f"| {name} | {epd[name]:.2f} | {peer[name]:.2f} | {ratio(epd, peer, name)} |")
     lines += ["", cost + "."]
+    if cpu:
+        lines += ["", cpu + "."]
     return "\n".join(lines)
 
 
@@ -327,11 +409,12 @@ def main() -> None:
     print(f"\n{'figure':<22} {'EPD':>10} {args.peer_name:>10} {'EPD/peer':>9}")
     for name in epd:
         print(f"{name:<22} {epd[name]:>10.2f} {peer[name]:>10.2f} {ratio(epd, peer, name):>9}")
-    cost = stack_cost(results, args.peer_name)
+    cost, cpu = stack_cost(results, args.peer_name), cpu_cost(results, args.peer_name)
     print(cost)
+    print(cpu)
     if args.doc:
         command = "python -m bench.peer " + shlex.join(sys.argv[1:])
-        section = markdown(args.peer_name, epd, peer, command, cost, args.size, args.quick)
+        section = markdown(args.peer_name, epd, peer, command, cost, cpu, args.size, args.quick)
         DOC.write_text(with_peer_section(DOC.read_text(), section, args.size))
     if args.json:
         payload = {"machine": machine(), "checkpoint": str(checkpoint), "results": results}

@@ -111,34 +111,49 @@ def kept_sections(doc: str) -> str:
     )
 
 
-def cpu_seconds(root: int) -> dict[str, float]:
-    """CPU seconds so far of each `epd` component under the process `root`
-    (a component's whole tree: tritonserver and its Python stub count for triton)."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    names: dict[int, str] = {}
+@dataclass(frozen=True)
+class ProcessCpu:
+    parent: int
+    command: list[str]  # its command line's words
+    seconds: float  # CPU so far, user and system
+
+
+def process_cpu() -> dict[int, ProcessCpu]:
+    """Every process's parent, command line and CPU seconds so far (/proc)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    processes: dict[int, ProcessCpu] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # gone since the listing
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
-        if len(cmdline) > 3 and cmdline[1:3] == [b"-m", b"services.cli"]:
-            names[pid] = cmdline[3].decode()
+        command = [word.decode(errors="replace") for word in cmdline.split(b"\0") if word]
+        seconds = (int(fields[11]) + int(fields[12])) / hz  # utime + stime
+        processes[int(entry.name)] = ProcessCpu(int(fields[1]), command, seconds)
+    return processes
+
+
+def component(command: list[str]) -> str | None:
+    """The `epd` component a command line runs (`python -m services.cli NAME`), if any."""
+    return command[3] if len(command) > 3 and command[1:3] == ["-m", "services.cli"] else None
+
+
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds so far of each `epd` component under the process `root`
+    (a component's whole tree: tritonserver and its Python stub count for triton)."""
+    processes = process_cpu()
+    names = {pid: name for pid, p in processes.items() if (name := component(p.command))}
     totals: dict[str, float] = {}
-    hz = os.sysconf("SC_CLK_TCK")
-    for pid, value in ticks.items():
+    for pid, process in processes.items():
         node = pid
-        while node in parents and node not in names and node != root:
-            node = parents[node]
+        while node in processes and node not in names and node != root:
+            node = processes[node].parent
         if node in names and node != root:
-            totals[names[node]] = totals.get(names[node], 0.0) + value / hz
+            totals[names[node]] = totals.get(names[node], 0.0) + process.seconds
     return totals
 
 

@@ -250,3 +250,59 @@ def test_the_stack_cost_names_each_server_and_the_engines_side_by_side() -> None
     assert stack_cost({"epd": epd, "peer": without}, "vLLM") == (
         "EPD's stack on the text workload: 900.0 output tok/s, its engine alone 1800.0 (0.50x)"
     )
+
+
+def test_each_process_is_named_as_the_cpu_figures_name_it() -> None:
+    from bench.peer import process_name
+    from services.language.engine.process import CHILD
+
+    python = "/work/main/.venv/bin/python"
+    assert process_name([python, "-m", "services.cli", "gateway", "--port", "1"]) == "gateway"
+    assert process_name([python, "-c", CHILD, "5", "77"]) == "language engine"
+    module = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert process_name(module) == "api_server"
+    assert process_name(["VLLM::Worker"]) == "VLLM::Worker"
+    assert process_name(["/usr/bin/tritonserver", "--model-repository", "r"]) == "tritonserver"
+
+
+def test_the_cpu_an_output_token_counts_each_process_and_the_client() -> None:
+    """A real process spins ~0.3 s of CPU and this one (the client) ~0.2 s between
+    the snapshot and the reading: over 1000 tokens, each at least most of that."""
+    import subprocess
+    import time
+
+    from bench.peer import CpuSnapshot, process_name
+
+    spin = "import sys, time\nsys.stdin.readline()\nend = time.process_time() + 0.3\n"
+    spin += "while time.process_time() < end: pass\nprint('spun', flush=True)\nsys.stdin.read()\n"
+    command = [sys.executable, "-c", spin]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as p:
+        assert p.stdin is not None and p.stdout is not None
+        time.sleep(0.2)  # started: the snapshot sees it
+        before = CpuSnapshot.now()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "spun\n"
+        end = time.process_time() + 0.2
+        while time.process_time() < end:
+            pass
+        us = before.per_token(1000)
+        p.stdin.close()
+    assert us[process_name(command)] >= 250  # its 0.3 s, and any other such process's
+    assert 180 <= us["client"] < 400
+    assert list(us.values()) == sorted(us.values(), reverse=True)
+
+
+def test_the_cpu_cost_names_each_process_and_all_but_the_engine() -> None:
+    from bench.peer import cpu_cost
+
+    epd = {
+        "text": {"cpu_us_per_token": {"language engine": 1000.0, "gateway": 80.0, "client": 70.0}}
+    }
+    peer = {"text": {"cpu_us_per_token": {"VLLM::Worker": 1400.0, "client": 75.0}}}
+    assert cpu_cost({"epd": epd, "peer": peer}, "vLLM") == (
+        "CPU an output token on the text workload, by process (us): EPD: language engine "
+        "1000, gateway 80, client 70 (all but the engine, client included: 150); vLLM: "
+        "VLLM::Worker 1400, client 75 (all but the engine, client included: 75)"
+    )
+    assert cpu_cost({"epd": {"text": {}}, "peer": {"text": {}}}, "vLLM") == ""

@@ -166,7 +166,7 @@ def _bound_to(parent: int) -> None:
 
 # The child's program (not `-m` this module: it would be __main__, and the
 # messages it unpickles would name other classes than its own).
-_CHILD = "from services.language.engine.process import main; main()"
+CHILD = "from services.language.engine.process import main; main()"
 
 
 def main(argv: Sequence[str] = sys.argv[1:]) -> None:
@@ -324,7 +324,7 @@ class EngineProcess:
         Python child (spawned, not forked: this process runs gRPC's threads; and not
         multiprocessing's spawn, which imports this program's main module again)."""
         ours, theirs = socket.socketpair()
-        command = [sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid())]
+        command = [sys.executable, "-c", CHILD, str(theirs.fileno()), str(os.getpid())]
         self._process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=DEVNULL)
         theirs.close()
         conn = Connection(ours.detach())
