@@ -59,6 +59,13 @@ CACHE_DIR = EnvVar(
     lambda: os.path.join(os.path.expanduser("~"), ".cache", "epd"),
     "where `epd serve` keeps the demo checkpoint",
 )
+KERNEL_MARCH = EnvVar(
+    "EPD_KERNEL_MARCH",
+    str,
+    lambda: "native",
+    "the CPU EPD's C kernels are compiled for (gcc's -march): native, this machine's; "
+    "x86-64-v3, any AVX2 machine; sapphirerapids, AMX",
+)
 
 DTYPE = EnvVar(
     "EPD_DTYPE",
@@ -139,6 +146,7 @@ ALL = (
     HOST_ID,
     API_KEY,
     CACHE_DIR,
+    KERNEL_MARCH,
     DTYPE,
     SHM_PREFIX,
     CPUS,

@@ -16,8 +16,12 @@
   cpu_decode.py's).
 
 Each C source is compiled on first use with the machine's C compiler (`$CC`,
-else `cc`; about a second) into EPD's cache folder, keyed by the source (and
-csrc/'s headers), the flags and the CPU, and loaded with ctypes (a call releases the GIL). Where no
+else `cc`; about a second) for this CPU (`-march=native`; `EPD_KERNEL_MARCH`
+names another, e.g. x86-64-v3 to run the AVX2 build on an AVX-512 machine) into
+EPD's cache folder, keyed by the source (and csrc/'s headers), the flags and the
+CPU, and loaded with ctypes (a call releases the GIL). Which instructions a kernel
+uses is decided when it is compiled (the compiler's __AVX512BF16__ and such), so a
+library says what its build has (`has_avx512bf16()`, `amx_init()`). Where no
 compiler is found, `paged_decode_attention()` and `fused_ops()` are None and
 the engine keeps torch's path. Built against torch's own libgomp where torch
 ships one, so the kernels' OpenMP threads are torch's.
@@ -51,7 +55,6 @@ SOURCE = CSRC / "paged_attention.c"
 # e^x) from being vectorized
 FLAGS = [
     "-O3",
-    "-march=native",
     "-fno-math-errno",
     "-fno-trapping-math",
     "-fopenmp",
@@ -85,39 +88,36 @@ def _link_args() -> list[str]:
     return ["-lm"]
 
 
+def command(source: Path, extra_flags: Sequence[str], output: Path) -> list[str]:
+    """The compiler's command line that builds `source` into the shared library `output`."""
+    march = f"-march={env.KERNEL_MARCH.get()}"
+    compiler = os.environ.get("CC") or "cc"
+    # csrc/'s headers, for a source anywhere
+    flags = [march, *FLAGS, f"-I{CSRC}", *extra_flags]
+    return [compiler, *flags, str(source), "-o", str(output), *_link_args()]
+
+
 def build(source: Path = SOURCE, extra_flags: Sequence[str] = ()) -> Path:
     """The shared library of `source`, compiled now unless the cache has it.
     CalledProcessError or FileNotFoundError when it cannot be built."""
-    compiler = os.environ.get("CC") or "cc"
-    flags = [*FLAGS, f"-I{CSRC}", *extra_flags]  # csrc/'s headers, for a source anywhere
-    link = _link_args()
+    line = command(source, extra_flags, Path("out.so"))
     headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]
     key = hashlib.sha256(
-        b"\0".join(
-            [
-                source.read_bytes(),
-                *headers,
-                " ".join([compiler, *flags, *link]).encode(),
-                _cpu_identity(),
-            ]
-        )
+        b"\0".join([source.read_bytes(), *headers, " ".join(line).encode(), _cpu_identity()])
     ).hexdigest()[:16]
     folder = Path(env.CACHE_DIR.get()) / "kernels"
     library = folder / f"{source.stem}-{key}.so"
     if library.exists():
         return library
-    if shutil.which(compiler) is None:
-        raise FileNotFoundError(f"no C compiler {compiler!r} on PATH")
+    if shutil.which(line[0]) is None:
+        raise FileNotFoundError(f"no C compiler {line[0]!r} on PATH")
     folder.mkdir(parents=True, exist_ok=True)
     # built beside its final name, then renamed: processes building at once
     # each load a whole library
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         built = Path(scratch) / library.name
         subprocess.run(
-            [compiler, *flags, str(source), "-o", str(built), *link],
-            check=True,
-            capture_output=True,
-            text=True,
+            command(source, extra_flags, built), check=True, capture_output=True, text=True
         )
         os.replace(built, library)
     logger.info("built %s", library)

@@ -1,0 +1,87 @@
+"""EPD's C kernels for every CPU class it chooses paths for, whatever CPU runs the
+tests. A session's machine is one class; without these, a change made on one
+could break another's build unseen (the engine there falls back to torch's
+path with a log line). Each source compiles without a warning for each class
+(gcc's -march of it: EPD_KERNEL_MARCH), and the AVX2 build, which an AVX-512
+machine runs too, passes the kernel tests and the engine's token-exact ones."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.language.engine import cpu_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted(path.name for path in cpu_kernels.CSRC.glob("*.c"))
+TARGETS = {
+    "x86-64": "no AVX2: the plain loops",
+    "x86-64-v3": "AVX2 and FMA",
+    "x86-64-v4": "AVX-512",
+    "cooperlake": "AVX512-BF16",
+    "sapphirerapids": "AMX",
+}
+# what runs the kernels, and the engine against HF generate() on them
+KERNEL_TESTS = [
+    "tests/language/test_cpu_attention.py",
+    "tests/language/test_fused_ops.py",
+    "tests/language/test_linear.py",
+    "tests/language/test_cpu_decode.py",
+    "tests/language/test_fused_vision.py",
+    "tests/language/test_engine.py",
+]
+
+
+@pytest.mark.parametrize("march", TARGETS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_each_kernel_compiles_without_a_warning_for_each_cpu_class(
+    source: str, march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EPD_KERNEL_MARCH", march)
+    extra = cpu_kernels.FUSED_OPS_FLAGS if source == "fused_ops.c" else ()
+    warnings = ("-Wall", "-Wextra", "-Werror")
+    line = cpu_kernels.command(cpu_kernels.CSRC / source, (*extra, *warnings), tmp_path / "k.so")
+    assert f"-march={march}" in line
+    built = subprocess.run(line, capture_output=True, text=True)
+    assert built.returncode == 0, f"{source} for {TARGETS[march]} ({march}):\n{built.stderr}"
+
+
+def _cpu_flags() -> set[str]:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    return {flag for ln in lines if ln.startswith("flags") for flag in ln.split(":")[1].split()}
+
+
+def _run(code: str, march: str) -> str:
+    environment = {**os.environ, "EPD_KERNEL_MARCH": march}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environment, cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="this CPU has no AVX2 and FMA")
+def test_the_avx2_build_passes_the_kernel_and_engine_tests() -> None:
+    """Built for x86-64-v3, the libraries have no AVX-512 kernels (the engine takes
+    the paths an AVX2 machine takes), and the tests that run the kernels pass."""
+    has = (
+        "from services.language.engine import cpu_kernels as k; "
+        "print(k.prefill_attention('avx512bf16') is None, k.linear_kernel() is not None, "
+        "k.paged_decode_attention() is not None, k.fused_ops() is not None)"
+    )
+    assert _run(has, "x86-64-v3") == "True True True True"
+    environment = {**os.environ, "EPD_KERNEL_MARCH": "x86-64-v3"}
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        env=environment,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert tests.returncode == 0, tests.stdout[-4000:]
+    assert " passed" in tests.stdout.splitlines()[-1]
