@@ -1,5 +1,6 @@
 """The compiled decode step (cpu_decode.py, csrc/decode.c) against the Python
-path it replaces: the same kernels in the same order, so the same bits."""
+path it replaces, on each projection kernel it calls (bfloat16's, float32's):
+the same kernels in the same order, so the same bits."""
 
 from __future__ import annotations
 
@@ -15,32 +16,38 @@ from services.language.engine import cpu_kernels
 from services.language.engine.cpu_decode import unsupported
 from services.language.engine.cpu_kernels import silu_table
 from services.language.engine.engine import LLMEngine
+from services.language.engine.linear import KERNEL_MAX_ROWS
 from services.language.engine.model import MLP
 from services.language.engine.request import Request, SamplingParams
 from tests.language.engine_fixtures import make_engine, make_request
 from tests.reference import chat
 
+# EPD's projection kernels the compiled step calls, and the dtype each runs
+KERNELS = {"amx": torch.bfloat16, "avx512bf16": torch.bfloat16, "cpu": torch.float32}
 
-@pytest.fixture(scope="module", params=cpu_kernels.BF16_KINDS)
+
+def _kernel(linear: str) -> object:
+    return cpu_kernels.linear_kernel() if linear == "cpu" else cpu_kernels.bf16_linear(linear)
+
+
+@pytest.fixture(scope="module", params=list(KERNELS))
 def linear(request: pytest.FixtureRequest) -> str:
-    """EPD's bfloat16 projection kernels, the compiled step's: each where the CPU has it."""
-    if cpu_kernels.bf16_linear(request.param) is None:
+    """Each projection kernel of the compiled step, where the CPU (and its build) has it."""
+    if _kernel(request.param) is None:
         pytest.skip(f"this CPU has no {request.param} kernel: decode steps stay layer by layer")
     return str(request.param)
 
 
-def requests(folder: Path) -> list[Request]:
+def requests(folder: Path, dtype: torch.dtype) -> list[Request]:
     """Prompts of several lengths, one with an image, one sampling two choices."""
     out = []
     for i, words in enumerate([3, 11, 40, 90]):
         prompt = " ".join(f"word{j}" for j in range(words))
         sampling = SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True, n=2 if i == 1 else 1)
-        out.append(make_request(folder, f"r{i}", chat(prompt, 0), [], sampling, torch.bfloat16))
+        out.append(make_request(folder, f"r{i}", chat(prompt, 0), [], sampling, dtype))
     image = random_image(200, 160, seed=3)
     sampling = SamplingParams(max_tokens=20, ignore_eos=True)
-    out.append(
-        make_request(folder, "img", chat("Describe it.", 1), [image], sampling, torch.bfloat16)
-    )
+    out.append(make_request(folder, "img", chat("Describe it.", 1), [image], sampling, dtype))
     return out
 
 
@@ -81,7 +88,7 @@ def test_compiled_decode_steps_are_bit_equal_to_the_python_path(
         with_biases(
             make_engine(
                 folder,
-                dtype=torch.bfloat16,
+                dtype=KERNELS[linear],
                 linear=linear,
                 decode_layers=how,
                 max_num_batched_tokens=64,
@@ -91,8 +98,8 @@ def test_compiled_decode_steps_are_bit_equal_to_the_python_path(
     )
     assert python.runner.decode is None and compiled.runner.decode is not None
     compiled.runner.decode = counting = Mock(wraps=compiled.runner.decode)
-    expected = step_logits(python, requests(folder))
-    got = step_logits(compiled, requests(folder))
+    expected = step_logits(python, requests(folder, KERNELS[linear]))
+    got = step_logits(compiled, requests(folder, KERNELS[linear]))
     assert counting.call_count > 10  # the decode-only steps
     assert len(got) == len(expected)
     for step, (a, b) in enumerate(zip(expected, got, strict=True)):
@@ -109,11 +116,13 @@ def test_silu_table_is_torchs_silu_of_every_bfloat16() -> None:
 def test_what_the_compiled_decode_does_not_run(
     tiny_checkpoint: Path, qwen3_checkpoint: Path
 ) -> None:
-    engine = make_engine(tiny_checkpoint, dtype=torch.float32)
-    runner = engine.runner
-    assert "float32" in str(unsupported(runner.model, runner.attention, torch.float32))
-    with pytest.raises(ValueError, match=r"compiled decode step cannot run here: torch\.float32"):
-        make_engine(tiny_checkpoint, dtype=torch.float32, decode_layers="compiled")
+    runner = make_engine(tiny_checkpoint, dtype=torch.float32, linear="onednn").runner
+    expected = "the projections are not on EPD's torch.float32 kernel"
+    assert unsupported(runner.model, runner.attention, torch.float32) == expected
+    with pytest.raises(ValueError, match="compiled decode step cannot run here: the projections"):
+        make_engine(tiny_checkpoint, dtype=torch.float32, linear="onednn", decode_layers="compiled")
+    runner = make_engine(tiny_checkpoint, dtype=torch.float16, linear="torch").runner
+    assert "float16" in str(unsupported(runner.model, runner.attention, torch.float16))
     qwen3 = make_engine(qwen3_checkpoint, dtype=torch.bfloat16).runner
     first = qwen3.model.layers[0].mlp
     expected = "q/k norms" if isinstance(first, MLP) else "MoE layers"
@@ -122,13 +131,10 @@ def test_what_the_compiled_decode_does_not_run(
 
 
 def test_a_kv_slot_outside_the_cache_fails_the_step(linear: str, tiny_checkpoint: Path) -> None:
-    engine = make_engine(
-        tiny_checkpoint, dtype=torch.bfloat16, linear=linear, decode_layers="compiled"
-    )
+    dtype = KERNELS[linear]
+    engine = make_engine(tiny_checkpoint, dtype=dtype, linear=linear, decode_layers="compiled")
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add_request(
-        make_request(tiny_checkpoint, "r", chat("Hi", 0), [], sampling, torch.bfloat16)
-    )
+    engine.add_request(make_request(tiny_checkpoint, "r", chat("Hi", 0), [], sampling, dtype))
     engine.step()  # the prompt: the Python path
     runner = engine.runner
     metadata = runner._metadata
@@ -150,10 +156,11 @@ def test_the_compiled_step_takes_as_many_sequences_as_its_kernel(
     linear: str, tiny_checkpoint: Path
 ) -> None:
     """AMX's kernel takes up to 128 rows (oneDNN above, so the Python path); the
-    AVX512-BF16 kernel any number."""
-    decode = make_engine(tiny_checkpoint, dtype=torch.bfloat16, linear=linear).runner.decode
+    AVX512-BF16 kernel any number; float32's up to 64 (F.linear above)."""
+    decode = make_engine(tiny_checkpoint, dtype=KERNELS[linear], linear=linear).runner.decode
     assert decode is not None
-    limit = cpu_kernels.Bf16Linear.MAX_ROWS[linear]
-    assert decode.takes(128)
+    limit = KERNEL_MAX_ROWS if linear == "cpu" else cpu_kernels.Bf16Linear.MAX_ROWS[linear]
+    assert decode.takes(64)
+    assert decode.takes(65) == (limit != 64)
     assert decode.takes(129) == (limit is None)
     assert decode.takes(4096) == (limit is None)

@@ -148,21 +148,47 @@ def test_silu_mul_reads_rows_strided_apart(ops: cpu_kernels.FusedOps) -> None:
     assert torch.equal(ops.silu_mul(x), torch.nn.functional.silu(gate) * up)
 
 
-def test_the_mlp_uses_silu_mul_in_bfloat16_only(
+@pytest.mark.parametrize("rows", [1, 16, 2048])
+@pytest.mark.parametrize("n", [256, 1376, 1000])
+def test_silu_mul_in_float32_is_within_a_few_ulp_of_torch(
+    ops: cpu_kernels.FusedOps, rows: int, n: int
+) -> None:
+    """Its own e^x: within 2 ulp of libm's, and so of torch's; the SiLU of large
+    gates of either sign stays finite (the gate itself, or a signed zero)."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 2 * n) * 6
+    x[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])
+    gate, up = x.chunk(2, dim=-1)
+    got = ops.silu_mul(x)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
+    assert got[0, 2] == 100.0 * up[0, 2] and abs(got[0, 3]) < 1e-30 * abs(up[0, 3])
+    wide = torch.randn(40, 3 * n)  # rows strided apart
+    gate, up = wide[:, : 2 * n].chunk(2, dim=-1)
+    got = ops.silu_mul(wide[:, : 2 * n])
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=0.0)
+
+
+def test_the_mlp_uses_silu_mul_in_both_dtypes(
     ops: cpu_kernels.FusedOps, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """bfloat16: torch's result bit for bit; float32: within its rounding."""
     spec = load_spec(tiny_checkpoint).text
     mlp = MLP(spec)
     plain = MLP(spec)
     plain.load_state_dict(mlp.state_dict())
     mlp.ops = ops
     calls = []
-    kernel = ops._silu_mul
-    monkeypatch.setattr(ops, "_silu_mul", lambda *args: calls.append(kernel(*args)))
+    for name in ("_silu_mul", "_silu_mul_f32"):
+        kernel = getattr(ops, name)
+        monkeypatch.setattr(
+            ops, name, lambda *args, kernel=kernel, name=name: calls.append((name, kernel(*args)))
+        )
     x = torch.randn(5, spec.hidden_size)
-    assert torch.equal(mlp(x), plain(x)) and not calls
+    torch.testing.assert_close(mlp(x), plain(x), rtol=1e-5, atol=1e-6)
+    assert [name for name, _ in calls] == ["_silu_mul_f32"]
     mlp, plain, x = mlp.to(torch.bfloat16), plain.to(torch.bfloat16), x.to(torch.bfloat16)
-    assert torch.equal(mlp(x), plain(x)) and len(calls) == 1
+    assert torch.equal(mlp(x), plain(x))
+    assert [name for name, _ in calls] == ["_silu_mul_f32", "_silu_mul"]
 
 
 def test_the_model_modules_use_them_where_they_take_the_tensors(

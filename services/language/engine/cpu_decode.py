@@ -3,10 +3,11 @@
 On the CPU a decode step of a small model is bound by its per-operator cost:
 the small demo's ~600 torch operators and ~80 ctypes calls a step, a few
 microseconds of Python and dispatch each, are ~30 % of it. Where every part of
-a layer already runs in EPD's kernels (bfloat16 projections on AMX or
-AVX512-BF16, the fused norms and rotary embedding, the compiled paged attention
-and KV writer), the step calls them layer after layer from C, with the same
-inputs in the same order: the hidden states are bit-equal to the Python path's.
+a layer already runs in EPD's kernels (the projections: bfloat16 on AMX or
+AVX512-BF16, float32 on AVX2; the fused norms, rotary embedding and SiLU; the
+compiled paged attention and KV writer), the step calls them layer after layer
+from C, with the same inputs in the same order: the hidden states are bit-equal
+to the Python path's.
 
 Steps with a prompt (prefill chunks), with deepstack features, or with more
 rows than the projection kernel takes stay on the Python path, as do models it
@@ -24,7 +25,7 @@ from torch import nn
 
 from services.language.engine.attention import TorchAttention
 from services.language.engine.cpu_kernels import Bf16Linear, address, decode_step
-from services.language.engine.linear import Bf16PackedLinear
+from services.language.engine.linear import KERNEL_MAX_ROWS, Bf16PackedLinear, KernelLinear
 from services.language.engine.model import MLP, DecoderLayer, LanguageModel, RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -37,12 +38,14 @@ class _Kernels(ctypes.Structure):
         (name, _ptr)
         for name in (
             "linear",
+            "linear_f32",
             "attention",
             "write_kv",
             "rms_norm",
             "add_rms_norm",
             "rotary",
             "silu_mul",
+            "silu_mul_f32",
             "silu",
         )
     ]
@@ -61,6 +64,7 @@ class _Model(ctypes.Structure):
                 "intermediate",
                 "page_size",
                 "cache_rows",
+                "bf16",
             )
         ),
         ("eps", _f32),
@@ -99,19 +103,28 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+Projection = Bf16PackedLinear | KernelLinear
+
+
 @dataclass(frozen=True, slots=True)
 class _Parts:
-    """A dense decoder layer's projections on EPD's bfloat16 kernel, and its norms."""
+    """A dense decoder layer's projections on one of EPD's kernels (bfloat16's tiles
+    or float32's rows), and its norms."""
 
     input_norm: RMSNorm
     post_norm: RMSNorm
-    qkv: Bf16PackedLinear
-    o: Bf16PackedLinear
-    gate_up: Bf16PackedLinear
-    down: Bf16PackedLinear
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
 
 
-def _parts(layer: nn.Module) -> _Parts | str:
+def weight(projection: Projection) -> torch.Tensor:
+    """The weight as its kernel reads it."""
+    return projection.tiles if isinstance(projection, Bf16PackedLinear) else projection.weight
+
+
+def _parts(layer: nn.Module, dtype: torch.dtype) -> _Parts | str:
     """The layer's parts, or why the compiled step cannot run it."""
     assert isinstance(layer, DecoderLayer)
     attn, mlp = layer.self_attn, layer.mlp
@@ -122,12 +135,13 @@ def _parts(layer: nn.Module) -> _Parts | str:
     if layer.input_layernorm.ops is None or attn.ops is None:
         return "the fused operations are off"
     linears: list[nn.Module] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    packed = [linear for linear in linears if isinstance(linear, Bf16PackedLinear)]
-    if len(packed) < len(linears):
-        return "the projections are not on EPD's bfloat16 kernel"
-    if packed[-1].in_features % Bf16Linear.TILE_K:
+    kind = Bf16PackedLinear if dtype == torch.bfloat16 else KernelLinear
+    on_kernel = [linear for linear in linears if isinstance(linear, kind)]
+    if len(on_kernel) < len(linears):
+        return f"the projections are not on EPD's {dtype} kernel"
+    if kind is Bf16PackedLinear and on_kernel[-1].in_features % Bf16Linear.TILE_K:
         return "an intermediate size not a multiple of 32"
-    return _Parts(layer.input_layernorm, layer.post_attention_layernorm, *packed)
+    return _Parts(layer.input_layernorm, layer.post_attention_layernorm, *on_kernel)
 
 
 def _layers(model: LanguageModel, attention: object, dtype: torch.dtype) -> list[_Parts] | str:
@@ -135,18 +149,19 @@ def _layers(model: LanguageModel, attention: object, dtype: torch.dtype) -> list
     model on these backends."""
     if model.norm.weight.device.type != "cpu":
         return "not on a CPU"
-    if dtype != torch.bfloat16:
-        return f"{dtype} (it runs bfloat16)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{dtype} (it runs bfloat16 and float32)"
     if not isinstance(attention, TorchAttention) or attention.decode_kernel is None:
         return "the attention is not the compiled paged kernel"
     if attention.kv_writer is None:
         return "no compiled KV writer"
     spec = model.spec
-    if any(n % Bf16Linear.TILE_K for n in (spec.hidden_size, spec.num_heads * spec.head_dim)):
+    widths = (spec.hidden_size, spec.num_heads * spec.head_dim)
+    if dtype == torch.bfloat16 and any(n % Bf16Linear.TILE_K for n in widths):
         return "projection inputs not a multiple of 32"
     layers = []
     for layer in model.layers:
-        if isinstance(parts := _parts(layer), str):
+        if isinstance(parts := _parts(layer, dtype), str):
             return parts
         layers.append(parts)
     return layers
@@ -177,12 +192,23 @@ class CompiledDecode:
         assert all(k.is_contiguous() and v.is_contiguous() for k, v in caches)
         self._run = library.decode_layers
         self._attention = attention
-        self._max_rows = layers[0].qkv.kernel.max_rows
+        qkv = layers[0].qkv
+        bf16 = isinstance(qkv, Bf16PackedLinear)
+        # the rows a call of its projection kernel takes (None: any)
+        self._max_rows = (
+            qkv.kernel.max_rows if isinstance(qkv, Bf16PackedLinear) else KERNEL_MAX_ROWS
+        )
+        rms_norm, add_rms_norm, rotary, silu_mul, silu_mul_f32 = ops.addresses()
         self._kernels = _Kernels(
-            layers[0].qkv.kernel.address(),
+            qkv.kernel.address() if bf16 else None,
+            None if bf16 else qkv.kernel.address(),
             address(attention.decode_kernel),
             address(attention.kv_writer),
-            *ops.addresses(),
+            rms_norm,
+            add_rms_norm,
+            rotary,
+            silu_mul,
+            silu_mul_f32,
             ops.silu.data_ptr(),
         )
         spec = model.spec
@@ -195,6 +221,7 @@ class CompiledDecode:
             layers[0].down.in_features,
             page_size,
             caches[0][0].numel() // (spec.num_kv_heads * spec.head_dim),
+            int(bf16),
             model.norm.eps,
             attention.scale,
             model.norm.weight.data_ptr(),
@@ -204,12 +231,12 @@ class CompiledDecode:
                 _Layer(
                     p.input_norm.weight.data_ptr(),
                     p.post_norm.weight.data_ptr(),
-                    p.qkv.tiles.data_ptr(),
+                    weight(p.qkv).data_ptr(),
                     _pointer(p.qkv.bias),
-                    p.o.tiles.data_ptr(),
+                    weight(p.o).data_ptr(),
                     _pointer(p.o.bias),
-                    p.gate_up.tiles.data_ptr(),
-                    p.down.tiles.data_ptr(),
+                    weight(p.gate_up).data_ptr(),
+                    weight(p.down).data_ptr(),
                     keys.data_ptr(),
                     values.data_ptr(),
                 )

@@ -7,8 +7,7 @@
   torch and AVX-512. In bfloat16 on AMX, the same source also has a prompt's
   (prefill) attention: torch's SDPA takes its AMX path for long sequences only.
 - The model's small operations, fused (fused_ops.c): RMSNorm (with the residual
-  add before it), rotary embedding in place, and (bfloat16) the MLP's SiLU and
-  product.
+  add before it), rotary embedding in place, and the MLP's SiLU and product.
 - The projections of few rows (linear.c), a decode step's: oneDNN's and MKL's
   GEMMs read the weights at well under the machine's memory bandwidth there;
   in bfloat16 on AMX or AVX512-BF16 (linear_bf16.c), from tiles packed once.
@@ -231,17 +230,22 @@ class FusedOps:
         self._rotary.argtypes = [_ptr] * 3 + [_i64] * 4 + [_int, _int, _int]
         self._silu_mul = library.silu_mul
         self._silu_mul.argtypes = [_ptr] * 3 + [_i64] * 3 + [_int]
-        for function in (self._rms_norm, self._add_rms_norm, self._rotary, self._silu_mul):
+        self._silu_mul_f32 = library.silu_mul_f32
+        self._silu_mul_f32.argtypes = [_ptr] * 2 + [_i64] * 3 + [_int]
+        functions = (self._rms_norm, self._add_rms_norm, self._rotary, self._silu_mul)
+        for function in (*functions, self._silu_mul_f32):
             function.restype = None
         self.silu = silu_table()
 
-    def addresses(self) -> tuple[int, int, int, int]:
-        """Where rms_norm, add_rms_norm, rotary and silu_mul lie, for C that calls them."""
+    def addresses(self) -> tuple[int, int, int, int, int]:
+        """Where rms_norm, add_rms_norm, rotary, silu_mul and silu_mul_f32 lie, for C
+        that calls them."""
         return (
             address(self._rms_norm),
             address(self._add_rms_norm),
             address(self._rotary),
             address(self._silu_mul),
+            address(self._silu_mul_f32),
         )
 
     @staticmethod
@@ -317,20 +321,26 @@ class FusedOps:
         return x
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """F.silu(gate) * up for bfloat16 x [rows, 2n] = [gate | up] (rows may be
-        strided apart) -> a new [rows, n], bit-equal to torch's two operators."""
+        """F.silu(gate) * up for x [rows, 2n] = [gate | up] (rows may be strided
+        apart) -> a new [rows, n]: in bfloat16 bit-equal to torch's two operators
+        (the SiLU looked up), in float32 within a few ulp of them (its own e^x)."""
         rows, width = x.shape
-        assert x.dtype == torch.bfloat16 and self.supports(x) and width % 2 == 0
+        assert self.supports(x) and width % 2 == 0
         out = torch.empty(rows, width // 2, dtype=x.dtype)
-        self._silu_mul(
-            out.data_ptr(),
-            x.data_ptr(),
-            self.silu.data_ptr(),
-            rows,
-            width // 2,
-            x.stride(0),
-            torch.get_num_threads(),
-        )
+        if x.dtype == torch.bfloat16:
+            self._silu_mul(
+                out.data_ptr(),
+                x.data_ptr(),
+                self.silu.data_ptr(),
+                rows,
+                width // 2,
+                x.stride(0),
+                torch.get_num_threads(),
+            )
+        else:
+            self._silu_mul_f32(
+                out.data_ptr(), x.data_ptr(), rows, width // 2, x.stride(0), torch.get_num_threads()
+            )
         return out
 
 
@@ -364,6 +374,10 @@ class LinearKernel:
         self._linear = library.linear_rows
         self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
         self._linear.restype = None
+
+    def address(self) -> int:
+        """Where the kernel lies, for C that calls it."""
+        return address(self._linear)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -133,7 +133,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.ops is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
+        if self.ops is not None and self.ops.supports(gate_up) and gate_up.dim() == 2:
             return self.down_proj(self.ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

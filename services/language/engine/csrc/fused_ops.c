@@ -23,6 +23,7 @@
  * Rows are split across OpenMP threads (torch's libgomp) only where a call is
  * big enough to pay for waking them (PARALLEL_MIN elements).
  */
+#include "exp.h"
 #include "kernels.h"
 #include <math.h>
 #include <stdint.h>
@@ -206,5 +207,24 @@ void silu_mul(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows,
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
             o[i] = bf16_bits(round_bf16(silu[gate[i]] * bf16_to_float(up[i])));
+    }
+}
+
+/* out [rows][n] = F.silu(gate) * up in float32 for x [rows][2n] = [gate | up]
+ * (rows x_stride elements apart): SiLU as torch computes it, gate / (1 + e^-gate),
+ * with exp.h's e^x (within 2 ulp of libm's, as torch's own is), of -|gate| so that
+ * it never overflows: for gate < 0, e^-gate = 1 / e^gate. One pass instead of
+ * torch's two operators and the tensor between them. */
+void silu_mul_f32(float *out, const float *x, int64_t rows, int64_t n, int64_t x_stride,
+                  int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * x_stride, *up = gate + n;
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float g = gate[i], e = exp_nonpositive(-fabsf(g));
+            o[i] = g / (1.0f + (g >= 0.0f ? e : 1.0f / e)) * up[i];
+        }
     }
 }

@@ -13,6 +13,10 @@ void linear_avx512bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
                        const uint16_t *bias, int64_t M, int64_t K, int64_t N, int64_t x_stride,
                        int num_threads);
 
+/* linear.c: float32, w as loaded [N][K] */
+void linear_rows(float *y, const float *x, const float *w, const float *bias, int64_t M,
+                 int64_t K, int64_t N, int64_t x_stride, int num_threads);
+
 /* paged_attention.c */
 int paged_decode_attention(void *out, const void *q, const void *keys, const void *values,
                            const int64_t *block_tables, const int64_t *seq_lens,
@@ -32,5 +36,7 @@ void rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t h
             int64_t dim, int64_t token_stride, int bf16, int cos_bf16, int num_threads);
 void silu_mul(uint16_t *out, const uint16_t *x, const float *silu, int64_t rows, int64_t n,
               int64_t x_stride, int num_threads);
+void silu_mul_f32(float *out, const float *x, int64_t rows, int64_t n, int64_t x_stride,
+                  int num_threads);
 
 #endif

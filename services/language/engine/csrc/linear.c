@@ -16,6 +16,7 @@
  * library's, within float32 rounding of it. Without AVX2 and FMA the build has
  * a plain loop and linear_vectorized() says 0 (the engine keeps torch's path).
  */
+#include "kernels.h"
 #include <stdint.h>
 
 #define PARALLEL_MIN (1 << 18) /* multiply-adds below which one thread does it all */

@@ -29,6 +29,7 @@
  * its thread pool.
  */
 #include "amx.h"
+#include "exp.h"
 #include "kernels.h"
 #include <math.h>
 #include <stdint.h>
@@ -70,30 +71,6 @@ static float dot(const float *a, const float *b, int64_t n) {
 static void axpy(float *y, float a, const float *x, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-/* e^x for x <= 0 (a score less the row's maximum), as plain arithmetic that
- * vectorizes (libm's expf does not): Cephes' expf, within 2 ulp of it; below
- * -87.3 (a weight under 1e-38) it stays at e^-87.3 instead of going to 0.
- * n = round(x / ln2) by an integer conversion, not floorf, which GCC does not
- * vectorize without -ffast-math: x / ln2 + 127.5 is positive here, so the
- * conversion's truncation floors it, and it is n + 127, 2^n's exponent bits. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const int32_t biased = (int32_t)(x * 1.44269504088896341f + 127.5f);
-    const float n = (float)(biased - 127); /* x = n ln2 + r */
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)biased << 23; /* 2^n */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return y * two_n;
 }
 
 /* Asks ahead for what the 16 tokens from t lead to: the next 16 tokens' keys, into
