@@ -3,7 +3,8 @@ tests. A session's machine is one class; without these, a change made on one
 could break another's build unseen (the engine there falls back to torch's
 path with a log line). Each source compiles without a warning for each class
 (gcc's -march of it: EPD_KERNEL_MARCH), and the AVX2 build, which an AVX-512
-machine runs too, passes the kernel tests and the engine's token-exact ones."""
+machine runs too (torch's and its libraries' dispatch held to AVX2 as well),
+passes the kernel tests and the engine's token-exact ones."""
 
 from __future__ import annotations
 
@@ -55,26 +56,36 @@ def _cpu_flags() -> set[str]:
     return {flag for ln in lines if ln.startswith("flags") for flag in ln.split(":")[1].split()}
 
 
-def _run(code: str, march: str) -> str:
-    environment = {**os.environ, "EPD_KERNEL_MARCH": march}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=environment, cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+# An AVX2 machine, as far as this process can tell: EPD's kernels built for it, and
+# torch's, oneDNN's and MKL's dispatch held to AVX2
+AVX2 = {
+    "EPD_KERNEL_MARCH": "x86-64-v3",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="this CPU has no AVX2 and FMA")
 def test_the_avx2_build_passes_the_kernel_and_engine_tests() -> None:
-    """Built for x86-64-v3, the libraries have no AVX-512 kernels (the engine takes
-    the paths an AVX2 machine takes), and the tests that run the kernels pass."""
-    has = (
-        "from services.language.engine import cpu_kernels as k; "
-        "print(k.prefill_attention('avx512bf16') is None, k.linear_kernel() is not None, "
-        "k.paged_decode_attention() is not None, k.fused_ops() is not None)"
+    """Built for x86-64-v3, the libraries have no AVX-512 kernels, the engine takes
+    the paths an AVX2 machine takes (float32: EPD's projection kernel, the compiled
+    decode step), and the tests that run the kernels, and the engine against HF
+    generate(), pass."""
+    environment = {**os.environ, **AVX2}
+    choices = (
+        "import torch\n"
+        "from services.language.engine import config, cpu_kernels as k\n"
+        "cpu = torch.device('cpu')\n"
+        "print(k.prefill_attention('avx512bf16') is None, k.linear_kernel() is not None,\n"
+        "      k.paged_decode_attention() is not None, k.fused_ops() is not None,\n"
+        "      config.linear_backend('auto', torch.float32, cpu))\n"
     )
-    assert _run(has, "x86-64-v3") == "True True True True"
-    environment = {**os.environ, "EPD_KERNEL_MARCH": "x86-64-v3"}
+    done = subprocess.run(
+        [sys.executable, "-c", choices], env=environment, cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True", "True", "cpu"]
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
         env=environment,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine import cpu_kernels
+from services.language.engine import config, cpu_kernels
 from services.language.engine.config import linear_backend
 from services.language.engine.linear import (
     KERNEL_MAX_ROWS,
@@ -132,8 +132,16 @@ def test_stacking_leaves_other_tensors_alone() -> None:
     assert set(stack_projections(dict(weights))) == set(weights)
 
 
-def test_linear_backend_choice(kernel: cpu_kernels.LinearKernel) -> None:
-    assert linear_backend("auto", torch.float32, CPU) == "cpu"
+def test_linear_backend_choice(
+    kernel: cpu_kernels.LinearKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32: oneDNN's GEMM where torch's kernels run AVX-512, EPD's (AVX2) below."""
+    expected = "onednn" if config.avx512() else "cpu"
+    assert linear_backend("auto", torch.float32, CPU) == expected
+    for wide, chosen in ((True, "onednn"), (False, "cpu")):
+        monkeypatch.setattr(config, "avx512", lambda wide=wide: wide)
+        assert linear_backend("auto", torch.float32, CPU) == chosen
+    monkeypatch.undo()
     assert linear_backend("onednn", torch.float32, CPU) == "onednn"
     assert linear_backend("auto", torch.bfloat16, CUDA) == "torch"
     assert linear_backend("torch", torch.float32, CPU) == "torch"
@@ -245,4 +253,3 @@ def test_bfloat16_projections_on_the_kernel_by_default(
     assert linear_backend("auto", torch.bfloat16, CPU) == ("amx" if amx else "avx512bf16")
     assert linear_backend(bf16_kernel.kind, torch.bfloat16, CPU) == bf16_kernel.kind
     assert linear_backend("onednn", torch.bfloat16, CPU) == "onednn"
-    assert linear_backend("auto", torch.float32, CPU) == "cpu"

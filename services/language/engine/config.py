@@ -38,16 +38,17 @@ class EngineConfig:
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
     # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
     # (packed), "amx" (EPD's bfloat16 kernel on AMX for few rows, oneDNN above) or
-    # "avx512bf16" (on AVX512-BF16, every call), or "auto": "cpu" on a CPU in
-    # float32 where the kernel builds, in bfloat16 "amx" where the CPU has AMX, else
-    # "avx512bf16" where it has AVX512-BF16, else oneDNN where it packs the dtype,
-    # else torch (linear.py)
+    # "avx512bf16" (on AVX512-BF16, every call), or "auto": in float32 oneDNN on a
+    # CPU with AVX-512 (its GEMM uses it; EPD's kernel is AVX2), else "cpu" where the
+    # kernel builds; in bfloat16 "amx" where the CPU has AMX, else "avx512bf16"
+    # where it has AVX512-BF16; else oneDNN where it packs the dtype, else torch
+    # (linear.py)
     linear: str = "auto"
     # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32 or
     # bfloat16), or "auto" ("cpu" on a CPU where the kernels build, else torch)
     ops: str = "auto"
     # a decode-only step's decoder layers: "python" (layer by layer), "compiled" (in
-    # one C call, cpu_decode.py: bfloat16 projections on EPD's kernel, the fused operations and
+    # one C call, cpu_decode.py: the projections on EPD's kernels, the fused operations and
     # the compiled paged attention, a dense model without q/k norms), or "auto"
     # ("compiled" where it runs)
     decode_layers: str = "auto"
@@ -99,6 +100,11 @@ def attention_backend(choice: str, dtype: torch.dtype, device: torch.device) -> 
     return _auto(choice, dtype, device, "attention")
 
 
+def avx512() -> bool:
+    """Whether torch's CPU kernels run AVX-512 here (and so do oneDNN's)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
     """ "torch", "cpu", "onednn", "amx" or "avx512bf16" for EngineConfig.linear (torch:
     cuBLAS on GPUs)."""
@@ -117,7 +123,7 @@ def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str
             )
     if choice != "auto":
         return choice
-    if kernel:
+    if kernel and not (packs and avx512()):
         return "cpu"
     if bf16:
         return next((kind for kind in BF16_KINDS if bf16_linear(kind)), "onednn")

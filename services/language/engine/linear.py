@@ -9,6 +9,10 @@
   above ~90 rows F.linear is as fast or faster. The compiled decode step
   (cpu_decode.py) calls it too: a float32 decode step of 16 sequences
   (bench/engine_ab.py, 2-core Zen 5) small 10.8 -> 8.9 ms, medium 62.9 -> 59.3.
+  The kernel is AVX2 code: where the CPU has AVX-512, "auto" takes "onednn" in
+  float32 (measured on the Zen 5, the engine alone on bench/peer.py's text
+  workload: small 709 -> ~1000 output tok/s, medium 85 -> 136, prompts' steps
+  half as long; AVX2 emulated there, oneDNN's and MKL's ISA capped, both ~730).
 - "onednn": oneDNN's GEMM on weights packed once into its blocked layout (a
   GEMM of few rows otherwise spends much of its time reordering the weight), as
   vLLM's CPU backend does (`create_onednn_mm` in
