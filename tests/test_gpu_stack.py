@@ -25,10 +25,11 @@ from services.protogen import REPO_ROOT
 from services.serve import grpc_serving
 from services.triton.launcher import TritonConfig, TritonServer
 from services.wire.transport import Transport
+from tests.embeddings import tower_embeddings
 from tests.language.test_epd_service import collect, text_request
 from tests.processes import epd_process, wait_for
 from tests.stack import language_stub, start_broker, start_language
-from tests.transfer.test_transfer_e2e import encode_into, images, tower_output
+from tests.transfer.test_transfer_e2e import encode_into, images
 
 pytestmark = pytest.mark.gpu
 
@@ -86,7 +87,7 @@ async def test_cuda_ipc_lands_bit_exact_while_the_engine_steps(
             assert encoder.poll() is None
         # the second send came from the encoder's cache: the same bytes, two transports
         assert torch.equal(landed["ipc"], landed["grpc"])
-        reference = tower_output(gpu_checkpoint, data)  # float32, on the CPU
+        reference = tower_embeddings(gpu_checkpoint, data)  # float32, on the CPU
         torch.testing.assert_close(landed["ipc"].float(), reference, atol=5e-2, rtol=5e-2)
         for language in (ipc, grpc_in):
             assert language.pool.allocator.num_used_blocks == 0

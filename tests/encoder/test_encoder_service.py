@@ -18,10 +18,6 @@ from services.bench.images import encode_image, random_image
 from services.encoder.limits import ImageLimits
 from services.encoder.server import EncoderServer
 from services.grpc_server import channel
-from services.language.engine.fused_vision import fuse_vision_tower
-from services.model.checkpoint import load_vision_tower
-from services.model.processor import load_image_processor
-from services.model.spec import load_spec
 from services.ports import free_port
 from services.proto import broker_pb2, common_pb2, encoder_pb2
 from services.transfer.embedding_pool import tensor_from_bytes
@@ -29,6 +25,7 @@ from services.transfer.shared_memory import SHM_DIR
 from services.triton.launcher import TritonConfig, TritonServer
 from services.wire.messages import media_key
 from tests.bad_images import gif, png_header_only, truncated_png
+from tests.embeddings import tower_embeddings
 from tests.stack import broker_stub, encoder_stub, start_broker, start_encoder
 from tests.until import until
 
@@ -51,28 +48,6 @@ async def encoder_without_shm(
     server = await start_encoder(tiny_checkpoint, triton, limits=LIMITS, triton_shared_memory=False)
     yield server
     await server.stop()
-
-
-def reference_embeddings(
-    checkpoint: Path, images: list[bytes], dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """The in-process vision tower on the same images, in one call: HF's own in
-    float32 (Triton's is bit-equal to it), in bfloat16 as Triton's model runs it
-    (fused_vision.py: its patch embedding a GEMM, within a bfloat16 step of HF's)."""
-    import io
-
-    from PIL import Image
-
-    spec = load_spec(checkpoint)
-    pixels = load_image_processor(checkpoint)(
-        images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt"
-    )
-    with torch.no_grad():
-        tower = load_vision_tower(checkpoint, spec, dtype=dtype)
-        if dtype == torch.bfloat16:
-            fuse_vision_tower(tower)
-        values = pixels["pixel_values"].to(dtype)
-        return tower(values, grid_thw=pixels["image_grid_thw"]).pooler_output
 
 
 def images(n: int, seed: int) -> list[bytes]:
@@ -104,7 +79,7 @@ async def test_embeddings_equal_the_vision_tower(
     reply = await encoder_stub(encoder if shm else encoder_without_shm).Encode(
         encoder_pb2.EncodeRequest(request_id="r", images=data)
     )
-    expected = reference_embeddings(tiny_checkpoint, data)
+    expected = tower_embeddings(tiny_checkpoint, data)
     got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
     assert reply.total_tokens == expected.shape[0] == got.shape[0]
     assert len(reply.grids) == num_images
@@ -128,7 +103,7 @@ async def test_bfloat16_tower_and_embeddings(tiny_checkpoint: Path) -> None:
             reply = await encoder_stub(server).Encode(encoder_pb2.EncodeRequest(images=data))
         finally:
             await server.stop()
-    expected = reference_embeddings(tiny_checkpoint, data, torch.bfloat16)
+    expected = tower_embeddings(tiny_checkpoint, data, torch.bfloat16)
     assert reply.dtype == common_pb2.DTYPE_BFLOAT16
     got = tensor_from_bytes(reply.data[0], torch.bfloat16, reply.planes[0].width)
     assert torch.equal(got, expected)
@@ -164,7 +139,7 @@ async def test_one_request_a_forward_where_the_tower_shares_cores(
             await server.stop()
     assert counts == (8, 8)
     got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
-    assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
+    assert torch.equal(got, tower_embeddings(tiny_checkpoint, data))
 
 
 async def _inferences_and_executions(
@@ -306,7 +281,7 @@ async def test_cancelled_encodes_under_a_burst_leave_the_slots_whole(
     )
     for data, reply in zip(again, replies, strict=True):
         got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
-        assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
+        assert torch.equal(got, tower_embeddings(tiny_checkpoint, data))
 
 
 async def test_slots_are_made_anew_when_triton_forgets_them(
@@ -323,7 +298,7 @@ async def test_slots_are_made_anew_when_triton_forgets_them(
     data = images(2, seed=721)
     reply = await stub.Encode(encoder_pb2.EncodeRequest(images=data))
     got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
-    assert torch.equal(got, reference_embeddings(tiny_checkpoint, data))
+    assert torch.equal(got, tower_embeddings(tiny_checkpoint, data))
 
 
 async def test_a_slot_stays_taken_while_triton_may_still_use_it(encoder: EncoderServer) -> None:

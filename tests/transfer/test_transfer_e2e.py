@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -19,19 +18,16 @@ import pytest_asyncio
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
 
 from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
 from services.language.server import LanguageServer
-from services.model.checkpoint import load_vision_tower
-from services.model.processor import load_image_processor
-from services.model.spec import load_spec
 from services.proto import broker_pb2, encoder_pb2
 from services.transfer.state import TransferFailedError
 from services.triton.launcher import TritonServer
 from services.wire.transport import Transport
+from tests.embeddings import tower_embeddings
 from tests.processes import epd_process
 from tests.stack import (
     broker_stub,
@@ -72,17 +68,6 @@ def images(n: int, seed: int, size: tuple[int, int] | None = None, fmt: str = "P
     return [
         encode_image(random_image(w, h, seed=seed * 10 + i), fmt) for i, (w, h) in enumerate(sizes)
     ]
-
-
-def tower_output(checkpoint: Path, data: list[bytes]) -> torch.Tensor:
-    spec = load_spec(checkpoint)
-    pixels = load_image_processor(checkpoint)(
-        images=[Image.open(io.BytesIO(d)).convert("RGB") for d in data], return_tensors="pt"
-    )
-    with torch.no_grad():
-        return load_vision_tower(checkpoint, spec)(
-            pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]
-        ).pooler_output
 
 
 async def receive(
@@ -160,7 +145,7 @@ async def test_embeddings_arrive_bit_exact(
         got = await receive(
             broker, language, encoder, f"exact-{transport.name}-{num_images}", data, hint=0
         )
-        assert torch.equal(got, tower_output(tiny_checkpoint, data))
+        assert torch.equal(got, tower_embeddings(tiny_checkpoint, data))
         pairing = broker.broker.rendezvous.describe(f"exact-{transport.name}-{num_images}")
         assert pairing is not None and pairing.phase.name == "DONE"
         await asyncio.sleep(0.05)  # the encoder frees its buffer on its own TransferDone
@@ -177,7 +162,7 @@ async def test_both_arrival_orders(
     try:
         data = images(2, seed=40 + meta_first)
         got = await receive(broker, language, encoder, f"order-{meta_first}", data, 0, meta_first)
-        assert torch.equal(got, tower_output(tiny_checkpoint, data))
+        assert torch.equal(got, tower_embeddings(tiny_checkpoint, data))
     finally:
         await language.stop()
 
@@ -186,7 +171,7 @@ async def test_both_arrival_orders(
 def big_request(tiny_checkpoint: Path) -> tuple[list[bytes], torch.Tensor]:
     """Eight 980x980 images: 8 x 35 x 35 = 9800 embedding tokens, and their embeddings."""
     data = images(8, seed=77, size=(980, 980), fmt="JPEG")
-    return data, tower_output(tiny_checkpoint, data)
+    return data, tower_embeddings(tiny_checkpoint, data)
 
 
 @pytest.mark.parametrize(
@@ -351,7 +336,7 @@ async def test_a_killed_encoder_fails_over_to_another(
         await language.receiver.wait("orphan")
         assert language.receiver.transfers["orphan"].blocks == blocks  # the same preallocation
         got = (await language.receiver.take("orphan"))["embeddings"]
-        assert torch.equal(got, tower_output(tiny_checkpoint, data))
+        assert torch.equal(got, tower_embeddings(tiny_checkpoint, data))
         assert broker.broker.rendezvous.describe("orphan").num_failovers == 1
         language.pool.allocator.check_integrity()
     finally:
