@@ -158,8 +158,9 @@ def test_the_peer_section_survives_a_regenerated_report() -> None:
 def test_each_cpu_class_and_demo_size_has_its_own_peer_section(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A run replaces the section of its CPU class and demo size only; all stay
-    in bench/peer.py's block, which a regenerated report keeps."""
+    """A run replaces the section of its CPU class and demo size (and EPD's dtype,
+    where not the class's own) only; all stay in bench/peer.py's block, which a
+    regenerated report keeps."""
     from bench import peer
     from bench.report import kept_sections
 
@@ -169,8 +170,15 @@ def test_each_cpu_class_and_demo_size_has_its_own_peer_section(
         doc = peer.with_peer_section(doc, f"{cpu} {size}: run {run}", size)
     monkeypatch.setattr(peer, "cpu_class", lambda: "AVX512-BF16")
     doc = peer.with_peer_section(doc, "AVX512-BF16 medium: run 1", "medium")
+    doc = peer.with_peer_section(doc, "AVX512-BF16 small float32: run 1", "small", "float32")
     assert "AVX2 small: run 1" not in doc
-    sections = ["AVX2 small: run 2", "AVX512-BF16 small: run 1", "AVX512-BF16 medium: run 1"]
+    assert "<!-- bench/peer.py: AVX512-BF16, small demo, float32: start -->" in doc
+    sections = [
+        "AVX2 small: run 2",
+        "AVX512-BF16 small: run 1",
+        "AVX512-BF16 medium: run 1",
+        "AVX512-BF16 small float32: run 1",
+    ]
     assert [doc.index(s) for s in sections] == sorted(doc.index(s) for s in sections)
     kept = kept_sections(doc)
     assert all(kept.count(s) == 1 for s in sections)
