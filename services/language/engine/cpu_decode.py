@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from services.language.engine.attention import TorchAttention
-from services.language.engine.cpu_kernels import Bf16Linear, address, decode_step
+from services.language.engine.cpu_kernels import Bf16Linear, FusedOps, address, decode_step
 from services.language.engine.linear import KERNEL_MAX_ROWS, Bf16PackedLinear, KernelLinear
 from services.language.engine.model import MLP, DecoderLayer, LanguageModel, RMSNorm
 
@@ -173,6 +173,26 @@ def unsupported(model: LanguageModel, attention: object, dtype: torch.dtype) -> 
     return layers if isinstance(layers, str) else None
 
 
+def _kernels(qkv: Projection, attention: TorchAttention, ops: FusedOps) -> _Kernels:
+    """Where each kernel the step calls lies: the projections' of qkv's dtype
+    (the other's NULL), attention's and the fused operations'."""
+    assert attention.decode_kernel is not None and attention.kv_writer is not None
+    bf16 = isinstance(qkv, Bf16PackedLinear)
+    rms_norm, add_rms_norm, rotary, silu_mul, silu_mul_f32 = ops.addresses()
+    return _Kernels(
+        qkv.kernel.address() if bf16 else None,
+        None if bf16 else qkv.kernel.address(),
+        address(attention.decode_kernel),
+        address(attention.kv_writer),
+        rms_norm,
+        add_rms_norm,
+        rotary,
+        silu_mul,
+        silu_mul_f32,
+        ops.silu.data_ptr(),
+    )
+
+
 class CompiledDecode:
     """The decoder layers of `model` (its `layers`, as `_layers` found them) over the
     KV cache `caches`, for a decode step at a time: `__call__`."""
@@ -198,19 +218,7 @@ class CompiledDecode:
         self._max_rows = (
             qkv.kernel.max_rows if isinstance(qkv, Bf16PackedLinear) else KERNEL_MAX_ROWS
         )
-        rms_norm, add_rms_norm, rotary, silu_mul, silu_mul_f32 = ops.addresses()
-        self._kernels = _Kernels(
-            qkv.kernel.address() if bf16 else None,
-            None if bf16 else qkv.kernel.address(),
-            address(attention.decode_kernel),
-            address(attention.kv_writer),
-            rms_norm,
-            add_rms_norm,
-            rotary,
-            silu_mul,
-            silu_mul_f32,
-            ops.silu.data_ptr(),
-        )
+        self._kernels = _kernels(qkv, attention, ops)
         spec = model.spec
         self._model = _Model(
             spec.num_layers,
