@@ -1,7 +1,7 @@
 """Engine throughput against Hugging Face generate(), same checkpoint, same run.
 
     .venv/bin/python -m bench.engine [--arch qwen2_5_vl] [--size small] [--concurrency 1 4 16]
-        [--linear auto|torch|cpu|onednn|amx|avx512bf16] [--attention auto|torch|cpu]
+        [--linear auto|torch|cpu|avx512|onednn|amx|avx512bf16] [--attention auto|torch|cpu]
         [--ops auto|torch|cpu]
 
 For each concurrency c, c requests (same prompts, fixed output length) go to
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument(
         "--linear",
         default="auto",
-        choices=("auto", "torch", "cpu", "onednn", *BF16_KINDS),
+        choices=("auto", "torch", "cpu", "avx512", "onednn", *BF16_KINDS),
         help="EngineConfig.linear",
     )
     parser.add_argument(

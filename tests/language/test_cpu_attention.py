@@ -283,10 +283,9 @@ def test_without_a_compiler_the_engine_keeps_torch(
 ) -> None:
     monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    # the attention kernels share one loaded library: load it anew too
-    monkeypatch.setattr(
-        cpu_kernels, "_attention_library", cpu_kernels._attention_library.__wrapped__
-    )
+    # kernels that share one loaded library: load it anew too (and cache nothing)
+    for library in ("_attention_library", "_linear_library"):
+        monkeypatch.setattr(cpu_kernels, library, getattr(cpu_kernels, library).__wrapped__)
     uncached = getattr(cpu_kernels, kernels).__wrapped__
     assert uncached() is None
     monkeypatch.setattr(config, kernels, uncached)

@@ -23,11 +23,18 @@ from tests.language.engine_fixtures import make_engine, make_request
 from tests.reference import chat
 
 # EPD's projection kernels the compiled step calls, and the dtype each runs
-KERNELS = {"amx": torch.bfloat16, "avx512bf16": torch.bfloat16, "cpu": torch.float32}
+KERNELS = {
+    "amx": torch.bfloat16,
+    "avx512bf16": torch.bfloat16,
+    "avx512": torch.float32,
+    "cpu": torch.float32,
+}
 
 
 def _kernel(linear: str) -> object:
-    return cpu_kernels.linear_kernel() if linear == "cpu" else cpu_kernels.bf16_linear(linear)
+    if linear in cpu_kernels.BF16_KINDS:
+        return cpu_kernels.bf16_linear(linear)
+    return cpu_kernels.f32_linear() if linear == "avx512" else cpu_kernels.linear_kernel()
 
 
 @pytest.fixture(scope="module", params=list(KERNELS))
@@ -117,7 +124,7 @@ def test_what_the_compiled_decode_does_not_run(
     tiny_checkpoint: Path, qwen3_checkpoint: Path
 ) -> None:
     runner = make_engine(tiny_checkpoint, dtype=torch.float32, linear="onednn").runner
-    expected = "the projections are not on EPD's torch.float32 kernel"
+    expected = "the projections are not on one of EPD's torch.float32 kernels"
     assert unsupported(runner.model, runner.attention, torch.float32) == expected
     with pytest.raises(ValueError, match="compiled decode step cannot run here: the projections"):
         make_engine(tiny_checkpoint, dtype=torch.float32, linear="onednn", decode_layers="compiled")
@@ -156,10 +163,12 @@ def test_the_compiled_step_takes_as_many_sequences_as_its_kernel(
     linear: str, tiny_checkpoint: Path
 ) -> None:
     """AMX's kernel takes up to 128 rows (oneDNN above, so the Python path); the
-    AVX512-BF16 kernel any number; float32's up to 64 (F.linear above)."""
+    AVX512-BF16 and float32 AVX-512 kernels any number; float32's AVX2 one up to 64
+    (F.linear above)."""
     decode = make_engine(tiny_checkpoint, dtype=KERNELS[linear], linear=linear).runner.decode
     assert decode is not None
-    limit = KERNEL_MAX_ROWS if linear == "cpu" else cpu_kernels.Bf16Linear.MAX_ROWS[linear]
+    limits = {"cpu": KERNEL_MAX_ROWS, "avx512": None, **cpu_kernels.Bf16Linear.MAX_ROWS}
+    limit = limits[linear]
     assert decode.takes(64)
     assert decode.takes(65) == (limit != 64)
     assert decode.takes(129) == (limit is None)

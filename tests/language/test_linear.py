@@ -19,6 +19,7 @@ from services.language.engine.config import linear_backend
 from services.language.engine.linear import (
     KERNEL_MAX_ROWS,
     Bf16PackedLinear,
+    F32PackedLinear,
     KernelLinear,
     PackedLinear,
     onednn_supports,
@@ -135,13 +136,23 @@ def test_stacking_leaves_other_tensors_alone() -> None:
 def test_linear_backend_choice(
     kernel: cpu_kernels.LinearKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32: oneDNN's GEMM where torch's kernels run AVX-512, EPD's (AVX2) below."""
-    expected = "onednn" if config.avx512() else "cpu"
+    """float32: EPD's AVX-512 kernel where the CPU (and its build) has AVX-512; else
+    EPD's AVX2 kernel, or oneDNN's GEMM where torch runs AVX-512 but EPD's kernels
+    were built for AVX2."""
+    has_avx512 = cpu_kernels.f32_linear() is not None
+    expected = "avx512" if has_avx512 else ("onednn" if config.avx512() else "cpu")
     assert linear_backend("auto", torch.float32, CPU) == expected
+    monkeypatch.setattr(config, "f32_linear", lambda: None)
     for wide, chosen in ((True, "onednn"), (False, "cpu")):
         monkeypatch.setattr(config, "avx512", lambda wide=wide: wide)
         assert linear_backend("auto", torch.float32, CPU) == chosen
+    with pytest.raises(ValueError, match="avx512 linear kernel needs a CPU with AVX-512"):
+        linear_backend("avx512", torch.float32, CPU)
     monkeypatch.undo()
+    if has_avx512:
+        assert linear_backend("avx512", torch.float32, CPU) == "avx512"
+    with pytest.raises(ValueError, match="avx512 linear kernel"):
+        linear_backend("avx512", torch.bfloat16, CPU)
     assert linear_backend("onednn", torch.float32, CPU) == "onednn"
     assert linear_backend("auto", torch.bfloat16, CUDA) == "torch"
     assert linear_backend("torch", torch.float32, CPU) == "torch"
@@ -157,6 +168,52 @@ def test_linear_backend_choice(
         linear_backend("amx", torch.float32, CPU)
     with pytest.raises(ValueError, match="AVX512-BF16"):
         linear_backend("avx512bf16", torch.float32, CPU)
+
+
+@pytest.fixture(scope="module")
+def f32_kernel() -> cpu_kernels.F32Linear:
+    built = cpu_kernels.f32_linear()
+    if built is None:
+        pytest.skip("this CPU (or its build) has no AVX-512: float32 projections are another's")
+    return built
+
+
+# around the 6-row passes and 96-row tasks, and a prompt's 2048
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 95, 96, 97, 300, 2048])
+# n: whole 64-output groups, a tail of one, of 16 and more, fewer than 16 in all
+@pytest.mark.parametrize(("k", "n"), [(64, 128), (512, 1024), (100, 200), (33, 5)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_avx512_kernel_equals_f_linear(
+    f32_kernel: cpu_kernels.F32Linear, rows: int, k: int, n: int, bias: bool
+) -> None:
+    """float32 sums along k in another order than MKL's: within its rounding."""
+    generator = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=generator)
+    weight = torch.randn(n, k, generator=generator)
+    b = torch.randn(n, generator=generator) if bias else None
+    y = f32_kernel(x, f32_kernel.pack(weight), n, b)
+    assert y.shape == (rows, n)
+    torch.testing.assert_close(y, F.linear(x, weight, b), atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+def test_an_f32_packed_linear_takes_any_rows_strided_or_not(
+    f32_kernel: cpu_kernels.F32Linear,
+) -> None:
+    """Every call in the kernel, the weight held once (its packing only), rows of a
+    3-D x, and a transposed x (made contiguous)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200)
+    module = F32PackedLinear(linear, f32_kernel)
+    assert [name for name, _ in module.named_parameters()] == []
+    module.kernel = counting = Mock(wraps=f32_kernel)
+    x = torch.randn(300, 96)
+    expected = F.linear(x, linear.weight, linear.bias)
+    torch.testing.assert_close(module(x), expected, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(
+        module(x.view(3, 100, 96)), expected.view(3, 100, 200), atol=1e-3, rtol=1e-5
+    )
+    torch.testing.assert_close(module(x.t().contiguous().t()), expected, atol=1e-3, rtol=1e-5)
+    assert counting.call_count == 3
 
 
 @pytest.fixture(scope="module", params=cpu_kernels.BF16_KINDS)

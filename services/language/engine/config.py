@@ -13,6 +13,7 @@ from services.language.engine.cpu_kernels import (
     BF16_KINDS,
     KERNEL_DTYPES,
     bf16_linear,
+    f32_linear,
     fused_ops,
     linear_kernel,
     paged_decode_attention,
@@ -36,13 +37,14 @@ class EngineConfig:
     # "cpu" on a CPU in float32 or bfloat16 where the kernel builds, else torch
     attention: str = "auto"
     moe: str = "auto"  # MoE experts: "torch", "flashinfer", or "auto" (FlashInfer on CUDA)
-    # projections: "torch", "cpu" (EPD's kernel for few rows, float32), "onednn"
-    # (packed), "amx" (EPD's bfloat16 kernel on AMX for few rows, oneDNN above) or
-    # "avx512bf16" (on AVX512-BF16, every call), or "auto": in float32 oneDNN on a
-    # CPU with AVX-512 (its GEMM uses it; EPD's kernel is AVX2), else "cpu" where the
-    # kernel builds; in bfloat16 "amx" where the CPU has AMX, else "avx512bf16"
-    # where it has AVX512-BF16; else oneDNN where it packs the dtype, else torch
-    # (linear.py)
+    # projections: "torch", "cpu" (EPD's AVX2 kernel for few rows, float32), "avx512"
+    # (EPD's float32 kernel on AVX-512, every call), "onednn" (packed), "amx" (EPD's
+    # bfloat16 kernel on AMX for few rows, oneDNN above) or "avx512bf16" (on
+    # AVX512-BF16, every call), or "auto": in float32 "avx512" where the CPU has
+    # AVX-512, else "cpu" where the kernel builds (oneDNN where torch runs AVX-512
+    # but EPD's kernels are built without); in bfloat16 "amx" where the CPU has
+    # AMX, else "avx512bf16" where it has AVX512-BF16; else oneDNN where it packs
+    # the dtype, else torch (linear.py)
     linear: str = "auto"
     # RMSNorm and rotary embedding: "torch", "cpu" (compiled and fused, float32 or
     # bfloat16), or "auto" ("cpu" on a CPU where the kernels build, else torch)
@@ -106,7 +108,7 @@ def avx512() -> bool:
 
 
 def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str:
-    """ "torch", "cpu", "onednn", "amx" or "avx512bf16" for EngineConfig.linear (torch:
+    """ "torch", "cpu", "avx512", "onednn", "amx" or "avx512bf16" for EngineConfig.linear (torch:
     cuBLAS on GPUs)."""
     cpu = device.type == "cpu"
     kernel = cpu and dtype == torch.float32 and linear_kernel() is not None
@@ -121,8 +123,15 @@ def linear_backend(choice: str, dtype: torch.dtype, device: torch.device) -> str
             raise ValueError(
                 f"the {kind} linear kernel needs a CPU with {needs}, bfloat16 and a C compiler"
             )
+    f32 = cpu and dtype == torch.float32 and f32_linear() is not None
+    if choice == "avx512" and not f32:
+        raise ValueError(
+            "the avx512 linear kernel needs a CPU with AVX-512, float32 and a C compiler"
+        )
     if choice != "auto":
         return choice
+    if f32:
+        return "avx512"
     if kernel and not (packs and avx512()):
         return "cpu"
     if bf16:

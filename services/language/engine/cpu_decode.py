@@ -25,7 +25,12 @@ from torch import nn
 
 from services.language.engine.attention import TorchAttention
 from services.language.engine.cpu_kernels import Bf16Linear, FusedOps, address, decode_step
-from services.language.engine.linear import KERNEL_MAX_ROWS, Bf16PackedLinear, KernelLinear
+from services.language.engine.linear import (
+    KERNEL_MAX_ROWS,
+    Bf16PackedLinear,
+    F32PackedLinear,
+    KernelLinear,
+)
 from services.language.engine.model import MLP, DecoderLayer, LanguageModel, RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -103,13 +108,13 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-Projection = Bf16PackedLinear | KernelLinear
+Projection = Bf16PackedLinear | F32PackedLinear | KernelLinear
 
 
 @dataclass(frozen=True, slots=True)
 class _Parts:
-    """A dense decoder layer's projections on one of EPD's kernels (bfloat16's tiles
-    or float32's rows), and its norms."""
+    """A dense decoder layer's projections on one of EPD's kernels (bfloat16's or
+    AVX-512 float32's packing, AVX2 float32's rows as loaded), and its norms."""
 
     input_norm: RMSNorm
     post_norm: RMSNorm
@@ -121,7 +126,7 @@ class _Parts:
 
 def weight(projection: Projection) -> torch.Tensor:
     """The weight as its kernel reads it."""
-    return projection.tiles if isinstance(projection, Bf16PackedLinear) else projection.weight
+    return projection.weight if isinstance(projection, KernelLinear) else projection.tiles
 
 
 def _parts(layer: nn.Module, dtype: torch.dtype) -> _Parts | str:
@@ -135,11 +140,11 @@ def _parts(layer: nn.Module, dtype: torch.dtype) -> _Parts | str:
     if layer.input_layernorm.ops is None or attn.ops is None:
         return "the fused operations are off"
     linears: list[nn.Module] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    kind = Bf16PackedLinear if dtype == torch.bfloat16 else KernelLinear
-    on_kernel = [linear for linear in linears if isinstance(linear, kind)]
-    if len(on_kernel) < len(linears):
-        return f"the projections are not on EPD's {dtype} kernel"
-    if kind is Bf16PackedLinear and on_kernel[-1].in_features % Bf16Linear.TILE_K:
+    kinds = (Bf16PackedLinear,) if dtype == torch.bfloat16 else (F32PackedLinear, KernelLinear)
+    on_kernel = [linear for linear in linears if isinstance(linear, kinds)]
+    if len(on_kernel) < len(linears) or len({type(linear) for linear in on_kernel}) > 1:
+        return f"the projections are not on one of EPD's {dtype} kernels"
+    if dtype == torch.bfloat16 and on_kernel[-1].in_features % Bf16Linear.TILE_K:
         return "an intermediate size not a multiple of 32"
     return _Parts(layer.input_layernorm, layer.post_attention_layernorm, *on_kernel)
 
@@ -171,6 +176,13 @@ def unsupported(model: LanguageModel, attention: object, dtype: torch.dtype) -> 
     """Why the compiled decode step cannot run this model on these backends, or None."""
     layers = _layers(model, attention, dtype)
     return layers if isinstance(layers, str) else None
+
+
+def _max_rows(projection: Projection) -> int | None:
+    """The most rows a call of its kernel takes (None: any)."""
+    if isinstance(projection, Bf16PackedLinear):
+        return projection.kernel.max_rows
+    return KERNEL_MAX_ROWS if isinstance(projection, KernelLinear) else None
 
 
 def _kernels(qkv: Projection, attention: TorchAttention, ops: FusedOps) -> _Kernels:
@@ -215,9 +227,7 @@ class CompiledDecode:
         qkv = layers[0].qkv
         bf16 = isinstance(qkv, Bf16PackedLinear)
         # the rows a call of its projection kernel takes (None: any)
-        self._max_rows = (
-            qkv.kernel.max_rows if isinstance(qkv, Bf16PackedLinear) else KERNEL_MAX_ROWS
-        )
+        self._max_rows = _max_rows(qkv)
         self._kernels = _kernels(qkv, attention, ops)
         spec = model.spec
         self._model = _Model(

@@ -403,16 +403,82 @@ class LinearKernel:
 
 
 @functools.cache
+def _linear_library() -> ctypes.CDLL | None:
+    return _load(CSRC / "linear.c", (), "linear kernel")
+
+
+@functools.cache
 def linear_kernel() -> LinearKernel | None:
     """csrc/linear.c's kernel, or None (with a log line) where it cannot be built
     or this CPU lacks AVX2 and FMA (its plain loop is only there to link)."""
-    library = _load(CSRC / "linear.c", (), "linear kernel")
+    library = _linear_library()
     if library is None:
         return None
     if not library.linear_vectorized():
         logger.warning("no AVX2/FMA for the compiled CPU linear kernel: torch's path instead")
         return None
     return LinearKernel(library)
+
+
+class F32Linear:
+    """csrc/linear.c's linear_avx512: y = x w^T (+ bias) in float32 for x [rows, K]
+    whose rows are contiguous (and may be strided apart), any number of rows, on a
+    weight packed by `pack`."""
+
+    GROUP_N = 64  # the outputs a task sums
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._linear = library.linear_avx512
+        self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
+        self._linear.restype = None
+
+    def address(self) -> int:
+        """Where the kernel lies, for C that calls it."""
+        return address(self._linear)
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
+        """w [N, K] as groups of 64 outputs, each [K, 64] (zeros past N)."""
+        n, k = weight.shape
+        groups = -(-n // cls.GROUP_N)
+        padded = torch.zeros(groups * cls.GROUP_N, k, dtype=weight.dtype)
+        padded[:n] = weight
+        return padded.view(groups, cls.GROUP_N, k).transpose(1, 2).contiguous()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        rows, k = x.shape
+        assert x.dtype == packed.dtype == torch.float32 and x.stride(1) == 1
+        assert packed.shape[1] == k
+        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
+        y = torch.empty(rows, out_features, dtype=x.dtype)
+        self._linear(
+            y.data_ptr(),
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            rows,
+            k,
+            out_features,
+            x.stride(0),
+            torch.get_num_threads(),
+        )
+        return y
+
+
+@functools.cache
+def f32_linear() -> F32Linear | None:
+    """csrc/linear.c's AVX-512 kernel, or None where it cannot be built or this CPU
+    (or its build) lacks AVX-512."""
+    library = _linear_library()
+    if library is None or not library.has_avx512():
+        return None
+    return F32Linear(library)
 
 
 class Bf16Linear:

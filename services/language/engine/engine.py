@@ -24,6 +24,7 @@ from services.language.engine.cpu_kernels import (
     BF16_KINDS,
     bf16_linear,
     bf16_prefill_attention,
+    f32_linear,
     fused_ops,
     kv_writer,
     linear_kernel,
@@ -38,7 +39,12 @@ from services.language.engine.kv_cache import (
     KVMemory,
     device_memory,
 )
-from services.language.engine.linear import pack_linears, use_bf16_linears, use_linear_kernel
+from services.language.engine.linear import (
+    pack_linears,
+    use_bf16_linears,
+    use_f32_linears,
+    use_linear_kernel,
+)
 from services.language.engine.model import LanguageModel
 from services.language.engine.moe import autotuning, fuse_experts
 from services.language.engine.request import Request, RequestStatus, new_request
@@ -245,6 +251,10 @@ class LLMEngine:
             kernel = linear_kernel()
             assert kernel is not None  # linear_backend checked
             use_linear_kernel(model, kernel)
+        elif linear == "avx512":
+            f32 = f32_linear()
+            assert f32 is not None  # linear_backend checked
+            use_f32_linears(model, f32)
         elif linear in BF16_KINDS:
             bf16 = bf16_linear(linear)
             assert bf16 is not None  # linear_backend checked

@@ -1,5 +1,6 @@
-"""The language model's projections on CPU, two ways to run them faster than
-`F.linear` at the few rows of a decode step (one per running request).
+"""The language model's projections on CPU, ways to run them faster than
+`F.linear`, at the few rows of a decode step (one per running request) and at
+a prompt's.
 
 - "cpu" (float32): EPD's kernel (csrc/linear.c) for calls of up to
   KERNEL_MAX_ROWS rows, on the weights as loaded; `F.linear` above (prefill
@@ -9,10 +10,15 @@
   above ~90 rows F.linear is as fast or faster. The compiled decode step
   (cpu_decode.py) calls it too: a float32 decode step of 16 sequences
   (bench/engine_ab.py, 2-core Zen 5) small 10.8 -> 8.9 ms, medium 62.9 -> 59.3.
-  The kernel is AVX2 code: where the CPU has AVX-512, "auto" takes "onednn" in
-  float32 (measured on the Zen 5, the engine alone on bench/peer.py's text
-  workload: small 709 -> ~1000 output tok/s, medium 85 -> 136, prompts' steps
-  half as long; AVX2 emulated there, oneDNN's and MKL's ISA capped, both ~730).
+  The kernel is AVX2 code: where the CPU has AVX-512, "auto" takes "avx512".
+- "avx512" (float32, where the CPU has AVX-512): EPD's kernel on its own packing
+  of the weights (groups of 64 outputs, each [K, 64]), 6 rows of x by 64 outputs
+  a time, at every size of call, so each weight is held once. Measured on a
+  2-core Zen 5, the small demo's 32 projections against oneDNN's packed GEMM and
+  the AVX2 kernel: 1 row 0.6 / 1.0 / 1.0 ms, 16 rows 1.8 / 2.1 / 3.7, 64 rows
+  6.5 / 6.7 / 14.5, 2048 rows 197 / 192 / 543 (F.linear, MKL's AVX2 code on this
+  AMD CPU, 458); the medium demo's at 16 rows 9.1 / 9.6, at 2048 905 / 896. The
+  compiled decode step calls it.
 - "onednn": oneDNN's GEMM on weights packed once into its blocked layout (a
   GEMM of few rows otherwise spends much of its time reordering the weight), as
   vLLM's CPU backend does (`create_onednn_mm` in
@@ -45,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine.cpu_kernels import Bf16Linear, LinearKernel
+from services.language.engine.cpu_kernels import Bf16Linear, F32Linear, LinearKernel
 from services.language.engine.model import Experts
 
 # the row count oneDNN tunes the packed layout for (vLLM's choice); any count runs
@@ -124,6 +130,27 @@ class Bf16PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class F32PackedLinear(nn.Module):
+    """An nn.Linear (float32, on the CPU) whose calls all run EPD's AVX-512 kernel,
+    on its packing of the weight (the original is dropped, unless something else
+    holds it)."""
+
+    def __init__(self, linear: nn.Linear, kernel: F32Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.tiles = kernel.pack(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, x.shape[-1])
+        if flat.stride(-1) != 1:  # the kernel's rows must be contiguous
+            flat = flat.contiguous()
+        y = self.kernel(flat, self.tiles, self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 class KernelLinear(nn.Module):
     """An nn.Linear (float32, on the CPU) whose calls of up to KERNEL_MAX_ROWS
     rows run EPD's kernel, the others F.linear, on the same weight."""
@@ -161,6 +188,12 @@ def use_bf16_linears(model: nn.Module, kernel: Bf16Linear) -> int:
     """Swaps every nn.Linear in `model` for a Bf16PackedLinear and every MoE layer's
     Experts for PackedExperts (oneDNN's); returns how many modules it swapped."""
     return _swap(model, lambda linear: Bf16PackedLinear(linear, kernel), PackedExperts)
+
+
+def use_f32_linears(model: nn.Module, kernel: F32Linear) -> int:
+    """Swaps every nn.Linear in `model` for an F32PackedLinear and every MoE layer's
+    Experts for PackedExperts (oneDNN's); returns how many modules it swapped."""
+    return _swap(model, lambda linear: F32PackedLinear(linear, kernel), PackedExperts)
 
 
 def _kernel_or_torch(

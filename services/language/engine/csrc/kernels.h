@@ -13,9 +13,12 @@ void linear_avx512bf16(uint16_t *y, const uint16_t *x, const uint16_t *packed,
                        const uint16_t *bias, int64_t M, int64_t K, int64_t N, int64_t x_stride,
                        int num_threads);
 
-/* linear.c: float32, w as loaded [N][K] */
+/* linear.c: float32, w as loaded [N][K] (linear_rows, AVX2) or packed (linear_avx512):
+ * the two take the same arguments, so decode.c calls either */
 void linear_rows(float *y, const float *x, const float *w, const float *bias, int64_t M,
                  int64_t K, int64_t N, int64_t x_stride, int num_threads);
+void linear_avx512(float *y, const float *x, const float *packed, const float *bias, int64_t M,
+                   int64_t K, int64_t N, int64_t x_stride, int num_threads);
 
 /* paged_attention.c */
 int paged_decode_attention(void *out, const void *q, const void *keys, const void *values,

@@ -110,6 +110,79 @@ void linear_rows(float *y, const float *x, const float *w, const float *bias, in
     }
 }
 
+#if defined(__AVX512F__)
+
+#define GROUP_N 64     /* outputs a task takes: four vectors of 16 */
+#define DOT_ROWS 6     /* rows of x summed at once: 24 sums and 4 weight vectors in registers */
+#define CHUNK_ROWS 96  /* rows of x a task takes: 16 of those */
+
+/* rows [m, m + R) of x against the 64 outputs of `group` from `n` on, R <= DOT_ROWS:
+ * along k, each row's x[k] broadcast times the group's 64 weights at k */
+static inline __attribute__((always_inline)) void group_rows(
+    float *y, const float *x, const float *group, const float *bias, int64_t m, const int R,
+    int64_t n, int64_t N, int64_t K, int64_t x_stride) {
+    __m512 sums[DOT_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) sums[r][j] = _mm512_setzero_ps();
+    const float *xm = x + m * x_stride;
+    for (int64_t k = 0; k < K; k++) {
+        const float *w = group + k * GROUP_N;
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_set1_ps(xm[r * x_stride + k]);
+            sums[r][0] = _mm512_fmadd_ps(xv, w0, sums[r][0]);
+            sums[r][1] = _mm512_fmadd_ps(xv, w1, sums[r][1]);
+            sums[r][2] = _mm512_fmadd_ps(xv, w2, sums[r][2]);
+            sums[r][3] = _mm512_fmadd_ps(xv, w3, sums[r][3]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        const int64_t left = N - n - 16 * j;
+        if (left <= 0) break;
+        const __mmask16 mask = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        const __m512 b =
+            bias ? _mm512_maskz_loadu_ps(mask, bias + n + 16 * j) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(y + (m + r) * N + n + 16 * j, mask,
+                                  _mm512_add_ps(sums[r][j], b));
+    }
+}
+
+/* y [M][N] = x [M][K] (rows x_stride floats apart) times w^T, plus bias [N] if not
+ * NULL, on w packed by cpu_kernels.F32Linear.pack: groups of 64 outputs, each [K][64]
+ * (zeros past N). A task is a group and up to CHUNK_ROWS rows, DOT_ROWS at a time;
+ * a group's weights stay in L2 for its next rows. Any number of rows: a decode
+ * step's and a prompt's. */
+void linear_avx512(float *y, const float *x, const float *packed, const float *bias, int64_t M,
+                   int64_t K, int64_t N, int64_t x_stride, int num_threads) {
+    const int64_t groups = (N + GROUP_N - 1) / GROUP_N;
+    const int64_t chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) \
+    if (M * N * K >= PARALLEL_MIN)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *group = packed + g * K * GROUP_N;
+            const int64_t n = g * GROUP_N;
+            const int64_t end = (c + 1) * CHUNK_ROWS < M ? (c + 1) * CHUNK_ROWS : M;
+            for (int64_t m = c * CHUNK_ROWS; m < end; m += DOT_ROWS) {
+                switch (end - m < DOT_ROWS ? (int)(end - m) : DOT_ROWS) {
+                case 1: group_rows(y, x, group, bias, m, 1, n, N, K, x_stride); break;
+                case 2: group_rows(y, x, group, bias, m, 2, n, N, K, x_stride); break;
+                case 3: group_rows(y, x, group, bias, m, 3, n, N, K, x_stride); break;
+                case 4: group_rows(y, x, group, bias, m, 4, n, N, K, x_stride); break;
+                case 5: group_rows(y, x, group, bias, m, 5, n, N, K, x_stride); break;
+                default: group_rows(y, x, group, bias, m, 6, n, N, K, x_stride); break;
+                }
+            }
+        }
+    }
+}
+
+int has_avx512(void) { return 1; }
+
+#endif /* AVX-512 */
+
 #else
 
 int linear_vectorized(void) { return 0; }
@@ -125,4 +198,14 @@ void linear_rows(float *y, const float *x, const float *w, const float *bias, in
         }
 }
 
+#endif
+
+#if !defined(__AVX512F__)
+void linear_avx512(float *y, const float *x, const float *packed, const float *bias, int64_t M,
+                   int64_t K, int64_t N, int64_t x_stride, int num_threads) {
+    (void)y, (void)x, (void)packed, (void)bias, (void)M, (void)K, (void)N, (void)x_stride;
+    (void)num_threads;
+}
+
+int has_avx512(void) { return 0; }
 #endif
