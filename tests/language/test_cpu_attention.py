@@ -268,16 +268,16 @@ def test_a_changed_source_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize(
     ("kernels", "backend", "fallback"),
     [
-        ("paged_decode_attention", attention_backend, "torch"),
-        ("fused_ops", ops_backend, "torch"),
-        ("linear_kernel", linear_backend, "onednn"),  # oneDNN's packed GEMM
+        (("paged_decode_attention",), attention_backend, "torch"),
+        (("fused_ops",), ops_backend, "torch"),
+        (("linear_kernel", "f32_linear"), linear_backend, "onednn"),  # oneDNN's packed GEMM
     ],
     ids=["attention", "fused-ops", "linear"],
 )
 def test_without_a_compiler_the_engine_keeps_torch(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    kernels: str,
+    kernels: tuple[str, ...],
     backend: Callable[[str, torch.dtype, torch.device], str],
     fallback: str,
 ) -> None:
@@ -286,9 +286,10 @@ def test_without_a_compiler_the_engine_keeps_torch(
     # kernels that share one loaded library: load it anew too (and cache nothing)
     for library in ("_attention_library", "_linear_library"):
         monkeypatch.setattr(cpu_kernels, library, getattr(cpu_kernels, library).__wrapped__)
-    uncached = getattr(cpu_kernels, kernels).__wrapped__
-    assert uncached() is None
-    monkeypatch.setattr(config, kernels, uncached)
+    for name in kernels:
+        uncached = getattr(cpu_kernels, name).__wrapped__
+        assert uncached() is None
+        monkeypatch.setattr(config, name, uncached)
     cpu = torch.device("cpu")
     assert backend("auto", torch.float32, cpu) == fallback
     with pytest.raises(ValueError, match="C compiler"):

@@ -366,12 +366,14 @@ def fused_ops() -> FusedOps | None:
     return None if library is None else FusedOps(library)
 
 
-class LinearKernel:
-    """csrc/linear.c: y = x w^T (+ bias) for float32 x [rows, K] whose rows are
-    contiguous (and may be strided apart), w [N, K] contiguous."""
+class _Projection:
+    """A projection kernel of csrc/ (linear.c's, linear_bf16.c's): y = x w^T (+ bias)
+    for x [rows, K] whose rows are contiguous (and may be strided apart), on the
+    weight as the kernel reads it; all take the same arguments, so decode.c calls
+    any of them."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._linear = library.linear_rows
+    def __init__(self, function: Any) -> None:  # a ctypes function of the library
+        self._linear = function
         self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
         self._linear.restype = None
 
@@ -379,27 +381,44 @@ class LinearKernel:
         """Where the kernel lies, for C that calls it."""
         return address(self._linear)
 
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    def _run(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        depth: int,
+        out_features: int,
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        rows, k = x.shape
-        n = weight.shape[0]
-        assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1
-        assert weight.is_contiguous() and weight.shape[1] == k
+        """y [rows, out_features] of x's first `depth` columns (its row stride kept)."""
+        assert x.stride(1) == 1 and weight.dtype == x.dtype
         assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
-        y = torch.empty(rows, n, dtype=x.dtype)
+        y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
         self._linear(
             y.data_ptr(),
             x.data_ptr(),
             weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
-            rows,
-            k,
-            n,
+            x.shape[0],
+            depth,
+            out_features,
             x.stride(0),
             torch.get_num_threads(),
         )
         return y
+
+
+class LinearKernel(_Projection):
+    """csrc/linear.c's linear_rows (AVX2): float32, on w [N, K] as loaded."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library.linear_rows)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert x.dtype == torch.float32 and weight.is_contiguous()
+        assert weight.shape[1] == x.shape[1]
+        return self._run(x, weight, x.shape[1], weight.shape[0], bias)
 
 
 @functools.cache
@@ -420,21 +439,14 @@ def linear_kernel() -> LinearKernel | None:
     return LinearKernel(library)
 
 
-class F32Linear:
-    """csrc/linear.c's linear_avx512: y = x w^T (+ bias) in float32 for x [rows, K]
-    whose rows are contiguous (and may be strided apart), any number of rows, on a
-    weight packed by `pack`."""
+class F32Linear(_Projection):
+    """csrc/linear.c's linear_avx512: float32, any number of rows, on a weight packed
+    by `pack`."""
 
     GROUP_N = 64  # the outputs a task sums
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._linear = library.linear_avx512
-        self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
-        self._linear.restype = None
-
-    def address(self) -> int:
-        """Where the kernel lies, for C that calls it."""
-        return address(self._linear)
+        super().__init__(library.linear_avx512)
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> torch.Tensor:
@@ -452,23 +464,8 @@ class F32Linear:
         out_features: int,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rows, k = x.shape
-        assert x.dtype == packed.dtype == torch.float32 and x.stride(1) == 1
-        assert packed.shape[1] == k
-        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
-        y = torch.empty(rows, out_features, dtype=x.dtype)
-        self._linear(
-            y.data_ptr(),
-            x.data_ptr(),
-            packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            rows,
-            k,
-            out_features,
-            x.stride(0),
-            torch.get_num_threads(),
-        )
-        return y
+        assert x.dtype == torch.float32 and packed.shape[1] == x.shape[1]
+        return self._run(x, packed, x.shape[1], out_features, bias)
 
 
 @functools.cache
@@ -481,7 +478,7 @@ def f32_linear() -> F32Linear | None:
     return F32Linear(library)
 
 
-class Bf16Linear:
+class Bf16Linear(_Projection):
     """csrc/linear_bf16.c: y = x w^T (+ bias) in bfloat16 for x [rows, K] whose
     rows are contiguous (and may be strided apart), on a weight packed by `pack`;
     `kind` "amx" (AMX tiles) or "avx512bf16" (AVX512-BF16 dot products), and the
@@ -497,15 +494,9 @@ class Bf16Linear:
     MAX_ROWS: ClassVar[dict[str, int | None]] = {"amx": 128, "avx512bf16": None}
 
     def __init__(self, library: ctypes.CDLL, kind: str) -> None:
+        super().__init__(getattr(library, f"linear_{kind}"))
         self.kind = kind
         self.max_rows = self.MAX_ROWS[kind]
-        self._linear = getattr(library, f"linear_{kind}")
-        self._linear.argtypes = [_ptr] * 4 + [_i64] * 4 + [_int]
-        self._linear.restype = None
-
-    def address(self) -> int:
-        """Where the kernel lies, for C that calls it."""
-        return address(self._linear)
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> torch.Tensor:
@@ -527,25 +518,11 @@ class Bf16Linear:
         out_features: int,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rows, k = x.shape
-        assert x.dtype == packed.dtype == torch.bfloat16 and x.stride(1) == 1
-        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
+        assert x.dtype == torch.bfloat16
         depth = packed.shape[2] * self.TILE_K
-        if k != depth:  # the tiles are zero past k: so must x be
-            x = torch.nn.functional.pad(x, (0, depth - k))
-        y = torch.empty(rows, out_features, dtype=x.dtype)
-        self._linear(
-            y.data_ptr(),
-            x.data_ptr(),
-            packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            rows,
-            depth,
-            out_features,
-            x.stride(0),
-            torch.get_num_threads(),
-        )
-        return y
+        if x.shape[1] != depth:  # the tiles are zero past k: so must x be
+            x = torch.nn.functional.pad(x, (0, depth - x.shape[1]))
+        return self._run(x, packed, depth, out_features, bias)
 
 
 @functools.cache
