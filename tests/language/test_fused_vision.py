@@ -118,11 +118,11 @@ def test_the_fused_tower_computes_what_hf_does(
     assert kernels == [bf16_window_attention(hf.blocks[0].attn.head_dim) if bf16 else None] * len(
         kernels
     )
-    assert isinstance(fused.patch_embed.proj, LinearPatchEmbedding) == bf16
+    packed = onednn_supports(dtype) and (bf16 or avx512())
+    assert isinstance(fused.patch_embed.proj, LinearPatchEmbedding) == packed
     rms_norms = hasattr(hf.blocks[0].norm1, "variance_epsilon")  # Qwen2.5-VL's
     blocks = [isinstance(block, FusedVisionBlock) for block in fused.blocks]
     assert blocks == [bf16 and rms_norms] * len(blocks)
-    packed = onednn_supports(dtype) and (bf16 or avx512())
     assert all(not isinstance(m, torch.nn.Linear) for m in fused.modules()) == packed
     assert any(isinstance(m, PackedLinear) for m in fused.modules()) == packed
     if bf16:  # HF's tower from the same patch embeddings
@@ -153,6 +153,7 @@ def test_a_float32_tower_runs_onednn_where_torch_runs_avx512(
         packed = any(isinstance(m, PackedLinear) for m in tower.modules())
         assert packed == (wide and onednn_supports(torch.float32))
         assert any(type(m) is torch.nn.Linear for m in tower.modules()) == (not packed)
+        assert isinstance(tower.patch_embed.proj, LinearPatchEmbedding) == packed
 
 
 def test_a_fused_block_adds_what_hfs_adds(tiny_checkpoint: Path) -> None:

@@ -14,14 +14,14 @@
   was 38 % of the small demo's tower in bfloat16 on a 2-core AVX512-BF16 EPYC
   (33 of 87 ms an image); one 448x448 image a forward: 92 -> 67 ms (small),
   384 -> 304 ms (medium). Within bfloat16 rounding of SDPA, not bit-equal.
-- In bfloat16, the patch embedding. HF's is a Conv3d whose kernel is its stride:
+- In bfloat16 (and float32 on AVX-512), the patch embedding. HF's is a Conv3d
+  whose kernel is its stride:
   each patch's pixels times the weight, a GEMM, which vLLM runs as one
   (`Conv3dLayer`). torch's bfloat16 Conv3d takes 47 ms for a 448x448 image's
   1024 patches on a 2-core AMX Xeon, the GEMM 1.2 ms (float32: 24 ms and 3.8
   ms). The GEMM sums the products in another order, so the float32 tower keeps
-  the convolution and stays bit-equal to HF's (tests/encoder compare Triton's
-  to HF's with torch.equal); in bfloat16 the embeddings are within a bfloat16
-  step of HF's.
+  the convolution where torch is AVX2 and stays bit-equal to HF's there; in
+  bfloat16 the embeddings are within a bfloat16 step of HF's.
 - In bfloat16, the projections and norms as the language model runs them: every
   nn.Linear on oneDNN's packed weights (linear.PackedLinear; torch's unpacked
   bf16 addmm ran the medium tower's at ~1.3 TFLOPS on a 2-core AMX Xeon, the
@@ -38,9 +38,9 @@
 - In float32 where torch runs AVX-512, the projections on oneDNN's packed weights
   as well: F.linear's GEMM is MKL's, which on AMD CPUs runs its AVX2 code (~200
   GFLOPS on a 2-core Zen 5, oneDNN's ~1.9x that): one 448x448 image a forward
-  (bench/vision.py), the small tower 284 -> 170 ms, the medium one 1369 -> 743.
-  Within float32 rounding of HF's, as the language model is there
-  (config.linear_backend).
+  (bench/vision.py), the small tower 284 -> 170 ms, the medium one 1369 -> 743;
+  the patch embedding as a GEMM there too: 170 -> 161 and 743 -> 707. Within float32 rounding of
+  HF's, as the language model is there (config.linear_backend).
 """
 
 from __future__ import annotations
@@ -202,18 +202,20 @@ class LinearPatchEmbedding(nn.Module):
 
 def fuse_vision_tower(tower: nn.Module) -> int:
     """Swaps, in a CPU vision tower (`load_vision_tower`'s), each block's attention
-    for a FusedVisionAttention (where the kernels build); every nn.Linear for a
-    PackedLinear in bfloat16 (where oneDNN packs it) and in float32 where torch
-    runs AVX-512; and, in bfloat16, the patch embedding's convolution for a
-    LinearPatchEmbedding and each RMSNorm block for a FusedVisionBlock, the
-    merger's norm for the language model's; returns how many modules it swapped
-    (0 for a tower that is not on the CPU)."""
+    for a FusedVisionAttention (where the kernels build); in bfloat16 (where oneDNN
+    packs it), and in float32 where torch runs AVX-512, the patch embedding's
+    convolution for a LinearPatchEmbedding and every nn.Linear for a PackedLinear;
+    in bfloat16, each RMSNorm block for a FusedVisionBlock, the merger's norm for
+    the language model's; returns how many modules it swapped (0 for a tower that
+    is not on the CPU)."""
     weight = next(tower.parameters())
     if weight.device.type != "cpu":
         return 0
     bf16 = weight.dtype == torch.bfloat16
+    # HF's own projections (and so its tower, bit for bit) only in float32 on AVX2
+    packed = onednn_supports(weight.dtype) and (bf16 or avx512())
     swapped = 0
-    if bf16:
+    if packed:
         embedding = tower.get_submodule("patch_embed")
         embedding.proj = LinearPatchEmbedding(cast(nn.Conv3d, embedding.proj))
         swapped += 1
@@ -233,7 +235,7 @@ def fuse_vision_tower(tower: nn.Module) -> int:
         if bf16 and ln_q is not None and _is_rms_norm(ln_q):
             merger.ln_q = _fused_norm(ln_q, ops)
             swapped += 1
-    if onednn_supports(weight.dtype) and (bf16 or avx512()):
+    if packed:
         swapped += pack_linears(tower)
     logger.info("vision tower: %d modules swapped for faster ones (fused_vision.py)", swapped)
     return swapped
