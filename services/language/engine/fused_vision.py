@@ -15,8 +15,8 @@
   (33 of 87 ms an image); one 448x448 image a forward: 92 -> 67 ms (small),
   384 -> 304 ms (medium). Within bfloat16 rounding of SDPA, not bit-equal.
 - In bfloat16 (and float32 on AVX-512), the patch embedding. HF's is a Conv3d
-  whose kernel is its stride:
-  each patch's pixels times the weight, a GEMM, which vLLM runs as one
+  whose kernel is its stride: each patch's pixels times the weight, a GEMM,
+  which vLLM runs as one
   (`Conv3dLayer`). torch's bfloat16 Conv3d takes 47 ms for a 448x448 image's
   1024 patches on a 2-core AMX Xeon, the GEMM 1.2 ms (float32: 24 ms and 3.8
   ms). The GEMM sums the products in another order, so the float32 tower keeps
