@@ -27,8 +27,8 @@ import time
 import torch
 
 from bench.report import machine
-from services.language.engine import cpu_kernels
-from services.language.engine.attention import AttentionMetadata, TorchAttention
+from services.layers import cpu_kernels
+from services.layers.attention import AttentionMetadata, TorchAttention
 
 PAGE_SIZE = 16
 SHAPES = {  # name: (query heads, KV heads, head dim), from services/model/demo.py

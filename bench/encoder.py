@@ -21,15 +21,15 @@ import torch
 from PIL import Image
 
 from services.bench.images import encode_image, random_image
+from services.broker.instance import InstanceConfig
 from services.encoder.server import EncoderConfig, EncoderServer
-from services.grpc_server import channel
-from services.instance import InstanceConfig
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import SIZES, cached_demo_checkpoint
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
-from services.ports import free_port
 from services.proto import encoder_pb2, encoder_pb2_grpc
+from services.runtime.grpc_server import channel
+from services.runtime.ports import free_port
 from services.triton.launcher import TritonConfig, TritonServer
 from services.wire.messages import Role
 

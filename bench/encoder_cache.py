@@ -38,7 +38,7 @@ from bench.report import CACHE_END, CACHE_START, DOC, Setup, machine, serve
 from services.bench.runner import RunConfig, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
-from services.ports import METRICS_OFFSET, free_serve_ports
+from services.runtime.ports import METRICS_OFFSET, free_serve_ports
 
 CACHE_MB = 64  # each of the three encoders'; the single one gets 3x
 COUNTERS = ("cache_hits", "cache_misses", "shared_encodes")

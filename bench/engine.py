@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-from services.allocator import keep_freed_memory
 from services.language.engine.config import EngineConfig
-from services.language.engine.cpu_kernels import BF16_KINDS
 from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
+from services.layers.cpu_kernels import BF16_KINDS
 from services.model.checkpoint import load_language_weights
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
+from services.runtime.malloc import keep_freed_memory
 
 TOPICS = [
     "the sea",

@@ -21,11 +21,11 @@ import statistics
 import time
 
 from bench.engine import load_engine
-from services.flags import DTYPE_CHOICES
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine
 from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
+from services.launcher.flags import DTYPE_CHOICES
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.wire.dtypes import resolve_dtype
 

@@ -36,9 +36,9 @@ from services.bench.command import strict_json
 from services.bench.runner import RunConfig, RunResult, run
 from services.bench.summary import summarize
 from services.bench.workload import Workload, build_requests
+from services.launcher.serve import launch
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
-from services.ports import free_serve_ports, serve_port_args
-from services.serve import launch
+from services.runtime.ports import free_serve_ports, serve_port_args
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "performance.md"
@@ -138,8 +138,10 @@ def process_cpu() -> dict[int, ProcessCpu]:
 
 
 def component(command: list[str]) -> str | None:
-    """The `epd` component a command line runs (`python -m services.cli NAME`), if any."""
-    return command[3] if len(command) > 3 and command[1:3] == ["-m", "services.cli"] else None
+    """The `epd` component a command line runs (`python -m services.launcher.cli NAME`), if any."""
+    return (
+        command[3] if len(command) > 3 and command[1:3] == ["-m", "services.launcher.cli"] else None
+    )
 
 
 def cpu_seconds(root: int) -> dict[str, float]:

@@ -38,9 +38,9 @@ import httpx
 
 from services.bench.images import encode_image, random_image
 from services.bench.stats import percentile
+from services.launcher.serve import launch
 from services.model.demo import SIZES, cached_demo_checkpoint
-from services.ports import free_port_block
-from services.serve import launch
+from services.runtime.ports import free_port_block
 
 MODEL = "soak"
 FAULTS = (
@@ -198,11 +198,11 @@ def main() -> None:
     threading.Thread(target=lambda: supervisor.extend(process.stdout or ()), daemon=True).start()
     broker = f":{ports.broker}"
     markers = {
-        "gateway": ("services.cli gateway", f"--broker 127.0.0.1{broker}"),
-        "broker": ("services.cli broker", f"--port {ports.broker}"),
+        "gateway": ("services.launcher.cli gateway", f"--broker 127.0.0.1{broker}"),
+        "broker": ("services.launcher.cli broker", f"--port {ports.broker}"),
         "triton": ("bin/tritonserver", f"--grpc-port={ports.triton[1]}"),
         **{
-            f"{role}-{i}": (f"services.cli {role}", f"--instance-id {role}-{i}", broker)
+            f"{role}-{i}": (f"services.launcher.cli {role}", f"--instance-id {role}-{i}", broker)
             for role in ("encoder", "language")
             for i in range(2)
         },

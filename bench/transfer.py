@@ -42,14 +42,11 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from services import env
 from services.bench.stats import percentile
 from services.broker.client import BrokerLink
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
-from services.grpc_server import channel
 from services.model.demo import cached_demo_checkpoint
-from services.ports import free_port
 from services.proto import (
     broker_pb2,
     broker_pb2_grpc,
@@ -57,6 +54,9 @@ from services.proto import (
     language_pb2,
     language_pb2_grpc,
 )
+from services.runtime import env
+from services.runtime.grpc_server import channel
+from services.runtime.ports import free_port
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.sender_driver import SenderDriver
@@ -160,7 +160,7 @@ def process(*args: str, prefix: Sequence[str] = ()) -> Iterator[subprocess.Popen
     host's id is its namespace's)."""
     host = {env.HOST_ID.name: prefix[-1]} if prefix else {}
     child = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "services.cli", "--log-level", "WARNING", *args],
+        [*prefix, sys.executable, "-m", "services.launcher.cli", "--log-level", "WARNING", *args],
         env={**os.environ, **host},
     )
     try:

@@ -1,9 +1,9 @@
-"""The vision tower: HF's own against the one Triton serves (fused_vision.py).
+"""The vision tower: HF's own against the one Triton serves (vision_tower.py).
 
     .venv/bin/python -m bench.vision [--images 4] [--size 448] [--repeat 4]
 
 One forward of a batch of square images through each demo's vision tower
-(services/language/engine/fused_vision.py), in float32 and in the dtype `--dtype auto`
+(services/layers/vision_tower.py), in float32 and in the dtype `--dtype auto`
 picks here, the two towers taking turns in the same run; ms per image, the best
 of `--repeat` forwards each.
 """
@@ -16,8 +16,8 @@ import time
 import torch
 
 from bench.report import machine
-from services.language.engine.cpu_kernels import fused_ops
-from services.language.engine.fused_vision import fuse_vision_tower
+from services.layers.cpu_kernels import fused_ops
+from services.layers.vision_tower import fuse_vision_tower
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import cached_demo_checkpoint
 from services.model.spec import load_spec

@@ -23,9 +23,9 @@ from services.gateway.errors import ApiError
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine, RequestFailedError
-from services.language.engine.fused_vision import fuse_vision_tower
 from services.language.engine.vision import VisionTower
 from services.language.frontend import Frontend, Media
+from services.layers.vision_tower import fuse_vision_tower
 from services.model.checkpoint import load_language_weights, load_vision_tower
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer

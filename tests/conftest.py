@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.model.demo import build_demo_checkpoint
-from services.ports import free_port
+from services.runtime.ports import free_port
 from services.triton.launcher import TritonConfig, TritonServer
 from tests.otlp import Collector, receiving
 

@@ -1,6 +1,6 @@
 """The embeddings Triton's vision model should return for some images: the
 in-process tower on them, in one call, as Triton's model runs it
-(fused_vision.py; tests/language/test_fused_vision.py holds that tower to HF's own:
+(vision_tower.py; tests/layers/test_vision_tower.py holds that tower to HF's own:
 in float32 bit for bit on HF's projections, within its rounding on oneDNN's)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from services.language.engine.fused_vision import fuse_vision_tower
+from services.layers.vision_tower import fuse_vision_tower
 from services.model.checkpoint import load_vision_tower
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec

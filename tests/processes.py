@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from services import env
-from services.children import die_with_parent
+from services.runtime import env
+from services.runtime.children import die_with_parent
 from services.transfer.shared_memory import remove_segments
 
 
@@ -24,7 +24,7 @@ def epd_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
     prefix = f"epd_test_{secrets.token_hex(3)}_"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            die_with_parent([sys.executable, "-m", "services.cli", *args]),
+            die_with_parent([sys.executable, "-m", "services.launcher.cli", *args]),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -60,8 +60,8 @@ def served(
     Every component on a port of `ports` (`free_serve_ports()`; a free block for
     two encoders and two language instances when not given): a default port may
     be held by a stack that is still stopping, or by anything else on the machine."""
-    from services.ports import free_serve_ports, serve_port_args
-    from services.serve import launch
+    from services.launcher.serve import launch
+    from services.runtime.ports import free_serve_ports, serve_port_args
 
     ports = ports or free_serve_ports(encoders=2, languages=2)
     port = ports["port"]

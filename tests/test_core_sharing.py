@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.serve import GOMP_DEFAULT_SPIN_COUNT, Component, StackConfig, components
+from services.launcher.serve import GOMP_DEFAULT_SPIN_COUNT, Component, StackConfig, components
 
 
 def _language(config: StackConfig) -> Component:

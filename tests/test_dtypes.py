@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli import build_parser
-from services.flags import DTYPE_CHOICES, engine_args
-from services.language.engine import config
-from services.language.engine.config import attention_backend, moe_backend
-from services.language.engine.cpu_kernels import paged_decode_attention
-from services.serve import StackConfig, components
+from services.launcher.cli import build_parser
+from services.launcher.flags import DTYPE_CHOICES, engine_args
+from services.launcher.serve import StackConfig, components
+from services.layers import backends
+from services.layers.backends import attention_backend, moe_backend
+from services.layers.cpu_kernels import paged_decode_attention
 from services.wire import dtypes
 from services.wire.dtypes import resolve_dtype
 
@@ -74,7 +74,7 @@ def test_every_component_of_a_stack_gets_the_same_dtype(tmp_path: Path) -> None:
 def test_float32_on_cuda_falls_back_to_torch_attention(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(config, "flashinfer_installed", lambda: True)
+    monkeypatch.setattr(backends, "flashinfer_installed", lambda: True)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert attention_backend("auto", torch.bfloat16, cuda) == "flashinfer"
     kernel = "cpu" if paged_decode_attention() is not None else "torch"
@@ -91,7 +91,7 @@ def test_cuda_without_flashinfer_falls_back_to_torch(
 ) -> None:
     """A GPU host without the `gpu` extra serves, on torch's attention and experts
     (the H100 lent to this project had no FlashInfer), and says why."""
-    monkeypatch.setattr(config, "flashinfer_installed", lambda: False)
+    monkeypatch.setattr(backends, "flashinfer_installed", lambda: False)
     cuda = torch.device("cuda")
     with caplog.at_level("WARNING"):
         assert attention_backend("auto", torch.bfloat16, cuda) == "torch"

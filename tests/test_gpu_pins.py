@@ -10,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from services.protogen import REPO_ROOT
+from services.launcher.protogen import REPO_ROOT
 
 DOCKERFILE = (REPO_ROOT / "docker" / "epd.Dockerfile").read_text()
 

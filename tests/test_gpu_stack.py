@@ -19,10 +19,10 @@ import torch
 import yaml
 
 from services.language.engine.config import EngineConfig
+from services.launcher.protogen import REPO_ROOT
+from services.launcher.serve import grpc_serving
 from services.model.demo import build_demo_checkpoint
-from services.ports import free_port
-from services.protogen import REPO_ROOT
-from services.serve import grpc_serving
+from services.runtime.ports import free_port
 from services.triton.launcher import TritonConfig, TritonServer
 from services.wire.transport import Transport
 from tests.embeddings import tower_embeddings

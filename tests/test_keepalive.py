@@ -1,6 +1,6 @@
 """A peer that freezes (SIGSTOP: its TCP connection stays up, nothing answers)
 fails the calls to it within keepalive time + timeout, not at their deadline:
-the channels every EPD client uses (services/grpc_server.py)."""
+the channels every EPD client uses (services/runtime/grpc_server.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.grpc_server import channel
-from services.ports import free_port
+from services.runtime.grpc_server import channel
+from services.runtime.ports import free_port
 
 # a server whose health check takes a minute: the call is in flight when it freezes
 SERVER = """
 import asyncio, sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from services.grpc_server import SERVER_OPTIONS
+from services.runtime.grpc_server import SERVER_OPTIONS
 
 class Slow(health_pb2_grpc.HealthServicer):
     async def Check(self, request, context):

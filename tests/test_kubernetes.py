@@ -18,8 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.cli import parse_args
-from services.protogen import REPO_ROOT
+from services.launcher.cli import parse_args
+from services.launcher.protogen import REPO_ROOT
 
 KUBE = REPO_ROOT / "deploy" / "kubernetes"
 OVERLAYS = ["cpu", "gpu", "gpu-epd", "cpu+monitoring"]

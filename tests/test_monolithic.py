@@ -151,7 +151,7 @@ def test_epd_bench_against_the_monolithic_server(monolithic: str, tmp_path: Path
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.launcher.cli",
             "bench",
             "--base-url",
             monolithic + "/v1",

@@ -21,9 +21,9 @@ import pytest
 from openai import OpenAI
 
 from services.bench.images import random_image
-from services.ports import METRICS_OFFSET, free_port, free_serve_ports
+from services.launcher.protogen import REPO_ROOT
 from services.proto import broker_pb2, broker_pb2_grpc
-from services.protogen import REPO_ROOT
+from services.runtime.ports import METRICS_OFFSET, free_port, free_serve_ports
 from tests.processes import served, wait_for
 from tests.test_serve import image_url
 

@@ -74,7 +74,7 @@ def test_the_launchers_import_no_server_and_no_torch(argv: list[str]) -> None:
     the same cores, so an import each does not need is start-up time lost."""
     code = (
         "import sys\n"
-        "from services import cli, serve\n"
+        "from services.launcher import cli, serve\n"
         "from services.triton import launcher\n"
         f"cli.parse_args({argv!r})\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.endswith('.server')))\n"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.planner import Planner, PlannerConfig, Reading
+from services.launcher.planner import Planner, PlannerConfig, Reading
 
 CONFIG = PlannerConfig(
     min_encoders=1,

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from services import protogen
-from services.cli import main
+from services.launcher import protogen
+from services.launcher.cli import main
 
 
 def test_committed_code_is_current() -> None:

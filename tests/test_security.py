@@ -25,12 +25,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import AsyncOpenAI
 
-from services import env
 from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderServer
 from services.gateway.server import GatewayConfig, GatewayServer
-from services.grpc_server import channel
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.proto import (
@@ -42,7 +40,9 @@ from services.proto import (
     language_pb2,
     language_pb2_grpc,
 )
-from services.security import Security
+from services.runtime import env
+from services.runtime.grpc_server import channel
+from services.runtime.security import Security
 from services.triton.launcher import TritonServer
 from services.wire.messages import Abort, EmbeddingMeta, MediaGrid, Plane, Prealloc
 from services.wire.transport import Transport

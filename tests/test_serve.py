@@ -25,13 +25,13 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from services import env
 from services.bench.images import encode_image, random_image
+from services.launcher.serve import launch
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
-from services.ports import free_serve_ports, serve_port_args
-from services.serve import launch
+from services.runtime import env
+from services.runtime.ports import free_serve_ports, serve_port_args
 from services.transfer.shared_memory import SHM_DIR
 from tests.bad_images import png_header_only
 from tests.reference import chat, hf_greedy
@@ -387,7 +387,7 @@ def test_epd_bench_against_the_stack(served: Served, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.launcher.cli",
             "bench",
             "--base-url",
             served.url + "/v1",

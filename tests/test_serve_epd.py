@@ -60,7 +60,7 @@ def test_health_shows_the_roles(url: str) -> None:
 )
 def test_serve_refuses_a_half_split(flags: tuple[str, ...], message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", *flags],
+        [sys.executable, "-m", "services.launcher.cli", "serve", *flags],
         capture_output=True,
         text=True,
         timeout=60,

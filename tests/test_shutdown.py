@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from services import env
-from services.ports import METRICS_OFFSET, free_port_block, serve_port_args
-from services.serve import launch
+from services.launcher.serve import launch
+from services.runtime import env
+from services.runtime.ports import METRICS_OFFSET, free_port_block, serve_port_args
 from services.transfer.shared_memory import SHM_DIR
 from tests.test_serve import _our_processes
 
@@ -28,7 +28,7 @@ SHM_PREFIX = "epdstop_"
 GRACE_S = 2.0
 # An idle tiny stack stops in 1.5-2 s on two cores (one after another, the
 # components took 8-10 s; all at once but each tearing its interpreter down,
-# 3-4.5 s: services/cli.py, exit_now).
+# 3-4.5 s: services/launcher/cli.py, exit_now).
 IDLE_STOP_S = 3.0
 # `epd serve`'s port flags for two language instances (consecutive ports)
 PORTS = {

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.ports import free_port
-from services.serve import Component, Stack, StackConfig, StackError, grpc_serving
+from services.launcher.serve import Component, Stack, StackConfig, StackError, grpc_serving
+from services.runtime.ports import free_port
 
 
 def _stack(tmp_path: Path, part: Component, **config: object) -> tuple[Stack, list[str]]:

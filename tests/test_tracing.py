@@ -24,13 +24,13 @@ from openai import OpenAI
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from services.bench.images import random_image
-from services.ports import free_serve_ports
+from services.runtime.ports import free_serve_ports
 from tests.otlp import Collector, Received
 from tests.processes import served
 from tests.test_serve import image_url
 
 MODEL = "demo-tiny"
-EPD = (sys.executable, "-m", "services.cli")
+EPD = (sys.executable, "-m", "services.launcher.cli")
 TOKEN = secrets.token_urlsafe(16)
 # Each process's steps for a request with images (E/P/D aside), by component.
 EXPECTED = {

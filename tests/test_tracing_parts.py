@@ -1,4 +1,4 @@
-"""services/tracing.py's parts, in this process without touching its global
+"""services/runtime/tracing.py's parts, in this process without touching its global
 tracer provider: off, nothing is recorded and no interceptor is added; the
 recent spans are kept by request, bounded; a collector that does not answer is
 said once, not per batch."""
@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from services import tracing
+from services.runtime import tracing
 
 
 def test_off_nothing_is_recorded_and_nothing_intercepts() -> None:
@@ -55,13 +55,13 @@ def test_recent_spans_keep_the_last_traces_only() -> None:
 def test_a_collector_that_does_not_answer_is_said_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.ports import free_port
+    from services.runtime.ports import free_port
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
     exporter = tracing._OnceLoggedExporter(f"http://127.0.0.1:{free_port()}")
     kept = tracing.RecentSpans()
     _spans(kept, "r")
-    with caplog.at_level(logging.INFO, logger="services.tracing"):
+    with caplog.at_level(logging.INFO, logger="services.runtime.tracing"):
         results = [exporter.export(kept.spans("r")) for _ in range(3)]
     exporter.shutdown()
     assert results == [SpanExportResult.FAILURE] * 3

@@ -10,10 +10,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from services import tracing
 from services.broker.metrics import BrokerMetrics
 from services.broker.registry import Registry, RouteChoice, Session
 from services.broker.rendezvous import Delivery, FailoverError, Rendezvous
+from services.runtime import tracing
 from services.wire.messages import (
     Abort,
     CacheReport,

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.grpc_server import channel
 from services.proto import broker_pb2, broker_pb2_grpc
+from services.runtime.grpc_server import channel
 from services.wire.convert import unwrap, wrap
 from services.wire.messages import BrokerMessage, Heartbeat, PeerMessage, Register, Registered
 

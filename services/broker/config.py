@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.ports import BROKER_PORT
+from services.runtime.ports import BROKER_PORT
 from services.wire.transport import TRANSFER_TIMEOUT_S
 
 ENCODER_ROUTINGS = ("cache", "least-loaded", "round-robin")  # placement.EncoderRouting's

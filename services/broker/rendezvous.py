@@ -84,7 +84,7 @@ class Pairing:
     num_failovers: int = 0
     abort_reason: str = ""
     paired: float | None = None  # when both halves were in
-    trace: Any = None  # the Route call's trace context (services.tracing), carried
+    trace: Any = None  # the Route call's trace context (services.runtime.tracing), carried
 
     def involves(self, instance_id: str) -> bool:
         return instance_id in (self.encoder_id, self.language_id)

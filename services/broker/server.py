@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from services import env
 from services.broker.broker import Broker
 from services.broker.config import BrokerConfig
 from services.broker.metrics import BrokerMetrics
@@ -13,9 +12,10 @@ from services.broker.placement import EncoderRouting, LoadBound
 from services.broker.registry import Registry
 from services.broker.rendezvous import Rendezvous
 from services.broker.servicer import BrokerServicer
-from services.grpc_server import GrpcServer, metrics_registry
 from services.proto import broker_pb2, broker_pb2_grpc
-from services.security import Security, current
+from services.runtime import env
+from services.runtime.grpc_server import GrpcServer, metrics_registry
+from services.runtime.security import Security, current
 
 
 class BrokerServer:

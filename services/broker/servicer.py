@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services import tracing
 from services.broker.broker import Broker
 from services.broker.registry import DuplicateInstanceError, NoRouteError, Session
 from services.broker.rendezvous import FailoverError
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from services.runtime import tracing
 from services.wire.convert import from_proto, to_proto, unwrap, wrap
 from services.wire.messages import Register, Role
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from services.broker.instance import InstanceConfig
 from services.encoder.limits import ImageLimits
-from services.instance import InstanceConfig
-from services.ports import ENCODER_PORT, TRITON_URL
+from services.runtime.ports import ENCODER_PORT, TRITON_URL
 from services.wire.messages import Role
 from services.wire.transport import TRANSFER_TIMEOUT_S
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services import tracing
 from services.encoder.cache import EmbeddingCache, ImageEmbedding
 from services.encoder.images import check_count
 from services.encoder.limits import ImageLimits
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess import Preprocessor
 from services.encoder.triton_client import VitClient
+from services.runtime import tracing
 from services.wire.messages import MediaGrid
 
 RECENT_S = 10.0  # the window of the recent encode time the broker hears

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from services.broker.client import BrokerUnavailableError
+from services.broker.instance import InstanceServer
 from services.encoder.cache import EmbeddingCache
 from services.encoder.config import EncoderConfig
 from services.encoder.metrics import EncoderMetrics
@@ -14,10 +15,9 @@ from services.encoder.preprocess import Preprocessor
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
-from services.grpc_server import metrics_registry
-from services.instance import InstanceServer
 from services.model.spec import load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
+from services.runtime.grpc_server import metrics_registry
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.sender_driver import SenderDriver

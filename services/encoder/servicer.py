@@ -7,7 +7,6 @@ import logging
 
 import grpc
 
-from services import tracing
 from services.broker.client import BrokerUnavailableError
 from services.encoder.images import BadImageError
 from services.encoder.metrics import EncoderMetrics
@@ -15,6 +14,7 @@ from services.encoder.pipeline import Encoded, EncodePipeline
 from services.encoder.send_buffer import SendBuffer, SendBufferFullError
 from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
 from services.proto import encoder_pb2, encoder_pb2_grpc
+from services.runtime import tracing
 from services.transfer.embedding_pool import tensor_bytes
 from services.transfer.sender import Failure
 from services.transfer.sender_driver import SenderDriver, TransferError, UnknownPeerError

@@ -20,8 +20,8 @@ import tritonclient.grpc.aio as triton_grpc
 import tritonclient.utils.shared_memory as triton_shm
 from tritonclient.utils import InferenceServerException
 
-from services import env, tracing
-from services.grpc_server import KEEPALIVE_OPTIONS
+from services.runtime import env, tracing
+from services.runtime.grpc_server import KEEPALIVE_OPTIONS
 from services.transfer.shared_memory import SHM_DIR
 
 PIXELS, GRIDS = "pixel_values", "image_grid_thw"

@@ -28,7 +28,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services import tracing
 from services.gateway.backend import GenerateCall, GenerationBackend, MediaData, Responses
 from services.gateway.errors import ApiError
 from services.gateway.images import ImageLoader
@@ -55,6 +54,7 @@ from services.gateway.protocol import (
 from services.gateway.request_log import RequestRecord
 from services.gateway.request_log import log as log_request
 from services.gateway.tool_calls import Call, ToolCallStream, call_deltas, structural_tag
+from services.runtime import tracing
 from services.wire import request as wire
 
 logger = logging.getLogger(__name__)

@@ -25,11 +25,9 @@ from typing import Any, Protocol
 import grpc
 from opentelemetry.trace import SpanKind
 
-from services import tracing
 from services.gateway.errors import ApiError, from_grpc
 from services.gateway.request_log import RequestRecord
 from services.gateway.streams import GenerateStreams, StreamedCall
-from services.grpc_server import channel
 from services.proto import (
     broker_pb2,
     broker_pb2_grpc,
@@ -39,6 +37,8 @@ from services.proto import (
     language_pb2,
     language_pb2_grpc,
 )
+from services.runtime import tracing
+from services.runtime.grpc_server import channel
 from services.wire.convert import to_proto
 from services.wire.messages import media_key
 from services.wire.request import (

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.encoder.limits import ImageLimits
-from services.ports import GATEWAY_PORT
+from services.runtime.ports import GATEWAY_PORT
 
 
 @dataclass(frozen=True, slots=True)

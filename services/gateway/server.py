@@ -8,15 +8,15 @@ import math
 
 import uvicorn
 
-from services import env
 from services.gateway.app import Gateway, create_app
 from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.images import ImageLoader
 from services.gateway.metrics import GatewayMetrics
-from services.grpc_server import metrics_registry
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
+from services.runtime import env
+from services.runtime.grpc_server import metrics_registry
 
 
 class GatewayServer:
@@ -49,7 +49,7 @@ class GatewayServer:
                 host=config.host,
                 port=config.port,
                 log_level="warning",
-                log_config=None,  # this process's logging (services/logs.py): text or JSON
+                log_config=None,  # this process's logging (services/runtime/logs.py): text or JSON
                 access_log=False,  # the request log is ours (request_log.py)
                 timeout_graceful_shutdown=math.ceil(env.SHUTDOWN_GRACE.get()),
                 lifespan="off",

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import Message
 
-from services import tracing
 from services.proto import language_pb2, language_pb2_grpc
+from services.runtime import tracing
 from services.wire.convert import from_proto, to_proto
 from services.wire.request import GenerateRequest, GenerateResponse
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from services.instance import InstanceConfig
+from services.broker.instance import InstanceConfig
 from services.language.engine.config import EngineConfig
-from services.ports import LANGUAGE_PORT
+from services.runtime.ports import LANGUAGE_PORT
 from services.transfer.receiver import DEFAULT_ALLOCATE_TOKENS
 from services.wire.messages import LanguageRole, Role
 from services.wire.transport import TRANSFER_TIMEOUT_S

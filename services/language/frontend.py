@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from services import tracing
-from services.language.engine.async_engine import Engine
 from services.language.engine.engine import RequestOutput
+from services.language.engine.interface import Engine
 from services.language.engine.request import Request, new_request, prefilled_request
 from services.language.kv_handoff import KVHandoff, KVObserver, first_token, wire_first_tokens
 from services.model.spec import ModelSpec
@@ -44,6 +43,7 @@ from services.model.tokenizer import (
     build_prompt,
     completion_prompt,
 )
+from services.runtime import tracing
 from services.transfer.receiver_driver import ReceiverDriver
 from services.wire.messages import EmbeddingMeta, KvMeta, MediaGrid, kv_transfer_id
 from services.wire.request import (

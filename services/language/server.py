@@ -8,12 +8,11 @@ from functools import partial
 
 import torch
 
-from services.allocator import keep_freed_memory
-from services.grpc_server import metrics_registry
-from services.instance import InstanceServer
+from services.broker.instance import InstanceServer
 from services.language.config import LanguageConfig
-from services.language.engine.async_engine import AsyncEngine, Engine
+from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.engine import LLMEngine
+from services.language.engine.interface import Engine
 from services.language.engine.kv_cache import device_memory
 from services.language.engine.process import EngineProcess
 from services.language.frontend import Frontend
@@ -25,6 +24,8 @@ from services.model.processor import ImageTokenRule
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.proto import language_pb2
+from services.runtime.grpc_server import metrics_registry
+from services.runtime.malloc import keep_freed_memory
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.receiver_driver import ReceiverDriver

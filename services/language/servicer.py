@@ -19,11 +19,11 @@ from typing import Any
 
 import grpc
 
-from services import tracing
 from services.language.engine.engine import EngineLostError, RequestFailedError
 from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
 from services.proto import language_pb2, language_pb2_grpc
+from services.runtime import tracing
 from services.transfer.receiver_driver import ReceiverDriver
 from services.transfer.sender import Failure
 from services.transfer.sender_driver import TransferError, UnknownPeerError

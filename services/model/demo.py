@@ -194,7 +194,7 @@ def build_processor_configs(out_dir: Path, arch: str = "qwen2_5_vl") -> None:
 def cached_demo_checkpoint(size: str, arch: str = "qwen2_5_vl") -> Path:
     """The demo checkpoint of a size (seed 0), built once into $EPD_CACHE_DIR, and
     again when it was built by an older DEMO_VERSION."""
-    from services import env
+    from services.runtime import env
 
     name = f"demo-{size}" if arch == "qwen2_5_vl" else f"demo-{arch}-{size}"
     folder = Path(env.CACHE_DIR.get()) / name

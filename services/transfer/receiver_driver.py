@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from services import tracing
 from services.broker.client import BrokerUnavailableError
+from services.runtime import tracing
 from services.transfer.block_pool import BlockPool
 from services.transfer.embedding_pool import EmbeddingPool, tensor_from_bytes
 from services.transfer.receiver import (

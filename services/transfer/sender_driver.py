@@ -21,8 +21,8 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from services import tracing
 from services.broker.client import BrokerUnavailableError
+from services.runtime import tracing
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.sender import (
     Action,

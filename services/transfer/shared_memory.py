@@ -14,7 +14,7 @@ from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services import env
+from services.runtime import env
 
 if TYPE_CHECKING:
     import torch

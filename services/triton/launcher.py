@@ -31,9 +31,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services import env
-from services.children import die_with_parent
-from services.ports import TRITON_GRPC_PORT, TRITON_HTTP_PORT, TRITON_METRICS_PORT, listened_on
+from services.runtime import env
+from services.runtime.children import die_with_parent
+from services.runtime.ports import (
+    TRITON_GRPC_PORT,
+    TRITON_HTTP_PORT,
+    TRITON_METRICS_PORT,
+    listened_on,
+)
 from services.transfer.shared_memory import remove_segments
 
 logger = logging.getLogger(__name__)
@@ -216,7 +221,7 @@ class TritonServer:
             # stub (importing torch and model.py) only to ask it for the config:
             # ~3 s of start-up before the model's own stub starts.
             "--disable-auto-complete-config",
-            # The encoders' keepalive pings (services/grpc_server.py): accepted,
+            # The encoders' keepalive pings (services/runtime/grpc_server.py): accepted,
             # so that a frozen Triton is noticed in seconds.
             *TRITON_KEEPALIVE_FLAGS,
             f"--log-verbose={cfg.log_verbose}",

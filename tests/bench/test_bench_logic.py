@@ -265,7 +265,9 @@ def test_each_process_is_named_as_the_cpu_figures_name_it() -> None:
     from services.language.engine.process import CHILD
 
     python = "/work/main/.venv/bin/python"
-    assert process_name([python, "-m", "services.cli", "gateway", "--port", "1"]) == "gateway"
+    assert (
+        process_name([python, "-m", "services.launcher.cli", "gateway", "--port", "1"]) == "gateway"
+    )
     assert process_name([python, "-c", CHILD, "5", "77"]) == "language engine"
     module = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
     assert process_name(module) == "api_server"

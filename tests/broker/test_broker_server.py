@@ -13,9 +13,9 @@ import pytest_asyncio
 import torch
 
 from services.broker.server import BrokerServer
-from services.grpc_server import channel
-from services.ports import free_port
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from services.runtime.grpc_server import channel
+from services.runtime.ports import free_port
 from services.wire.convert import wrap
 from services.wire.messages import (
     CacheReport,

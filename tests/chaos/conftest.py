@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from services.bench.images import encode_image, random_image
-from services.ports import free_port_block
-from services.serve import grpc_serving, http_ok, launch
+from services.launcher.serve import grpc_serving, http_ok, launch
+from services.runtime.ports import free_port_block
 from services.transfer.shared_memory import SHM_DIR
 
 MODEL = "demo-tiny"

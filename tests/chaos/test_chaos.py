@@ -97,7 +97,7 @@ def test_an_encoder_killed_fails_over(stack: Stack) -> None:
     one: no request fails."""
     with Load(stack.url) as load:
         time.sleep(2)
-        killed = _kill(stack, "services.cli encoder", "--instance-id encoder-0")
+        killed = _kill(stack, "services.launcher.cli encoder", "--instance-id encoder-0")
         _recovered(stack, "encoder-0")
         _served_after(load, time.monotonic())
     during = [o for o in load.outcomes if o.ended > killed]
@@ -109,7 +109,7 @@ def test_a_language_instance_killed(stack: Stack) -> None:
     """Only the requests it was serving fail; the other instance serves on."""
     with Load(stack.url) as load:
         time.sleep(2)
-        killed = _kill(stack, "services.cli language", "--instance-id language-1")
+        killed = _kill(stack, "services.launcher.cli language", "--instance-id language-1")
         _recovered(stack, "language-1")
         _served_after(load, time.monotonic())
     _assert_failures_are_clean(load.outcomes)
@@ -120,7 +120,7 @@ def test_a_language_instances_engine_process_killed(stack: Stack) -> None:
     """kill -9 the engine process of a language instance (engine/process.py): the
     requests it held fail cleanly (those with no answer yet move to the other
     instance), the instance leaves, is restarted, and serves again."""
-    parent = stack.pid("services.cli language", "--instance-id language-1")
+    parent = stack.pid("services.launcher.cli language", "--instance-id language-1")
     with Load(stack.url) as load:
         time.sleep(2)
         killed = _kill(stack, "services.language.engine.process import main", f" {parent} ")
@@ -143,7 +143,7 @@ def test_the_broker_killed(stack: Stack) -> None:
         lines = streaming.iter_lines()
         assert streaming.status_code == 200
         assert next(line for line in lines if '"content"' in line)  # routed and generating
-        killed = _kill(stack, "services.cli broker", f"--port {stack.ports['broker']}")
+        killed = _kill(stack, "services.launcher.cli broker", f"--port {stack.ports['broker']}")
         rest = [line for line in lines if line.startswith("data: {")]
         _recovered(stack, "broker")
         _served_after(load, time.monotonic())
@@ -154,7 +154,7 @@ def test_the_broker_killed(stack: Stack) -> None:
     assert all(o.seconds < 5 for o in refused), refused
 
 
-# gRPC keepalive (services/grpc_server.py): a ping every 5 s, 3 s to answer.
+# gRPC keepalive (services/runtime/grpc_server.py): a ping every 5 s, 3 s to answer.
 KEEPALIVE_S = 8.0
 
 
@@ -173,7 +173,7 @@ def test_an_encoder_frozen_moves_its_requests(stack: Stack) -> None:
     """SIGSTOP keeps its connections up but answers nothing: the image requests
     on it move to the other encoder (none of their embeddings had landed); none
     fails, none waits much past keepalive."""
-    pid = stack.pid("services.cli encoder", "--instance-id encoder-0")
+    pid = stack.pid("services.launcher.cli encoder", "--instance-id encoder-0")
     with Load(stack.url) as load:
         time.sleep(2)
         frozen = _frozen(pid, 25)
@@ -206,7 +206,7 @@ def test_the_broker_frozen(stack: Stack) -> None:
     """A frozen broker answers nothing: new requests get a clean error within
     Route's deadline, transfers that needed it end within keepalive; thawed,
     every instance attaches again and everything is served."""
-    pid = stack.pid("services.cli broker", f"--port {stack.ports['broker']}")
+    pid = stack.pid("services.launcher.cli broker", f"--port {stack.ports['broker']}")
     with Load(stack.url) as load:
         time.sleep(2)
         frozen = _frozen(pid, 15)
@@ -227,7 +227,7 @@ def test_requests_right_after_a_language_instance_died_go_to_the_other(stack: St
     """kill -9 one language instance, then at once a dozen text requests: none
     fails. One routed to the dead instance (before the broker saw it go) has
     produced nothing yet, and starts again on the other."""
-    _kill(stack, "services.cli language", "--instance-id language-1")
+    _kill(stack, "services.launcher.cli language", "--instance-id language-1")
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         replies = list(pool.map(lambda i: _ask(stack, 7_000_000 + i, 16), range(12)))
@@ -281,7 +281,9 @@ def _drain(stack: Stack, load: Load, since: float, command: str, instance: str, 
     encoder's go on decoding elsewhere after their embeddings landed)."""
     logs = _log_dir(stack)
     told = time.time()
-    os.kill(stack.pid(f"services.cli {command}", f"--instance-id {instance}"), signal.SIGTERM)
+    os.kill(
+        stack.pid(f"services.launcher.cli {command}", f"--instance-id {instance}"), signal.SIGTERM
+    )
     _recovered(stack, instance)
     _served_after(load, time.monotonic())
     left = _left_at(logs, instance, told)

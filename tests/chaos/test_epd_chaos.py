@@ -35,11 +35,11 @@ def test_prefill_then_decode_killed(epd_stack: Stack) -> None:
     wait_for(lambda: sorted(stack.serving().values()) == ["serving"] * INSTANCES, 60, "serving")
     with Load(stack.url) as load:
         time.sleep(3)
-        prefill_killed = _kill(stack, "services.cli language", "--instance-id prefill-0")
+        prefill_killed = _kill(stack, "services.launcher.cli language", "--instance-id prefill-0")
         _recovered(stack, "prefill-0", INSTANCES)
         prefill_back = time.monotonic()
         _served_after(load, prefill_back)
-        decode_killed = _kill(stack, "services.cli language", "--instance-id decode-0")
+        decode_killed = _kill(stack, "services.launcher.cli language", "--instance-id decode-0")
         _recovered(stack, "decode-0", INSTANCES)
         _served_after(load, time.monotonic())
     _assert_failures_are_clean(load.outcomes)

@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.bench.images import encode_image, random_image
 from services.encoder.limits import ImageLimits
 from services.encoder.server import EncoderServer
-from services.grpc_server import channel
-from services.ports import free_port
 from services.proto import broker_pb2, common_pb2, encoder_pb2
+from services.runtime.grpc_server import channel
+from services.runtime.ports import free_port
 from services.transfer.embedding_pool import tensor_from_bytes
 from services.transfer.shared_memory import SHM_DIR
 from services.triton.launcher import TritonConfig, TritonServer

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 
 from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayConfig, GatewayServer
-from services.ports import free_port
+from services.runtime.ports import free_port
 from services.wire.transport import Transport
 from tests.stack import MODEL, start_broker, start_encoder, start_language
 
@@ -358,7 +358,7 @@ async def test_beyond_the_gateways_limit_is_a_fast_429(without_triton: GatewaySe
 
 async def test_an_api_key_of_disabled_means_none() -> None:
     """compose requires EPD_API_KEY; "disabled" is how one asks for an open gateway."""
-    from services.cli import _gateway_config, build_parser
+    from services.launcher.cli import _gateway_config, build_parser
 
     for given, expected in (("disabled", ""), ("k3y", "k3y")):
         args = build_parser().parse_args(["gateway", "--api-key", given])

@@ -13,7 +13,7 @@ from openai import AsyncOpenAI, BadRequestError, InternalServerError
 from services.bench.images import encode_image, random_image
 from services.gateway.backend import GenerateCall, Responses
 from services.gateway.server import GatewayServer
-from services.logs import JsonFormatter
+from services.runtime.logs import JsonFormatter
 from tests.stack import MODEL
 
 SECRET = "the prompt is nobody's business"

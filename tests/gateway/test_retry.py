@@ -22,8 +22,8 @@ from services.bench.images import encode_image, random_image
 from services.broker.placement import hrw_weight
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
-from services.ports import free_port
 from services.proto import encoder_pb2_grpc, language_pb2_grpc
+from services.runtime.ports import free_port
 from services.triton.launcher import TritonServer
 from services.wire.messages import Register, media_key
 from tests.broker.peers import Peer, attach, encoder, language

@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 
 from services.gateway.streams import GenerateStreams, StreamedCall
-from services.grpc_server import channel
 from services.proto import language_pb2, language_pb2_grpc
+from services.runtime.grpc_server import channel
 from services.wire.request import GenerateComplete, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

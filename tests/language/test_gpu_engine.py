@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from services.bench.images import random_image
-from services.language.engine.attention import FlashInferAttention, TorchAttention
-from services.language.engine.moe import FlashInferExperts
 from services.language.engine.request import SamplingParams
+from services.layers.attention import FlashInferAttention, TorchAttention
+from services.layers.moe import FlashInferExperts
 from services.model.demo import build_demo_checkpoint
 from tests.language.engine_fixtures import (
     count_replays,

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import main
-from services.flags import DEMO_SIZES
+from services.launcher.cli import main
+from services.launcher.flags import DEMO_SIZES
 from services.model.demo import (
     DEMO_VERSION,
     SIZES,
@@ -95,7 +95,7 @@ def test_a_cached_demo_from_an_older_version_is_rebuilt(
 
 
 def test_every_demo_size_is_a_choice_of_the_cli() -> None:
-    from services.cli import build_parser
+    from services.launcher.cli import build_parser
     from services.model.demo import SIZES
 
     for size in SIZES:

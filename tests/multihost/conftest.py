@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from services import env
-from services.serve import launch
+from services.launcher.serve import launch
+from services.runtime import env
 from tests.multihost.hosts import Host, Network, ip, make_network, remove_network
 
 MODEL = "demo-tiny"

@@ -29,7 +29,7 @@ class Host:
     output: list[str] = field(default_factory=list)
 
     def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.name, sys.executable, "-m", "services.cli"]
+        return ["ip", "netns", "exec", self.name, sys.executable, "-m", "services.launcher.cli"]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from services import env
+from services.runtime import env
 from tests.multihost.conftest import (
     BROKER_PORT,
     GATEWAY_PORT,
@@ -76,7 +76,7 @@ def test_a_host_without_the_token_or_a_certificate_cannot_attach(
     }
     done = subprocess.run(
         [
-            *("ip", "netns", "exec", intruder.name, sys.executable, "-m", "services.cli"),
+            *("ip", "netns", "exec", intruder.name, sys.executable, "-m", "services.launcher.cli"),
             *("language", "--checkpoint", str(tiny_checkpoint), "--model-name", "demo-tiny"),
             *("--broker", f"{cluster.hosts[0].address}:{BROKER_PORT}", "--host", "0.0.0.0"),
             *("--advertise-host", intruder.address, "--instance-id", "intruder"),

@@ -20,7 +20,6 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services import env
 from services.broker.client import BrokerLink
 from services.broker.server import BrokerServer
 from services.encoder.cache import ImageEmbedding
@@ -28,6 +27,7 @@ from services.encoder.send_buffer import SendBuffer
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.model.spec import load_spec
+from services.runtime import env
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
 from services.transfer.sender_driver import SenderDriver

@@ -18,7 +18,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from services.ports import free_port
+from services.runtime.ports import free_port
 from services.transfer.shared_memory import SHM_DIR
 from services.triton.launcher import (
     DEFAULT_MODEL_REPOSITORY,

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from torch.utils.dlpack import from_dlpack, to_dlpack  # noqa: E402
 
-from services.language.engine.fused_vision import fuse_vision_tower  # noqa: E402
+from services.layers.vision_tower import fuse_vision_tower  # noqa: E402
 from services.model.checkpoint import load_vision_tower  # noqa: E402
 from services.model.spec import load_spec  # noqa: E402
 from services.wire.dtypes import resolve_dtype  # noqa: E402
@@ -43,7 +43,7 @@ class TritonPythonModel:
         self.spec = load_spec(checkpoint)
         self.merge = self.spec.vision.spatial_merge_size
         self.tower = load_vision_tower(checkpoint, self.spec, dtype=dtype, device=self.device)
-        fuse_vision_tower(self.tower)  # on the CPU: faster, as fused_vision.py says
+        fuse_vision_tower(self.tower)  # on the CPU: faster, as vision_tower.py says
         self.dtype = dtype
         self.patch_dim = 3 * self.spec.vision.temporal_patch_size * self.spec.vision.patch_size**2
 

@@ -1,12 +1,21 @@
 """The language engine: continuous batching over a paged KV cache.
 
-request.py    Request, its status and sampling parameters
-scheduler.py  which requests run this step, and how many tokens each
-kv_cache.py   the paged KV cache and its block manager
-attention.py  attention backends (torch; FlashInfer on GPU)
-model.py      the Qwen2 / Qwen2.5-VL language model
-runner.py     one batched forward: inputs, positions, image embeddings
-sampler.py    greedy / temperature / top-k / top-p, per-request seeds
+The loop (one step: `schedule()`, the model runner's forward, then sampling and
+outputs; the network and kernels it runs are in services/layers/):
+request.py      Request, its status and sampling parameters
+scheduler.py    which requests run this step, and how many tokens each
+kv_cache.py     the paged KV cache, its block manager and prefix cache
+runner.py       one batched forward: inputs, positions, image embeddings
+cuda_graphs.py  decode steps replayed from CUDA graphs (CUDA, FlashInfer)
+sampler.py      greedy / temperature / top-k / top-p, per-request seeds
+grammar.py      structured output: xgrammar's compiled grammars and token masks
 detokenizer.py  incremental text that never splits a UTF-8 character
-engine.py     the loop: schedule() -> run() -> postprocess()
+vision.py       the monolithic baseline's vision tower inside the loop
+config.py       EngineConfig
+engine.py       LLMEngine: the loop, `step()`
+
+Its hosts (how the language service runs it):
+interface.py    Engine, what the service asks of a host, and the messages to it
+async_engine.py AsyncEngine: the loop on a thread of this process
+process.py      EngineProcess: the loop in a child process of its own
 """

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-from services.language.engine.engine import (
-    EngineLoad,
-    FirstToken,
-    LLMEngine,
-    RequestFailedError,
-    RequestOutput,
-    StepStats,
+from services.language.engine.engine import FirstToken, LLMEngine, RequestOutput, StepStats
+from services.language.engine.interface import (
+    AbortRequest,
+    AddRequest,
+    Encoding,
+    EngineHost,
+    OutputQueue,
 )
 from services.language.engine.request import Request
 from services.transfer.state import PoolExhaustedError
-from services.wire.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -31,30 +30,13 @@ def _give(future: asyncio.Future[list[int]], pages: list[int]) -> None:
         future.set_result(pages)
 
 
-# What an engine's owner sends it (AsyncEngine's inbox, EngineProcess's pipe)
-
-
-@dataclass(frozen=True, slots=True)
-class AddRequest:
-    request: Request
+# What else the thread's inbox takes (interface.py has the messages both hosts take)
 
 
 @dataclass(frozen=True, slots=True)
 class _AddPrefilled:
     request: Request
     firsts: tuple[FirstToken, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Encoding:
-    """Whether requests of this instance await their embeddings (LLMEngine.encoding)."""
-
-    busy: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,65 +82,7 @@ _Message = (
 )
 
 
-@dataclass(slots=True)
-class Going:
-    """A request's choices still going, counted down as its outputs are taken."""
-
-    choices: int
-
-    async def outputs(
-        self, q: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncIterator[RequestOutput]:
-        """Its outputs from the queue its engine fills, until every choice has
-        finished; an error the engine put there, or an output that failed, raises."""
-        while self.choices:
-            item = await q.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.error is not None:
-                raise RequestFailedError(item.error)
-            self.choices -= item.finished
-            yield item
-
-
-class Engine(Protocol):
-    """What the language service's frontend and servicer ask of an engine:
-    AsyncEngine (its loop on a thread of this process) or EngineProcess (in a
-    child process). `load`: the engine's as of its last step."""
-
-    load: EngineLoad
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def num_kv_pages(self) -> int: ...
-
-    @property
-    def num_requests(self) -> int: ...
-
-    def check_sampling(self, params: SamplingParams) -> None: ...
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None: ...
-
-    async def compile_grammar(self, params: SamplingParams) -> Any: ...
-
-    def generate(
-        self, request: Request, firsts: Sequence[FirstToken] = ()
-    ) -> AsyncIterator[RequestOutput]: ...
-
-    def has_request(self, request_id: str) -> bool: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def set_encoding(self, busy: bool) -> None: ...
-
-    def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-class AsyncEngine:
+class AsyncEngine(EngineHost):
     """Runs LLMEngine.step() on a dedicated thread for asyncio callers.
 
     The engine belongs to that thread: callers add and abort requests through
@@ -174,41 +98,20 @@ class AsyncEngine:
         engine: LLMEngine,
         on_step: Callable[[StepStats, float], None] = lambda stats, seconds: None,
     ) -> None:
+        super().__init__(engine.config, engine.spec, engine.grammars)
         self.engine = engine
         self._on_step = on_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._reservations: list[_Reservation] = []  # waiting for free pages, in order
         self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.load = engine.load()
 
     @property
-    def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
-
-    @property
     def num_kv_pages(self) -> int:
         return self.engine.blocks.allocator.num_blocks
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        self.engine.check_sampling(params)
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        self.engine.check_fits(num_prompt_tokens, max_tokens)
-
-    async def compile_grammar(self, params: SamplingParams) -> Any:
-        """The request's compiled grammar (None without one), compiled off the loop."""
-        return await self.engine.grammars.compile(params)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._queues
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._queues)
 
     def start(self) -> None:
         """Warms the engine up, then starts its loop: whoever serves it says
@@ -309,25 +212,18 @@ class AsyncEngine:
         early aborts it. With `firsts`, a request another instance prefilled
         (LLMEngine.add_prefilled), whose pages are freed if it is refused."""
         try:
-            self.engine.check(request)
-            if request.request_id in self._queues:
-                raise ValueError(f"duplicate request id {request.request_id!r}")
+            self.check(request)
         except ValueError:
             if firsts:
                 self.free_pages(request.block_table)
             raise
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        q: OutputQueue = asyncio.Queue()
         self._queues[request.request_id] = q
         self._inbox.put(_AddPrefilled(request, tuple(firsts)) if firsts else AddRequest(request))
         self._wake.set()
-        going = Going(request.sampling.n)
-        try:
-            async for output in going.outputs(q):
+        async with contextlib.aclosing(self._outputs(request, q)) as outputs:
+            async for output in outputs:
                 yield output
-        finally:
-            del self._queues[request.request_id]
-            if going.choices:
-                self.abort(request.request_id)
 
     def _reserve(self) -> None:
         """Gives free pages to the reservations at the head of the line."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from services.language.engine.attention import AttentionMetadata, FlashInferAttention
+from services.layers.attention import AttentionMetadata, FlashInferAttention
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""LLMEngine: the loop `schedule() -> run() -> postprocess()` over the model,
-its paged KV cache, the scheduler and the sampler, stepped by one thread."""
+"""LLMEngine: the loop `step()`: `scheduler.schedule() -> runner.execute() -> sample ->
+postprocess()` over the model, its paged KV cache, the scheduler and the sampler,
+stepped by one thread."""
 
 from __future__ import annotations
 
@@ -11,25 +12,7 @@ from typing import Any
 
 import torch
 
-from services.language.engine.attention import AttentionBackend, FlashInferAttention, TorchAttention
-from services.language.engine.config import (
-    EngineConfig,
-    attention_backend,
-    linear_backend,
-    moe_backend,
-    ops_backend,
-)
-from services.language.engine.cpu_decode import compiled_decode
-from services.language.engine.cpu_kernels import (
-    BF16_KINDS,
-    bf16_linear,
-    bf16_prefill_attention,
-    f32_linear,
-    fused_ops,
-    kv_writer,
-    linear_kernel,
-    paged_decode_attention,
-)
+from services.language.engine.config import EngineConfig
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import (
@@ -39,19 +22,37 @@ from services.language.engine.kv_cache import (
     KVMemory,
     device_memory,
 )
-from services.language.engine.linear import (
-    pack_linears,
-    use_bf16_linears,
-    use_f32_linears,
-    use_linear_kernel,
-)
-from services.language.engine.model import LanguageModel
-from services.language.engine.moe import autotuning, fuse_experts
 from services.language.engine.request import Request, RequestStatus, new_request
 from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
 from services.language.engine.scheduler import Scheduled, Scheduler
 from services.language.engine.vision import VisionTower
+from services.layers.attention import AttentionBackend, FlashInferAttention, TorchAttention
+from services.layers.backends import (
+    attention_backend,
+    linear_backend,
+    moe_backend,
+    ops_backend,
+)
+from services.layers.cpu_decode import compiled_decode
+from services.layers.cpu_kernels import (
+    BF16_KINDS,
+    bf16_linear,
+    bf16_prefill_attention,
+    f32_linear,
+    fused_ops,
+    kv_writer,
+    linear_kernel,
+    paged_decode_attention,
+)
+from services.layers.language_model import LanguageModel
+from services.layers.linear import (
+    pack_linears,
+    use_bf16_linears,
+    use_f32_linears,
+    use_linear_kernel,
+)
+from services.layers.moe import autotuning, fuse_experts
 from services.model.spec import ModelSpec
 from services.wire.request import FinishReason, SamplingParams
 

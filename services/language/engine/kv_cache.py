@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.language.engine.attention import KVLayer
 from services.language.engine.request import Request
+from services.layers.attention import KVLayer
 from services.model.spec import TextSpec
 from services.transfer.allocator import BlockAllocator
 from services.transfer.embedding_pool import EmbeddingPool

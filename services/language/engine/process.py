@@ -22,6 +22,7 @@ the parent stops it, closes it, or dies (then the kernel also kills it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import ctypes
 import logging
@@ -39,9 +40,6 @@ from pathlib import Path
 from subprocess import DEVNULL
 from typing import Any
 
-from services import env, logs
-from services.allocator import keep_freed_memory
-from services.language.engine.async_engine import AbortRequest, AddRequest, Encoding, Going
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import (
     EngineLoad,
@@ -50,13 +48,19 @@ from services.language.engine.engine import (
     LLMEngine,
     RequestOutput,
     StepStats,
-    check_fits,
-    check_sampling,
 )
 from services.language.engine.grammar import Grammars
+from services.language.engine.interface import (
+    AbortRequest,
+    AddRequest,
+    Encoding,
+    EngineHost,
+    OutputQueue,
+)
 from services.language.engine.request import Request
 from services.model.spec import ModelSpec
-from services.wire.request import SamplingParams
+from services.runtime import env, logs
+from services.runtime.malloc import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +195,7 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> None:
     _EngineLoop(engine, conn).run()
     # Done: leave without the interpreter's teardown (torch's and the thread pools'
     # state cost seconds of CPU to free, which a stack stopping at once pays in wall
-    # time; services.cli.exit_now does the same for every epd process).
+    # time; services.launcher.cli.exit_now does the same for every epd process).
     logging.shutdown()
     os._exit(0)
 
@@ -269,7 +273,7 @@ class _EngineLoop:
 # -- the parent --------------------------------------------------------------------
 
 
-class EngineProcess:
+class EngineProcess(EngineHost):
     """The engine in a child process, with AsyncEngine's interface for the
     frontend (Engine): requests in through `generate`, their outputs back on
     per-request queues filled from the pipe by the event loop itself (a reader
@@ -285,39 +289,16 @@ class EngineProcess:
         on_step: Callable[[StepStats, float], None] = lambda stats, seconds: None,
         on_lost: Callable[[], None] = lambda: None,
     ) -> None:
+        super().__init__(config, spec, Grammars(tokenizer, spec))
         self.checkpoint = checkpoint
-        self.config = config
-        self.spec = spec
-        self.grammars = Grammars(tokenizer, spec)
         self._on_step = on_step
         self._on_lost = on_lost
-        # each request in flight, and the queue its outputs go to
-        self._waiting: dict[str, tuple[Request, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._requests: dict[str, Request] = {}  # in flight: their timing is noted here
         self._conn: Connection | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._lost = False
         self.num_kv_pages = 0
         self.load = EngineLoad()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        check_sampling(self.spec, self.config, params)
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        check_fits(self.config, num_prompt_tokens, max_tokens)
-
-    async def compile_grammar(self, params: SamplingParams) -> Any:
-        return await self.grammars.compile(params)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._waiting
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._waiting)
 
     def start(self) -> None:
         """Starts the child and waits until it has warmed its engine up. A plain
@@ -372,10 +353,9 @@ class EngineProcess:
             self._died()
             return
         for request_id, item, timing in outputs.items:
-            if (waiting := self._waiting.get(request_id)) is not None:
-                request, q = waiting
+            if (q := self._queues.get(request_id)) is not None:
                 if timing is not None:
-                    _apply(timing, request)
+                    _apply(timing, self._requests[request_id])
                 q.put_nowait(item)
         self.load = outputs.load
         if outputs.step is not None:
@@ -388,7 +368,7 @@ class EngineProcess:
         self._lost = True
         code = self._process.poll() if self._process is not None else None
         logger.error("the engine process died (exit code %s): failing its requests", code)
-        for _, q in self._waiting.values():
+        for q in self._queues.values():
             q.put_nowait(EngineLostError("the engine process died"))
         self._on_lost()
 
@@ -404,21 +384,17 @@ class EngineProcess:
         finishes; leaving early aborts it. Its timing is noted on `request` before
         its last output comes (as the engine notes it in process)."""
         assert not firsts, "a prefilled request needs the engine's KV cache in this process"
-        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
-        self.check_sampling(request.sampling)
-        if request.request_id in self._waiting:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check(request)
         self._send(AddRequest(_portable(request)))  # what crosses: _portable's
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._waiting[request.request_id] = (request, q)
-        going = Going(request.sampling.n)
+        q: OutputQueue = asyncio.Queue()
+        self._queues[request.request_id] = q
+        self._requests[request.request_id] = request
         try:
-            async for output in going.outputs(q):
-                yield output
+            async with contextlib.aclosing(self._outputs(request, q)) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
-            del self._waiting[request.request_id]
-            if going.choices:
-                self.abort(request.request_id)
+            del self._requests[request.request_id]
 
     def abort(self, request_id: str) -> None:
         self._tell(AbortRequest(request_id))

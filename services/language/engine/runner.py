@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from services.language.engine.attention import (
+from services.language.engine.cuda_graphs import DecodeGraphs
+from services.language.engine.kv_cache import KVCache
+from services.language.engine.request import Request
+from services.language.engine.scheduler import Scheduled
+from services.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     FlashInferAttention,
 )
-from services.language.engine.cpu_decode import CompiledDecode
-from services.language.engine.cuda_graphs import DecodeGraphs
-from services.language.engine.kv_cache import KVCache
-from services.language.engine.model import Deepstack, LanguageModel, MRotaryEmbedding
-from services.language.engine.request import Request
-from services.language.engine.scheduler import Scheduled
+from services.layers.cpu_decode import CompiledDecode
+from services.layers.language_model import Deepstack, LanguageModel, MRotaryEmbedding
 
 
 def _positions(request: Request, start: int, end: int) -> torch.Tensor | range:

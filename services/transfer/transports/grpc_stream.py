@@ -10,8 +10,8 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from services.grpc_server import channel
 from services.proto import language_pb2
+from services.runtime.grpc_server import channel
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import token_rows
 from services.transfer.transports.base import (

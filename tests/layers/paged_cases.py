@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from services.language.engine.attention import AttentionMetadata
+from services.layers.attention import AttentionMetadata
 
 NUM_PAGES = 64
 

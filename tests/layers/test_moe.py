@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.language.engine import config
-from services.language.engine.config import moe_backend
-from services.language.engine.cpu_kernels import linear_kernel
-from services.language.engine.linear import KernelExperts, PackedExperts
-from services.language.engine.model import Experts, LanguageModel
-from services.language.engine.moe import FlashInferExperts, autotuning, fuse_experts
+from services.layers import backends
+from services.layers.backends import moe_backend
+from services.layers.cpu_kernels import linear_kernel
+from services.layers.language_model import Experts, LanguageModel
+from services.layers.linear import KernelExperts, PackedExperts
+from services.layers.moe import FlashInferExperts, autotuning, fuse_experts
 from services.model.checkpoint import load_language_weights
 from services.model.demo import build_demo_checkpoint
 from services.model.spec import MoeSpec, TextSpec, load_spec
@@ -33,7 +33,7 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_auto_picks_flashinfer_only_on_cuda_in_half_precision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(config, "flashinfer_installed", lambda: True)
+    monkeypatch.setattr(backends, "flashinfer_installed", lambda: True)
     assert moe_backend("auto", torch.float32, CPU) == "torch"
     assert moe_backend("auto", torch.bfloat16, CPU) == "torch"
     assert moe_backend("auto", torch.float32, CUDA) == "torch"

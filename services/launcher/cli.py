@@ -16,10 +16,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from services import env, flags, logs
+from services.launcher import flags
+from services.runtime import env, logs
 
 if TYPE_CHECKING:
-    from services.planner import PlannerConfig
+    from services.launcher.planner import PlannerConfig
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -87,7 +88,7 @@ def _model_name(args: argparse.Namespace) -> str:
 
 
 def _protos(args: argparse.Namespace) -> int:
-    from services import protogen
+    from services.launcher import protogen
 
     if args.check:
         try:
@@ -154,7 +155,7 @@ def _triton(args: argparse.Namespace) -> int:
 
 
 def _instance(args: argparse.Namespace, role: str) -> Any:
-    from services.instance import InstanceConfig
+    from services.broker.instance import InstanceConfig
     from services.wire.messages import Role
 
     return InstanceConfig(
@@ -291,13 +292,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from services import timeline
+    from services.launcher import timeline
 
     return timeline.main(args.request_id, args.broker, args.gateway, args.api_key)
 
 
 def _health(args: argparse.Namespace) -> int:
-    from services.serve import grpc_serving, http_ok
+    from services.launcher.serve import grpc_serving, http_ok
 
     healthy = (
         http_ok(args.target)
@@ -309,7 +310,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def planner_config(args: argparse.Namespace) -> PlannerConfig:
-    from services.planner import PlannerConfig
+    from services.launcher.planner import PlannerConfig
 
     return PlannerConfig(
         min_encoders=args.min_encoders,
@@ -323,8 +324,8 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from services.launcher.serve import StackConfig, run
     from services.model.demo import cached_demo_checkpoint
-    from services.serve import StackConfig, run
     from services.wire.dtypes import DTYPE_NAMES, resolve_dtype
 
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
@@ -405,7 +406,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def export_security(args: argparse.Namespace) -> None:
     """Security flags become this process's environment: its servers and channels
-    read it there (services.security), and its children inherit it."""
+    read it there (services.runtime.security), and its children inherit it."""
     for flag, var in (
         ("cluster_token", env.CLUSTER_TOKEN),
         ("tls_cert", env.TLS_CERT),
@@ -418,7 +419,7 @@ def export_security(args: argparse.Namespace) -> None:
 
 
 def export_tracing(args: argparse.Namespace) -> None:
-    """Tracing flags become this process's environment (services.tracing reads
+    """Tracing flags become this process's environment (services.runtime.tracing reads
     it; epd serve's components inherit it)."""
     if getattr(args, "trace", False):
         os.environ[env.TRACE.name] = "1"
@@ -428,7 +429,7 @@ def export_tracing(args: argparse.Namespace) -> None:
         os.environ[env.TRITON_OTLP_ENDPOINT.name] = args.triton_otlp_endpoint
 
 
-# Each command: its help, its flags (services/flags.py) and its handler.
+# Each command: its help, its flags (services/launcher/flags.py) and its handler.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {
     "protos": ("generate services/proto/ from protos/", flags.protos, _protos),
     "demo-model": ("build a small demo checkpoint locally", flags.demo_model, _demo_model),
@@ -512,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for chatty in ("httpx", "matplotlib"):  # a line per request / per font otherwise
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
     if args.command in TRACED:
-        from services import tracing
+        from services.runtime import tracing
 
         tracing.configure(args.command)
     handler: Handler = args.handler

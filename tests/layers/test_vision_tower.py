@@ -1,4 +1,4 @@
-"""The vision towers as EPD runs them (services/language/engine/fused_vision.py)
+"""The vision towers as EPD runs them (services/layers/vision_tower.py)
 against HF's own: each architecture, float32 and bfloat16, images whose windows
 are all one length and images whose windows are not (a run of equal windows
 attends in one call; the runs must split where lengths change). Bit for bit in
@@ -18,21 +18,21 @@ from typing import Any
 import pytest
 import torch
 
-from services.language.engine.config import avx512
-from services.language.engine.cpu_kernels import (
+from services.layers.backends import avx512
+from services.layers.cpu_kernels import (
     BF16_KINDS,
     bf16_window_attention,
     fused_ops,
     window_attention,
 )
-from services.language.engine.fused_vision import (
+from services.layers.linear import PackedLinear, onednn_supports
+from services.layers.vision_tower import (
     FusedVisionAttention,
     FusedVisionBlock,
     LinearPatchEmbedding,
     _runs,
     fuse_vision_tower,
 )
-from services.language.engine.linear import PackedLinear, onednn_supports
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import build_demo_checkpoint
 from services.model.spec import ModelSpec, load_spec
@@ -143,11 +143,11 @@ def test_the_fused_tower_computes_what_hf_does(
 def test_a_float32_tower_runs_onednn_where_torch_runs_avx512(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.language.engine import fused_vision
+    from services.layers import vision_tower
 
     spec = load_spec(checkpoint)
     for wide in (True, False):
-        monkeypatch.setattr(fused_vision, "avx512", lambda wide=wide: wide)
+        monkeypatch.setattr(vision_tower, "avx512", lambda wide=wide: wide)
         tower = _tower(checkpoint, spec, torch.float32)
         fuse_vision_tower(tower)
         packed = any(isinstance(m, PackedLinear) for m in tower.modules())

@@ -21,9 +21,9 @@ from typing import Protocol
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services import env
 from services.broker.client import BrokerLink, BrokerUnavailableError
-from services.grpc_server import GrpcServer
+from services.runtime import env
+from services.runtime.grpc_server import GrpcServer
 from services.wire.messages import (
     BrokerMessage,
     Heartbeat,

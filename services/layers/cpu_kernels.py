@@ -43,7 +43,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from services import env
+from services.runtime import env
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.language.engine import cpu_kernels
+from services.layers import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(path.name for path in cpu_kernels.CSRC.glob("*.c"))
@@ -28,11 +28,11 @@ TARGETS = {
 }
 # what runs the kernels, and the engine against HF generate() on them
 KERNEL_TESTS = [
-    "tests/language/test_cpu_attention.py",
-    "tests/language/test_fused_ops.py",
-    "tests/language/test_linear.py",
-    "tests/language/test_cpu_decode.py",
-    "tests/language/test_fused_vision.py",
+    "tests/layers/test_cpu_attention.py",
+    "tests/layers/test_fused_ops.py",
+    "tests/layers/test_linear.py",
+    "tests/layers/test_cpu_decode.py",
+    "tests/layers/test_vision_tower.py",
     "tests/language/test_engine.py",
 ]
 
@@ -75,11 +75,11 @@ def test_the_avx2_build_passes_the_kernel_and_engine_tests() -> None:
     environment = {**os.environ, **AVX2}
     choices = (
         "import torch\n"
-        "from services.language.engine import config, cpu_kernels as k\n"
+        "from services.layers import backends, cpu_kernels as k\n"
         "cpu = torch.device('cpu')\n"
         "print(k.prefill_attention('avx512bf16') is None, k.linear_kernel() is not None,\n"
         "      k.paged_decode_attention() is not None, k.fused_ops() is not None,\n"
-        "      config.linear_backend('auto', torch.float32, cpu))\n"
+        "      backends.linear_backend('auto', torch.float32, cpu))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", choices], env=environment, cwd=ROOT, capture_output=True, text=True

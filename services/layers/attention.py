@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.language.engine.cpu_kernels import KERNEL_DTYPES, Kernel
+from services.layers.cpu_kernels import KERNEL_DTYPES, Kernel
 
 # One layer's cache: its keys and its values, each [pages, page_size, kv_heads, head_dim]
 # (FlashInfer's NHD layout as a (keys, values) pair).

@@ -1,6 +1,6 @@
 """`epd trace REQUEST_ID`: what happened to a recent request, step by step.
 
-Every process that traces keeps its recent spans (services/tracing.py); this
+Every process that traces keeps its recent spans (services/runtime/tracing.py); this
 asks each of them (the broker, every instance the broker knows, the gateway)
 for the request's, and prints them as one tree in time order, with each step's
 start, duration and attributes. No tracing backend is needed.
@@ -17,8 +17,8 @@ import grpc
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from services.grpc_server import channel
 from services.proto import broker_pb2, broker_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+from services.runtime.grpc_server import channel
 
 TIMEOUT_S = 5.0
 # Attributes that say who the span is, not what it did: not printed.

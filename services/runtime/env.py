@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from services import ports
+from services.runtime import ports
 
 T = TypeVar("T")
 

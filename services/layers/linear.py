@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine.cpu_kernels import Bf16Linear, F32Linear, LinearKernel
-from services.language.engine.model import Experts
+from services.layers.cpu_kernels import Bf16Linear, F32Linear, LinearKernel
+from services.layers.language_model import Experts
 
 # the row count oneDNN tunes the packed layout for (vLLM's choice); any count runs
 BATCH_HINT = 32

@@ -15,9 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
-from services import tracing
 from services.proto import telemetry_pb2, telemetry_pb2_grpc
-from services.security import Security, aio_channel, current
+from services.runtime import tracing
+from services.runtime.security import Security, aio_channel, current
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ its bound (queue depth per encoder, or latency over the target) for
 absorb (half the bounds, with one encoder fewer); no change within
 `cooldown_s` of the last, so it does not flap; never beyond
 [min_encoders, max_encoders]. A retiring encoder drains: the broker routes it
-nothing new, and it finishes what it has (services/serve.py).
+nothing new, and it finishes what it has (services/launcher/serve.py).
 
 It also names an imbalance: encoders saturated at their maximum while the
 language side has room, or the language side saturated while encoders idle.

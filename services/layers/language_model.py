@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine.attention import AttentionBackend, KVLayer
-from services.language.engine.cpu_kernels import FusedOps
+from services.layers.attention import AttentionBackend, KVLayer
+from services.layers.cpu_kernels import FusedOps
 from services.model.spec import MoeSpec, TextSpec
 
 

@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
-from services import env
+from services.runtime import env
 
 logger = logging.getLogger(__name__)
 

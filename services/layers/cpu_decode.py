@@ -23,15 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.language.engine.attention import TorchAttention
-from services.language.engine.cpu_kernels import Bf16Linear, FusedOps, address, decode_step
-from services.language.engine.linear import (
+from services.layers.attention import TorchAttention
+from services.layers.cpu_kernels import Bf16Linear, FusedOps, address, decode_step
+from services.layers.language_model import MLP, DecoderLayer, LanguageModel, RMSNorm
+from services.layers.linear import (
     KERNEL_MAX_ROWS,
     Bf16PackedLinear,
     F32PackedLinear,
     KernelLinear,
 )
-from services.language.engine.model import MLP, DecoderLayer, LanguageModel, RMSNorm
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.language.engine import cpu_kernels
-from services.language.engine.config import ops_backend
-from services.language.engine.model import MLP, RMSNorm, apply_rotary
+from services.layers import cpu_kernels
+from services.layers.backends import ops_backend
+from services.layers.language_model import MLP, RMSNorm, apply_rotary
 from services.model.spec import load_spec
 
 HEADS, KV_HEADS, DIM = 8, 4, 64

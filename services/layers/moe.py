@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from services.language.engine.model import Experts, LanguageModel, SparseMoeBlock
+from services.layers.language_model import Experts, LanguageModel, SparseMoeBlock
 
 
 class FlashInferExperts(nn.Module):

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from services import env
+from services.runtime import env
 
 METADATA_KEY = "authorization"
 # Open without the token: health checks and grpcurl's service listing.

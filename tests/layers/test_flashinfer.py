@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.language.engine.attention import (
+from services.layers.attention import (
     FlashInferAttention,
     TorchAttention,
     decode_uses_tensor_cores,
 )
-from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
+from tests.layers.paged_cases import NUM_PAGES, STEPS, paged_metadata
 
 
 def _check_step(

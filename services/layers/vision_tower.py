@@ -32,7 +32,7 @@
   one process: the small tower 64 -> 52 ms, the medium one 265 -> 233. Both
   round differently from HF's operators (another blocking of the GEMM; the
   norm's sum in another order), so in bfloat16 the tower is close to HF's
-  (tests/language/test_fused_vision.py) rather than equal to it, as the
+  (tests/layers/test_vision_tower.py) rather than equal to it, as the
   language model in bfloat16 is; float32 keeps HF's norms, and its projections
   too where torch's CPU kernels are AVX2 (then it is bit-equal to HF's tower).
 - In float32 where torch runs AVX-512, the projections on oneDNN's packed weights
@@ -40,7 +40,7 @@
   GFLOPS on a 2-core Zen 5, oneDNN's ~1.9x that): one 448x448 image a forward
   (bench/vision.py), the small tower 284 -> 170 ms, the medium one 1369 -> 743;
   the patch embedding as a GEMM there too: 170 -> 161 and 743 -> 707. Within float32 rounding of
-  HF's, as the language model is there (config.linear_backend).
+  HF's, as the language model is there (backends.linear_backend).
 """
 
 from __future__ import annotations
@@ -54,15 +54,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine.config import avx512
-from services.language.engine.cpu_kernels import (
+from services.layers.backends import avx512
+from services.layers.cpu_kernels import (
     FusedOps,
     Kernel,
     bf16_window_attention,
     fused_ops,
 )
-from services.language.engine.linear import onednn_supports, pack_linears
-from services.language.engine.model import RMSNorm
+from services.layers.language_model import RMSNorm
+from services.layers.linear import onednn_supports, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -237,5 +237,5 @@ def fuse_vision_tower(tower: nn.Module) -> int:
             swapped += 1
     if packed:
         swapped += pack_linears(tower)
-    logger.info("vision tower: %d modules swapped for faster ones (fused_vision.py)", swapped)
+    logger.info("vision tower: %d modules swapped for faster ones (vision_tower.py)", swapped)
     return swapped

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.language.engine import config, cpu_kernels
-from services.language.engine.attention import TorchAttention, write_kv
-from services.language.engine.config import attention_backend, linear_backend, ops_backend
-from tests.language.paged_cases import NUM_PAGES, STEPS, paged_metadata
+from services.layers import backends, cpu_kernels
+from services.layers.attention import TorchAttention, write_kv
+from services.layers.backends import attention_backend, linear_backend, ops_backend
+from tests.layers.paged_cases import NUM_PAGES, STEPS, paged_metadata
 
 CASES = {
     **STEPS,
@@ -289,7 +289,7 @@ def test_without_a_compiler_the_engine_keeps_torch(
     for name in kernels:
         uncached = getattr(cpu_kernels, name).__wrapped__
         assert uncached() is None
-        monkeypatch.setattr(config, name, uncached)
+        monkeypatch.setattr(backends, name, uncached)
     cpu = torch.device("cpu")
     assert backend("auto", torch.float32, cpu) == fallback
     with pytest.raises(ValueError, match="C compiler"):

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from services.bench.images import random_image
-from services.language.engine import cpu_kernels
-from services.language.engine.cpu_decode import unsupported
-from services.language.engine.cpu_kernels import silu_table
 from services.language.engine.engine import LLMEngine
-from services.language.engine.linear import KERNEL_MAX_ROWS
-from services.language.engine.model import MLP
 from services.language.engine.request import Request, SamplingParams
+from services.layers import cpu_kernels
+from services.layers.cpu_decode import unsupported
+from services.layers.cpu_kernels import silu_table
+from services.layers.language_model import MLP
+from services.layers.linear import KERNEL_MAX_ROWS
 from tests.language.engine_fixtures import make_engine, make_request
 from tests.reference import chat
 

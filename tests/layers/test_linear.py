@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.language.engine import config, cpu_kernels
-from services.language.engine.config import linear_backend
-from services.language.engine.linear import (
+from services.layers import backends, cpu_kernels
+from services.layers.backends import linear_backend
+from services.layers.language_model import LanguageModel, stack_projections
+from services.layers.linear import (
     KERNEL_MAX_ROWS,
     Bf16PackedLinear,
     F32PackedLinear,
@@ -27,7 +28,6 @@ from services.language.engine.linear import (
     use_bf16_linears,
     use_linear_kernel,
 )
-from services.language.engine.model import LanguageModel, stack_projections
 from services.model.checkpoint import load_language_weights
 from services.model.spec import load_spec
 
@@ -140,11 +140,11 @@ def test_linear_backend_choice(
     EPD's AVX2 kernel, or oneDNN's GEMM where torch runs AVX-512 but EPD's kernels
     were built for AVX2."""
     has_avx512 = cpu_kernels.f32_linear() is not None
-    expected = "avx512" if has_avx512 else ("onednn" if config.avx512() else "cpu")
+    expected = "avx512" if has_avx512 else ("onednn" if backends.avx512() else "cpu")
     assert linear_backend("auto", torch.float32, CPU) == expected
-    monkeypatch.setattr(config, "f32_linear", lambda: None)
+    monkeypatch.setattr(backends, "f32_linear", lambda: None)
     for wide, chosen in ((True, "onednn"), (False, "cpu")):
-        monkeypatch.setattr(config, "avx512", lambda wide=wide: wide)
+        monkeypatch.setattr(backends, "avx512", lambda wide=wide: wide)
         assert linear_backend("auto", torch.float32, CPU) == chosen
     with pytest.raises(ValueError, match="avx512 linear kernel needs a CPU with AVX-512"):
         linear_backend("avx512", torch.float32, CPU)

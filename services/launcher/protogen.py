@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
 OUTPUT_ROOT = REPO_ROOT / "services" / "proto"
 GENERATED_DIR = "epd"

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from services import env, ports
+from services.runtime import env, ports
 
 MIB = 1024 * 1024
 
@@ -134,7 +134,7 @@ def add_checkpoint(p: argparse.ArgumentParser) -> None:
 def add_instance(p: argparse.ArgumentParser, config: type) -> None:
     """An encoder's or language instance's flags: `config` is its service's
     config (EncoderConfig, LanguageConfig), whose `instance` gives the defaults."""
-    from services.instance import InstanceConfig
+    from services.broker.instance import InstanceConfig
 
     instance = default(config, "instance")
     add_checkpoint(p)
@@ -333,8 +333,8 @@ def encoder_count(value: str) -> int | str:
 
 
 def add_planner(p: argparse.ArgumentParser) -> None:
-    """PlannerConfig's fields (services/planner.py), for --encoders auto."""
-    from services.planner import PlannerConfig
+    """PlannerConfig's fields (services/launcher/planner.py), for --encoders auto."""
+    from services.launcher.planner import PlannerConfig
 
     for name, flag, meaning in (
         ("min_encoders", "--min-encoders", "the fewest encoders it runs"),
@@ -485,7 +485,7 @@ def health(p: argparse.ArgumentParser) -> None:
 
 
 def serve(p: argparse.ArgumentParser) -> None:
-    from services.serve import StackConfig
+    from services.launcher.serve import StackConfig
 
     p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
     p.add_argument("--model-name", help="served model name (default: the folder's name)")

@@ -35,10 +35,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import env, tracing
-from services.children import die_with_parent
-from services.planner import Planner, PlannerConfig, Reading
-from services.ports import (
+from services.launcher.planner import Planner, PlannerConfig, Reading
+from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from services.runtime import env, tracing
+from services.runtime.children import die_with_parent
+from services.runtime.ports import (
     BROKER_PORT,
     ENCODER_PORT,
     GATEWAY_PORT,
@@ -48,8 +49,7 @@ from services.ports import (
     TRITON_HTTP_PORT,
     TRITON_METRICS_PORT,
 )
-from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
-from services.security import current, sync_channel
+from services.runtime.security import current, sync_channel
 from services.transfer.shared_memory import remove_segments
 
 ENCODER = common_pb2.ROLE_ENCODER
@@ -154,7 +154,7 @@ class Component:
             out.write(f"=== {self.name} started at {time.strftime('%H:%M:%S')} ===\n".encode())
             out.flush()
             self.process = subprocess.Popen(
-                die_with_parent([sys.executable, "-m", "services.cli", *self.args]),
+                die_with_parent([sys.executable, "-m", "services.launcher.cli", *self.args]),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=environment,
@@ -586,7 +586,7 @@ class Stack:
 @dataclass
 class EncoderPlanning:
     """`--encoders auto`: once a second, the broker's view as the planner's
-    reading, and its decision carried out on the stack (services/planner.py)."""
+    reading, and its decision carried out on the stack (services/launcher/planner.py)."""
 
     stack: Stack
     planner: Planner
@@ -735,10 +735,12 @@ def launch(
 ) -> subprocess.Popen[str]:
     """`epd serve ARGS` as a child process, returned once it serves; its banner
     has been read (into `banner`, if given). For tests and benchmarks that drive
-    the stack as a user does (`command` replaces `python -m services.cli`, `popen`
+    the stack as a user does (`command` replaces `python -m services.launcher.cli`, `popen`
     goes to Popen)."""
     process = subprocess.Popen(
-        die_with_parent([*(command or (sys.executable, "-m", "services.cli")), "serve", *args]),
+        die_with_parent(
+            [*(command or (sys.executable, "-m", "services.launcher.cli")), "serve", *args]
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,0 +1,161 @@
+"""What the language service asks of an engine, and the messages an engine's host
+sends it: the interface that AsyncEngine (async_engine.py: the loop on a thread of
+this process) and EngineProcess (process.py: the loop in a child process) both
+implement, and the part of it they share (EngineHost)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import (
+    EngineLoad,
+    FirstToken,
+    RequestFailedError,
+    RequestOutput,
+    check_fits,
+    check_sampling,
+)
+from services.language.engine.grammar import Grammars
+from services.language.engine.request import Request
+from services.model.spec import ModelSpec
+from services.wire.request import SamplingParams
+
+# What an engine's host sends it (AsyncEngine's inbox, EngineProcess's pipe)
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """Whether requests of this instance await their embeddings (LLMEngine.encoding)."""
+
+    busy: bool
+
+
+@dataclass(slots=True)
+class Going:
+    """A request's choices still going, counted down as its outputs are taken."""
+
+    choices: int
+
+    async def outputs(
+        self, q: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        """Its outputs from the queue its engine fills, until every choice has
+        finished; an error the engine put there, or an output that failed, raises."""
+        while self.choices:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.error is not None:
+                raise RequestFailedError(item.error)
+            self.choices -= item.finished
+            yield item
+
+
+class Engine(Protocol):
+    """What the language service's frontend and servicer ask of an engine:
+    AsyncEngine (its loop on a thread of this process) or EngineProcess (in a
+    child process). `load`: the engine's as of its last step."""
+
+    load: EngineLoad
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def num_kv_pages(self) -> int: ...
+
+    @property
+    def num_requests(self) -> int: ...
+
+    def check_sampling(self, params: SamplingParams) -> None: ...
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None: ...
+
+    async def compile_grammar(self, params: SamplingParams) -> Any: ...
+
+    def generate(
+        self, request: Request, firsts: Sequence[FirstToken] = ()
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def set_encoding(self, busy: bool) -> None: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+OutputQueue = asyncio.Queue[RequestOutput | BaseException]
+
+
+class EngineHost:
+    """What both hosts do alike: the checks (on the immutable config and spec, so
+    callable from the event loop), grammar compilation, and each request's queue
+    of outputs, which `_outputs` reads until every choice has finished."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, grammars: Grammars) -> None:
+        self.config = config
+        self.spec = spec
+        self.grammars = grammars
+        self._queues: dict[str, OutputQueue] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        check_sampling(self.spec, self.config, params)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        check_fits(self.config, num_prompt_tokens, max_tokens)
+
+    def check(self, request: Request) -> None:
+        """A request this engine can take: it fits, its sampling is valid, and its
+        id is not one in flight (ValueError otherwise)."""
+        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.check_sampling(request.sampling)
+        if request.request_id in self._queues:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (None without one), compiled off the loop."""
+        return await self.grammars.compile(params)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def _outputs(self, request: Request, q: OutputQueue) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request whose queue is `q` (registered by the caller),
+        until every choice finishes; leaving early aborts it."""
+        going = Going(request.sampling.n)
+        try:
+            async for output in going.outputs(q):
+                yield output
+        finally:
+            del self._queues[request.request_id]
+            if going.choices:
+                self.abort(request.request_id)
