@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from services.bench.images import encode_image, random_image
 from services.broker.instance import InstanceConfig
 from services.encoder.server import EncoderConfig, EncoderServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import SIZES, cached_demo_checkpoint
 from services.model.processor import load_image_processor

@@ -35,9 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peer import with_section
 from bench.report import CACHE_END, CACHE_START, DOC, Setup, machine, serve
-from services.bench.runner import RunConfig, run
-from services.bench.summary import summarize
-from services.bench.workload import Workload, build_requests
+from services.loadgen.runner import RunConfig, run
+from services.loadgen.summary import summarize
+from services.loadgen.workload import Workload, build_requests
 from services.runtime.ports import METRICS_OFFSET, free_serve_ports
 
 CACHE_MB = 64  # each of the three encoders'; the single one gets 3x

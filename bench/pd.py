@@ -27,9 +27,9 @@ from typing import Any
 
 from bench.peer import with_section
 from bench.report import DOC, PD_END, PD_START, Setup, fmt_rate, machine, ms, serve
-from services.bench.runner import RunConfig, run
-from services.bench.summary import summarize
-from services.bench.workload import Workload, build_requests
+from services.loadgen.runner import RunConfig, run
+from services.loadgen.summary import summarize
+from services.loadgen.workload import Workload, build_requests
 
 RATES = (1.0, 2.0, math.inf)
 MEANING = """\

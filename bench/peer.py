@@ -62,14 +62,14 @@ from bench.report import (
     process_cpu,
     serve,
 )
-from services.bench.command import first_model, strict_json
-from services.bench.runner import RunConfig, run
-from services.bench.summary import summarize
-from services.bench.workload import Workload, build_requests
 from services.language.engine.config import EngineConfig
 from services.language.engine.process import CHILD
 from services.language.engine.scheduler import SchedulerConfig
 from services.launcher.cli import build_parser
+from services.loadgen.command import first_model, strict_json
+from services.loadgen.runner import RunConfig, run
+from services.loadgen.summary import summarize
+from services.loadgen.workload import Workload, build_requests
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer

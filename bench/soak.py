@@ -36,9 +36,9 @@ from typing import Any
 
 import httpx
 
-from services.bench.images import encode_image, random_image
-from services.bench.stats import percentile
 from services.launcher.serve import launch
+from services.loadgen.stats import percentile
+from services.loadgen.synthetic import encode_image, random_image
 from services.model.demo import SIZES, cached_demo_checkpoint
 from services.runtime.ports import free_port_block
 

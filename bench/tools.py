@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import Setup, machine, serve
-from services.bench.runner import RunConfig, run
-from services.bench.summary import summarize
-from services.bench.workload import Workload, build_requests
+from services.loadgen.runner import RunConfig, run
+from services.loadgen.summary import summarize
+from services.loadgen.workload import Workload, build_requests
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "without tools": {},

@@ -28,9 +28,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from bench.peer import with_section
 from bench.report import DOC, TRACING_END, TRACING_START, Setup, machine, serve
-from services.bench.runner import RunConfig, run
-from services.bench.summary import summarize
-from services.bench.workload import Workload, build_requests
+from services.loadgen.runner import RunConfig, run
+from services.loadgen.summary import summarize
+from services.loadgen.workload import Workload, build_requests
 
 WARMUP = 4  # requests before each measured run
 

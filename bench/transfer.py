@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from services.bench.stats import percentile
 from services.broker.client import BrokerLink
 from services.encoder.cache import ImageEmbedding
 from services.encoder.send_buffer import SendBuffer
+from services.loadgen.stats import percentile
 from services.model.demo import cached_demo_checkpoint
 from services.proto import (
     broker_pb2,

@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from services.encoder.images import BadImageError
-from services.encoder.limits import ImageLimits
 from services.encoder.preprocess import Preprocessor
 from services.gateway.backend import GenerateCall, MediaData, Responses
 from services.gateway.errors import ApiError
@@ -26,6 +24,8 @@ from services.language.engine.engine import LLMEngine, RequestFailedError
 from services.language.engine.vision import VisionTower
 from services.language.frontend import Frontend, Media
 from services.layers.vision_tower import fuse_vision_tower
+from services.media.decode import BadImageError
+from services.media.limits import ImageLimits
 from services.model.checkpoint import load_language_weights, load_vision_tower
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer

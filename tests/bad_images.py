@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 
-from services.bench.images import encode_image, random_image
+from services.loadgen.synthetic import encode_image, random_image
 
 
 def png_header_only(width: int, height: int) -> bytes:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from services.bench.images import encode_image, random_image
+from services.loadgen.synthetic import encode_image, random_image
 from tests.processes import served
 
 MODEL = "demo-tiny"

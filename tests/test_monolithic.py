@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from services.bench.images import encode_image, random_image
+from services.loadgen.synthetic import encode_image, random_image
 from services.model.tokenizer import load_tokenizer
 from tests.processes import served
 from tests.reference import chat, hf_greedy, hf_greedy_prompt

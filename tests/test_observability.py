@@ -20,8 +20,8 @@ import grpc
 import pytest
 from openai import OpenAI
 
-from services.bench.images import random_image
 from services.launcher.protogen import REPO_ROOT
+from services.loadgen.synthetic import random_image
 from services.proto import broker_pb2, broker_pb2_grpc
 from services.runtime.ports import METRICS_OFFSET, free_port, free_serve_ports
 from tests.processes import served, wait_for

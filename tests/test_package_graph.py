@@ -4,6 +4,7 @@ layer sits at the bottom: it imports nothing of services/ but the protos."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -129,12 +130,16 @@ REQUEST_MESSAGES = {
     "SamplingParams",
     "TokenLogprob",
     "TopLogprob",
+    "RouteRequest",
+    "RouteReply",
+    "EncodeRequest",
 }
 
 
 def test_request_messages_are_converted_in_one_place() -> None:
-    """Sampling parameters and the rest of a request cross protobuf only through
-    services/wire/convert.py: no module builds or reads their pb2 classes."""
+    """A request (its sampling parameters, its route, its encode) crosses protobuf
+    only through services/wire/convert.py: no module builds or reads those pb2
+    classes."""
     for path in SERVICES.rglob("*.py"):
         if path.is_relative_to(SERVICES / "proto") or path.parent == SERVICES / "wire":
             continue
@@ -152,7 +157,8 @@ def test_request_messages_are_converted_in_one_place() -> None:
 
 def _annotation_of_a_servicer(path: Path, node: ast.Attribute) -> bool:
     """A gRPC method's parameter or return annotation (protobuf at the edge)."""
-    return path.name == "servicer.py" and node.attr in ("GenerateRequest", "GenerateResponse")
+    edge = ("GenerateRequest", "GenerateResponse", "RouteRequest", "RouteReply", "EncodeRequest")
+    return path.name == "servicer.py" and node.attr in edge
 
 
 def test_finish_reasons_are_defined_once() -> None:
@@ -177,17 +183,84 @@ def test_finish_reasons_are_defined_once() -> None:
 MAX_LINES = 60
 
 
-def test_functions_on_the_request_path_fit_on_a_screen() -> None:
-    """Under services/language/ and services/gateway/, a function over 60 lines
-    says why in a `# Long:` comment on the line above it."""
-    for package in ("language", "gateway"):
-        for path in (SERVICES / package).rglob("*.py"):
-            lines = path.read_text().splitlines()
-            for node in ast.walk(ast.parse("\n".join(lines))):
-                if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    continue
-                length = (node.end_lineno or node.lineno) - node.lineno + 1
-                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-                said_why = lines[first - 2].strip().startswith("# Long:")
-                where = f"{path.relative_to(SERVICES)}:{node.lineno} {node.name}"
-                assert length <= MAX_LINES or said_why, f"{where} has {length} lines"
+def test_functions_fit_on_a_screen() -> None:
+    """Under services/, a function over 60 lines says why in a `# Long:` comment
+    on the line above it."""
+    for path in _modules():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            said_why = lines[first - 2].strip().startswith("# Long:")
+            where = f"{path.relative_to(SERVICES)}:{node.lineno} {node.name}"
+            assert length <= MAX_LINES or said_why, f"{where} has {length} lines"
+
+
+def _modules() -> list[Path]:
+    """Every Python module under services/ but the generated protos."""
+    return [p for p in SERVICES.rglob("*.py") if not p.is_relative_to(SERVICES / "proto")]
+
+
+def _packages() -> list[Path]:
+    return sorted(p.parent for p in _modules() if p.name == "__init__.py")
+
+
+def _map(package: Path) -> set[str]:
+    """What a package's docstring lists, one `module.py` or `subpackage/` a line."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    return {m.group(1) for m in re.finditer(r"^(\w+\.py|\w+/) ", doc, re.M)}
+
+
+@pytest.mark.parametrize("package", _packages(), ids=lambda p: str(p.relative_to(SERVICES)))
+def test_each_package_map_names_every_module_and_only_those(package: Path) -> None:
+    """A newcomer reads a package's __init__ to find their way: its map lists
+    every module and subpackage in it, and nothing that is not there."""
+    there = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    there |= {f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert _map(package) == there
+
+
+def test_the_language_package_holds_the_service_and_the_engine_loop_only() -> None:
+    language = SERVICES / "language"
+    assert {p.name for p in language.glob("*.py")} == {
+        "__init__.py",
+        "config.py",
+        "frontend.py",
+        "kv_handoff.py",
+        "metrics.py",
+        "server.py",
+        "servicer.py",
+    }
+    assert {p.name for p in language.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "engine"
+    }
+    assert not list((language / "engine").glob("*.c")), "kernels live in services/layers/"
+
+
+def test_the_vision_side_does_not_reach_into_the_language_service() -> None:
+    """Triton's model, the encoder and the Triton launcher take the tower and
+    everything else from services/layers/ and services/model/, not from the
+    language service."""
+    paths = [
+        *(SERVICES.parent / "model_repository").rglob("*.py"),
+        *(SERVICES / "encoder").rglob("*.py"),
+        *(SERVICES / "triton").rglob("*.py"),
+    ]
+    for path in paths:
+        language = {m for m in _modules_imported_by(path) if m.startswith("services.language")}
+        assert not language, f"{path} imports {sorted(language)}"
+
+
+def test_no_package_holds_a_fifth_of_the_code() -> None:
+    """Lines of Python and C in each folder under services/ (its own files, not its
+    subpackages'), the generated protos left out."""
+    lines: dict[Path, int] = defaultdict(int)
+    for path in [*_modules(), *SERVICES.rglob("*.c"), *SERVICES.rglob("*.h")]:
+        folder = path.parent.parent if path.parent.name == "csrc" else path.parent
+        lines[folder] += len(path.read_text().splitlines())
+    total = sum(lines.values())
+    largest = max(lines, key=lambda folder: lines[folder])
+    share = lines[largest] / total
+    assert share < 0.2, f"{largest.relative_to(SERVICES.parent)} holds {share:.0%} of the lines"

@@ -25,12 +25,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import AsyncOpenAI
 
-from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderServer
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.proto import (
     broker_pb2,
     broker_pb2_grpc,

@@ -25,8 +25,8 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from services.bench.images import encode_image, random_image
 from services.launcher.serve import launch
+from services.loadgen.synthetic import encode_image, random_image
 from services.model.processor import load_image_processor
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer

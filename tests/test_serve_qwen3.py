@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from services.bench.images import encode_image, random_image, random_video
+from services.loadgen.synthetic import encode_image, random_image, random_video
 from services.model.demo import build_demo_checkpoint
 from services.model.tokenizer import load_tokenizer
 from services.model.video import VideoRule, load_video, probe

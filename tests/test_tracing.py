@@ -23,7 +23,7 @@ import pytest
 from openai import OpenAI
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from services.bench.images import random_image
+from services.loadgen.synthetic import random_image
 from services.runtime.ports import free_serve_ports
 from tests.otlp import Collector, Received
 from tests.processes import served

@@ -1,5 +1,5 @@
 """transformers' video processor as the reference for the project's video
-preprocessing (clips come from services.bench.images.random_video), and its
+preprocessing (clips come from services.loadgen.synthetic.random_video), and its
 whole processor for the prompt a video expands to.
 
 transformers' video processors (`Qwen2VLVideoProcessor`, `Qwen3VLVideoProcessor`)

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
@@ -16,7 +17,7 @@ from services.broker.rendezvous import FailoverError
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 from services.runtime import tracing
 from services.wire.convert import from_proto, to_proto, unwrap, wrap
-from services.wire.messages import Register, Role
+from services.wire.messages import Register, Role, RouteReply, RouteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             return reply
 
     async def _route(
-        self, request: broker_pb2.RouteRequest, context: grpc.aio.ServicerContext
+        self, pb: broker_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.RouteReply:
+        request = from_proto(RouteRequest, pb)
         try:
             choice = self.broker.route(
                 request.request_id,
@@ -101,22 +103,22 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             self.broker.metrics.routes.labels("failover_refused").inc()
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         self.broker.metrics.routes.labels("ok").inc()
-        reply = broker_pb2.RouteReply(
-            language_id=choice.language.instance_id,
-            language_address=choice.language.registration.grpc_address,
-        )
+        language = choice.language
+        reply = RouteReply(language.instance_id, language.registration.grpc_address)
         if choice.encoder is not None and choice.transport is not None:
-            reply.MergeFrom(
-                broker_pb2.RouteReply(
-                    encoder_id=choice.encoder.instance_id,
-                    encoder_address=choice.encoder.registration.grpc_address,
-                    transport=common_pb2.Transport.Name(choice.transport),
-                )
+            encoder = choice.encoder
+            reply = replace(
+                reply,
+                encoder_id=encoder.instance_id,
+                encoder_address=encoder.registration.grpc_address,
+                transport=choice.transport,
             )
         if choice.decode is not None:
-            reply.decode_id = choice.decode.instance_id
-            reply.decode_address = choice.decode.registration.grpc_address
-        return reply
+            decode = choice.decode
+            reply = replace(
+                reply, decode_id=decode.instance_id, decode_address=decode.registration.grpc_address
+            )
+        return to_proto(reply)
 
     async def ListInstances(
         self, request: broker_pb2.ListInstancesRequest, context: grpc.aio.ServicerContext

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from services.broker.instance import InstanceConfig
-from services.encoder.limits import ImageLimits
+from services.media.limits import ImageLimits
 from services.runtime.ports import ENCODER_PORT, TRITON_URL
 from services.wire.messages import Role
 from services.wire.transport import TRANSFER_TIMEOUT_S

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from services.encoder.cache import EmbeddingCache, ImageEmbedding
-from services.encoder.images import check_count
-from services.encoder.limits import ImageLimits
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.preprocess import Preprocessor
 from services.encoder.triton_client import VitClient
+from services.media.decode import check_count
+from services.media.limits import ImageLimits
 from services.runtime import tracing
 from services.wire.messages import MediaGrid
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.encoder.images import BadImageError, decode_image, inspect_video
-from services.encoder.limits import ImageLimits
+from services.media.decode import BadImageError, decode_image, inspect_video
+from services.media.limits import ImageLimits
 from services.model.processor import ImageTokenRule, load_image_processor
 from services.model.video import VideoRule, load_video
 from services.wire.messages import MediaGrid, media_key

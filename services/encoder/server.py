@@ -15,7 +15,7 @@ from services.encoder.preprocess import Preprocessor
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
-from services.model.spec import load_spec
+from services.model.spec import ModelSpec, load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.runtime.grpc_server import metrics_registry
 from services.transfer.embedding_pool import EmbeddingPool
@@ -27,6 +27,19 @@ from services.wire.messages import Heartbeat, Register
 from services.wire.transport import Transport
 
 logger = logging.getLogger(__name__)
+
+
+def _send_buffer(config: EncoderConfig, spec: ModelSpec) -> SendBuffer:
+    """Where embeddings wait for their transfer: pinned where CUDA IPC copies from
+    it, so that the host-to-GPU copy is one DMA."""
+    layout = PoolLayout(
+        num_blocks=config.send_buffer_tokens // config.send_block_size,
+        block_size=config.send_block_size,
+        planes=embedding_planes(spec.vision.out_hidden_size, spec.vision.deepstack_levels),
+        dtype=config.dtype,
+    )
+    pin = Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available()
+    return SendBuffer(EmbeddingPool.in_host_memory(layout, pin=pin))
 
 
 class EncoderServer(InstanceServer):
@@ -55,15 +68,7 @@ class EncoderServer(InstanceServer):
             config.limits,
             self.metrics,
         )
-        layout = PoolLayout(
-            num_blocks=config.send_buffer_tokens // config.send_block_size,
-            block_size=config.send_block_size,
-            planes=embedding_planes(spec.vision.out_hidden_size, spec.vision.deepstack_levels),
-            dtype=config.dtype,
-        )
-        # pinned where CUDA IPC copies from it, so that the host-to-GPU copy is one DMA
-        pin = Transport.CUDA_IPC in config.instance.transports and cuda_ipc_available()
-        self.buffer = SendBuffer(EmbeddingPool.in_host_memory(layout, pin=pin))
+        self.buffer = _send_buffer(config, spec)
         buffer = self.buffer
         self.metrics.send_buffer_bytes.set_function(lambda: buffer.bytes_used)
         self.sender = self.driver = SenderDriver(

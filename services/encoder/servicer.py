@@ -8,17 +8,18 @@ import logging
 import grpc
 
 from services.broker.client import BrokerUnavailableError
-from services.encoder.images import BadImageError
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Encoded, EncodePipeline
 from services.encoder.send_buffer import SendBuffer, SendBufferFullError
 from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
+from services.media.decode import BadImageError
 from services.proto import encoder_pb2, encoder_pb2_grpc
 from services.runtime import tracing
 from services.transfer.embedding_pool import tensor_bytes
 from services.transfer.sender import Failure
 from services.transfer.sender_driver import SenderDriver, TransferError, UnknownPeerError
-from services.wire.convert import dtype_to_proto, to_proto
+from services.wire.convert import dtype_to_proto, from_proto, to_proto
+from services.wire.request import EncodeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.metrics.requests.labels("ok").inc()
         return reply
 
-    async def _encode(self, request: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeReply:
+    async def _encode(self, pb: encoder_pb2.EncodeRequest) -> encoder_pb2.EncodeReply:
+        request = from_proto(EncodeRequest, pb)
         target = request.language_instance_id
         if target and not request.request_id:
             raise ValueError("request_id is required to send embeddings to a language instance")

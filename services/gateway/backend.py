@@ -32,16 +32,16 @@ from services.proto import (
     broker_pb2,
     broker_pb2_grpc,
     common_pb2,
-    encoder_pb2,
     encoder_pb2_grpc,
     language_pb2,
     language_pb2_grpc,
 )
 from services.runtime import tracing
 from services.runtime.grpc_server import channel
-from services.wire.convert import to_proto
-from services.wire.messages import media_key
+from services.wire.convert import from_proto, to_proto
+from services.wire.messages import RouteReply, RouteRequest, media_key
 from services.wire.request import (
+    EncodeRequest,
     GenerateComplete,
     GenerateError,
     GenerateRequest,
@@ -300,12 +300,14 @@ class Backend:
             code="model_not_found",
         )
 
-    async def _route(self, request: broker_pb2.RouteRequest) -> broker_pb2.RouteReply:
+    async def _route(self, request: RouteRequest) -> RouteReply:
         with tracing.span("gateway.route", kind=CLIENT, media=len(request.media_hashes)):
             try:
-                return await (await self._broker()).Route(request, timeout=BROKER_TIMEOUT_S)
+                broker = await self._broker()
+                reply = await broker.Route(to_proto(request), timeout=BROKER_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 raise from_grpc(exc, "routing") from None
+        return from_proto(RouteReply, reply)
 
     async def generate(self, call: GenerateCall) -> Responses:
         """The language instance's stream; ApiError for anything that fails.
@@ -321,12 +323,12 @@ class Backend:
             if attempt:
                 request = replace(request, request_id=f"{call.request_id}-retry{attempt}")
             route = await self._route(
-                broker_pb2.RouteRequest(
-                    request_id=request.request_id,
-                    model=call.model,
+                RouteRequest(
+                    request.request_id,
+                    call.model,
                     needs_encoder=bool(call.media),
                     failed_language_id=failed,
-                    media_hashes=keys,
+                    media_hashes=tuple(keys),
                 )
             )
             attempted = self._attempt(call, request, route, keys)
@@ -356,7 +358,7 @@ class Backend:
         self,
         call: GenerateCall,
         request: GenerateRequest,
-        route: broker_pb2.RouteReply,
+        route: RouteReply,
         keys: list[str],
     ) -> Responses:
         """The request on the routed language instance (and encoder; in E/P/D the
@@ -410,7 +412,7 @@ class Backend:
                 await self._abort(language, request.request_id)
             await helpers.close()
 
-    async def _prefill(self, request: GenerateRequest, route: broker_pb2.RouteReply) -> None:
+    async def _prefill(self, request: GenerateRequest, route: RouteReply) -> None:
         """E/P/D: Prefill on the prefill instance, which returns once the KV pages
         are in the decode instance; _NothingProduced if it is unavailable."""
         prefill = language_pb2_grpc.LanguageStub(await self._channel(route.language_address))
@@ -425,7 +427,7 @@ class Backend:
                 raise error from None
 
     async def _encode(
-        self, call: GenerateCall, request_id: str, route: broker_pb2.RouteReply, keys: list[str]
+        self, call: GenerateCall, request_id: str, route: RouteReply, keys: list[str]
     ) -> None:
         """Encode on the routed encoder, failing over to another while it is gone (_GONE)."""
         encoder_id, address = route.encoder_id, route.encoder_address
@@ -434,15 +436,13 @@ class Backend:
             encoder = encoder_pb2_grpc.EncoderStub(await self._channel(address))
             try:
                 with tracing.span("gateway.encode", kind=CLIENT, encoder=encoder_id):
-                    await encoder.Encode(
-                        encoder_pb2.EncodeRequest(
-                            request_id=request_id,
-                            images=[m.data for m in call.media],
-                            video_indices=[i for i, m in enumerate(call.media) if m.is_video],
-                            language_instance_id=route.language_id,
-                        ),
-                        timeout=self.encode_timeout_s,
+                    request = EncodeRequest(
+                        request_id,
+                        tuple(m.data for m in call.media),
+                        route.language_id,
+                        tuple(i for i, m in enumerate(call.media) if m.is_video),
                     )
+                    await encoder.Encode(to_proto(request), timeout=self.encode_timeout_s)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _GONE or attempt == self.max_failovers:
@@ -454,13 +454,13 @@ class Backend:
                     exc.details(),
                 )
             failover = await self._route(
-                broker_pb2.RouteRequest(
-                    request_id=request_id,
-                    model=call.model,
+                RouteRequest(
+                    request_id,
+                    call.model,
                     needs_encoder=True,
                     language_id=route.language_id,
                     failed_encoder_id=encoder_id,
-                    media_hashes=keys,
+                    media_hashes=tuple(keys),
                 )
             )
             encoder_id, address = failover.encoder_id, failover.encoder_address

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.encoder.limits import ImageLimits
+from services.media.limits import ImageLimits
 from services.runtime.ports import GATEWAY_PORT
 
 

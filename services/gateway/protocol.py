@@ -1,9 +1,9 @@
-"""The OpenAI chat- and text-completion requests, validated, and the response shapes."""
+"""The OpenAI chat- and text-completion requests, validated (responses.py shapes
+the answers)."""
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -16,8 +16,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from services.gateway.tool_calls import message_calls, schema_error, split
-from services.wire.request import FinishReason
+from services.gateway.tool_calls import schema_error
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -376,122 +375,3 @@ def validation_error(errors: list[Any]) -> tuple[str, str | None]:
         path = [str(error["ctx"]["param"])]
     location = ".".join(path)
     return (f"{location}: {message}" if location else message), location or None
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def logprob_content(entries: list[Any]) -> list[dict[str, Any]]:
-    """GenerateChunk TokenLogprobs -> OpenAI's `logprobs.content`."""
-    return [
-        {
-            "token": e.token,
-            "logprob": e.logprob,
-            "bytes": list(e.token.encode("utf-8")),
-            "top_logprobs": [
-                {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
-                for t in e.top
-            ],
-        }
-        for e in entries
-    ]
-
-
-def completion(
-    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
-) -> dict[str, Any]:
-    """A chat completion; each choice from chat_choice()."""
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-
-
-def chat_choice(
-    index: int,
-    text: str,
-    finish_reason: str,
-    logprobs: list[dict[str, Any]] | None,
-    tool_calls: bool = False,
-) -> dict[str, Any]:
-    """One choice; with `tool_calls`, its calls parsed out of the text (tool_calls.py)."""
-    content, calls = split(text) if tool_calls else (text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = message_calls(calls)
-    return {
-        "index": index,
-        "message": message,
-        "logprobs": {"content": logprobs} if logprobs is not None else None,
-        "finish_reason": called(finish_reason, bool(calls)),
-    }
-
-
-def called(reason: str, calls: bool) -> str:
-    """A choice's finish reason: "tool_calls" where it called tools and stopped."""
-    return "tool_calls" if calls and reason == FinishReason.STOP else reason
-
-
-def text_logprobs(entries: list[Any]) -> dict[str, Any]:
-    """GenerateChunk TokenLogprobs -> the legacy completions `logprobs`."""
-    offsets, offset = [], 0
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.token)
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def text_completion(
-    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None
-) -> dict[str, Any]:
-    """A /v1/completions response or stream chunk; each choice {index, text,
-    logprobs, finish_reason}."""
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
-
-
-def chunk(
-    request_id: str,
-    model: str,
-    created: int,
-    delta: dict[str, Any],
-    finish_reason: str | None = None,
-    logprobs: list[dict[str, Any]] | None = None,
-    index: int = 0,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "delta": delta,
-                "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": finish_reason,
-            }
-        ],
-    }

@@ -11,7 +11,7 @@ import uvicorn
 from services.gateway.app import Gateway, create_app
 from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.config import GatewayConfig
-from services.gateway.images import ImageLoader
+from services.gateway.media import MediaLoader
 from services.gateway.metrics import GatewayMetrics
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
@@ -36,7 +36,7 @@ class GatewayServer:
                 generate_timeout_s=config.generate_timeout_s,
                 served_models=config.served_models,
             ),
-            images=ImageLoader(config.limits, config.fetch, rule, video_rule),
+            media=MediaLoader(config.limits, config.fetch, rule, video_rule),
             metrics=GatewayMetrics(registry),
             registry=registry,
             api_key=config.api_key,
@@ -82,4 +82,4 @@ class GatewayServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.gateway.backend.close()
-        await self.gateway.images.close()
+        await self.gateway.media.close()

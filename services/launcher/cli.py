@@ -21,6 +21,7 @@ from services.runtime import env, logs
 
 if TYPE_CHECKING:
     from services.launcher.planner import PlannerConfig
+    from services.launcher.serve import StackConfig
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -78,7 +79,7 @@ def _local_device() -> str:
 
 
 def _limits(args: argparse.Namespace) -> Any:
-    from services.encoder.limits import ImageLimits
+    from services.media.limits import ImageLimits
 
     return ImageLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ImageLimits)})
 
@@ -280,13 +281,13 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
 
 def _bench_flags(p: argparse.ArgumentParser) -> None:
-    from services.bench import command
+    from services.loadgen import command
 
     command.add_arguments(p)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from services.bench import command
+    from services.loadgen import command
 
     return command.main(args)
 
@@ -324,83 +325,88 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.launcher.serve import StackConfig, run
-    from services.model.demo import cached_demo_checkpoint
+    from services.launcher.serve import run
     from services.wire.dtypes import DTYPE_NAMES, resolve_dtype
 
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+    _check_serve_roles(args, roles)
+    checkpoint, name = _serve_checkpoint(args)
+    dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
+    print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
+    if not env.CLUSTER_TOKEN.get():  # one per stack: the children inherit it
+        os.environ[env.CLUSTER_TOKEN.name] = secrets.token_urlsafe(24)
+    exit_now(run(stack_config(args, roles, checkpoint, name, dtype)))
+
+
+def _check_serve_roles(args: argparse.Namespace, roles: tuple[str, ...]) -> None:
+    from services.launcher.serve import StackConfig
+
     if (args.prefill or args.decode) and args.languages is not None:
         raise SystemExit("epd serve: --prefill/--decode and --languages are mutually exclusive")
     whole = set(roles) == set(flags.default(StackConfig, "roles"))
     if whole and (args.prefill > 0) != (args.decode > 0):
         raise SystemExit("epd serve: E/P/D needs --prefill N and --decode M, both at least 1")
+
+
+def _serve_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
+    """--model's folder and the name it is served under, else the demo's."""
+    from services.model.demo import cached_demo_checkpoint
+
     if args.model:
         checkpoint = Path(args.model).resolve()
-        name = args.model_name or checkpoint.name
-    else:
-        print(
-            f"no --model: using the {args.demo_size} demo checkpoint (built on first use)",
-            flush=True,
-        )
-        checkpoint = cached_demo_checkpoint(args.demo_size)
-        name = args.model_name or f"demo-{args.demo_size}"
+        return checkpoint, args.model_name or checkpoint.name
+    print(f"no --model: the {args.demo_size} demo checkpoint (built on first use)", flush=True)
+    return cached_demo_checkpoint(args.demo_size), args.model_name or f"demo-{args.demo_size}"
+
+
+def stack_config(
+    args: argparse.Namespace, roles: tuple[str, ...], checkpoint: Path, name: str, dtype: str
+) -> StackConfig:
+    """`epd serve`'s StackConfig: what each of its components is started with."""
+    from services.launcher.serve import StackConfig
+
     transports: tuple[str, ...] = ()
     if args.language_transports:
         transports = ("--transports", ",".join(t.name.lower() for t in args.language_transports))
-    dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
-    print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
-    gateway = ["--allow-private-urls"] if args.allow_private_urls else []
-    if not env.CLUSTER_TOKEN.get():  # one per stack: the children inherit it
-        os.environ[env.CLUSTER_TOKEN.name] = secrets.token_urlsafe(24)
-    exit_now(
-        run(
-            StackConfig(
-                checkpoint=checkpoint,
-                model_name=name,
-                log_dir=Path(args.log_dir or Path(env.CACHE_DIR.get()) / "logs"),
-                host=args.host,
-                port=args.port,
-                broker_port=args.broker_port,
-                encoder_port=args.encoder_port,
-                language_port=args.language_port,
-                triton_ports=(
-                    args.triton_http_port,
-                    args.triton_grpc_port,
-                    args.triton_metrics_port,
-                ),
-                num_encoders=args.min_encoders if args.encoders == "auto" else args.encoders,
-                planner=planner_config(args) if args.encoders == "auto" else None,
-                num_languages=args.languages or flags.default(StackConfig, "num_languages"),
-                num_prefill=args.prefill,
-                num_decode=args.decode,
-                roles=roles,
-                broker=args.broker,
-                advertise_host=args.advertise_host,
-                api_key=args.api_key,
-                language_args=(
-                    *flags.engine_args(args),
-                    *(() if args.monolithic else ("--engine-process", args.engine_process)),
-                    *transports,
-                ),
-                dtype=dtype,
-                gateway_args=tuple(gateway),
-                encoder_args=("--cache-mb", str(args.encoder_cache_mb))
-                if args.encoder_cache_mb
-                else (),
-                broker_args=(
-                    *("--encoder-routing", args.encoder_routing),
-                    *("--load-factor", str(args.load_factor), "--load-slack", str(args.load_slack)),
-                ),
-                monolithic=args.monolithic,
-                encoder_cpus=args.encoder_cpus,
-                language_cpus=args.language_cpus,
-                encoder_nice=args.encoder_nice,
-                threads_while_encoding=args.threads_while_encoding,
-                max_restarts=args.max_restarts,
-                restart_window_s=args.restart_window,
-                shutdown_grace_s=args.shutdown_grace,
-            )
-        )
+    return StackConfig(
+        checkpoint=checkpoint,
+        model_name=name,
+        log_dir=Path(args.log_dir or Path(env.CACHE_DIR.get()) / "logs"),
+        host=args.host,
+        port=args.port,
+        broker_port=args.broker_port,
+        encoder_port=args.encoder_port,
+        language_port=args.language_port,
+        triton_ports=(args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port),
+        num_encoders=args.min_encoders if args.encoders == "auto" else args.encoders,
+        planner=planner_config(args) if args.encoders == "auto" else None,
+        num_languages=args.languages or flags.default(StackConfig, "num_languages"),
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        roles=roles,
+        broker=args.broker,
+        advertise_host=args.advertise_host,
+        api_key=args.api_key,
+        language_args=(
+            *flags.engine_args(args),
+            *(() if args.monolithic else ("--engine-process", args.engine_process)),
+            *transports,
+        ),
+        dtype=dtype,
+        gateway_args=("--allow-private-urls",) if args.allow_private_urls else (),
+        encoder_args=("--cache-mb", str(args.encoder_cache_mb)) if args.encoder_cache_mb else (),
+        broker_args=(
+            *("--encoder-routing", args.encoder_routing),
+            *("--load-factor", str(args.load_factor), "--load-slack", str(args.load_slack)),
+        ),
+        monolithic=args.monolithic,
+        encoder_cpus=args.encoder_cpus,
+        language_cpus=args.language_cpus,
+        encoder_nice=args.encoder_nice,
+        threads_while_encoding=args.threads_while_encoding,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        shutdown_grace_s=args.shutdown_grace,
     )
 
 

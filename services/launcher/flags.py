@@ -106,7 +106,7 @@ def add_triton_tracing(p: argparse.ArgumentParser) -> None:
 
 def add_limits(p: argparse.ArgumentParser) -> None:
     """ImageLimits' fields, each a flag of its name."""
-    from services.encoder.limits import ImageLimits
+    from services.media.limits import ImageLimits
 
     helps = {"max_images": "images and videos", "max_video_pixels": "per frame"}
     for f in dataclasses.fields(ImageLimits):
@@ -485,6 +485,8 @@ def health(p: argparse.ArgumentParser) -> None:
 
 
 def serve(p: argparse.ArgumentParser) -> None:
+    """`epd serve`'s options: the model and its front door, how many of each
+    component, where they run, the engine, the cores, supervision."""
     from services.launcher.serve import StackConfig
 
     p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
@@ -505,6 +507,18 @@ def serve(p: argparse.ArgumentParser) -> None:
     field_option(p, StackConfig, "port", help="the gateway's port")
     p.add_argument("--api-key", default=env.API_KEY.get())
     p.add_argument("--allow-private-urls", action="store_true")
+    add_engine(p)
+    add_engine_process(p)
+    add_threads_while_encoding(p, serve=True)
+    add_dtype(p, "dtype of the vision tower, the embeddings and the language model")
+    _serve_scale(p)
+    _serve_hosts(p)
+    _serve_operation(p)
+
+
+def _serve_scale(p: argparse.ArgumentParser) -> None:
+    from services.launcher.serve import StackConfig
+
     p.add_argument(
         "--encoders",
         type=encoder_count,
@@ -535,6 +549,11 @@ def serve(p: argparse.ArgumentParser) -> None:
         help="E/P/D: prefill instances (with --decode, in place of --languages)",
     )
     field_option(p, StackConfig, "num_decode", "--decode", help="E/P/D: decode instances")
+
+
+def _serve_hosts(p: argparse.ArgumentParser) -> None:
+    from services.launcher.serve import StackConfig
+
     p.add_argument(
         "--roles",
         default=",".join(default(StackConfig, "roles")),
@@ -565,10 +584,12 @@ def serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--triton-http-port", type=int, default=http)
     p.add_argument("--triton-grpc-port", type=int, default=grpc)
     p.add_argument("--triton-metrics-port", type=int, default=metrics)
-    add_engine(p)
-    add_engine_process(p)
-    add_threads_while_encoding(p, serve=True)
-    add_dtype(p, "dtype of the vision tower, the embeddings and the language model")
+
+
+def _serve_operation(p: argparse.ArgumentParser) -> None:
+    """Where the components run, their supervision, logs, security and tracing."""
+    from services.launcher.serve import StackConfig
+
     field_option(
         p,
         StackConfig,

@@ -360,11 +360,9 @@ def _instance(
 def components(config: StackConfig) -> list[Component]:
     """This host's share (all of it by default), in start order; each waits only
     for its own health."""
-    ck, model, logs = str(config.checkpoint), config.model_name, config.log_dir
-    broker = config.broker_address
     gateway_args = [
         *("--host", config.host, "--port", str(config.port)),
-        *("--checkpoint", ck, *config.gateway_args),
+        *("--checkpoint", str(config.checkpoint), *config.gateway_args),
     ]
     if config.api_key:
         gateway_args += ["--api-key", config.api_key]
@@ -374,54 +372,60 @@ def components(config: StackConfig) -> list[Component]:
             Component(
                 "monolithic",
                 [
-                    *("monolithic", *gateway_args, "--model-name", model),
+                    *("monolithic", *gateway_args, "--model-name", config.model_name),
                     *("--dtype", config.dtype, *config.language_args),
                 ],
                 lambda: http_ok(gateway_url),
-                logs / "monolithic.log",
+                config.log_dir / "monolithic.log",
             )
         ]
+    gateway = Component(
+        "gateway",
+        [
+            *("gateway", *gateway_args, "--broker", config.broker_address),
+            *("--served-model", config.model_name),
+        ],
+        lambda: http_ok(gateway_url),
+        config.log_dir / "gateway.log",
+    )
+    parts = [_broker(config), _triton(config), *_languages(config), *_encoders(config), gateway]
+    return [part for part in parts if part.name.rsplit("-", 1)[0] in _role_names(config)]
+
+
+def _broker(config: StackConfig) -> Component:
+    return Component(
+        "broker",
+        [
+            *("broker", "--host", config.listen_host, "--port", str(config.broker_port)),
+            *("--metrics-port", str(config.metrics_port(config.broker_port))),
+            *config.broker_args,
+        ],
+        lambda: grpc_serving(f"{LOCAL}:{config.broker_port}"),
+        config.log_dir / "broker.log",
+    )
+
+
+def _triton(config: StackConfig) -> Component:
     http, grpc_port, metrics = config.triton_ports
-    parts = [
-        Component(
-            "broker",
-            [
-                "broker",
-                "--host",
-                config.listen_host,
-                "--port",
-                str(config.broker_port),
-                "--metrics-port",
-                str(config.metrics_port(config.broker_port)),
-                *config.broker_args,
-            ],
-            lambda: grpc_serving(f"{LOCAL}:{config.broker_port}"),
-            logs / "broker.log",
-        ),
-        Component(
-            "triton",
-            [
-                "triton",
-                "--checkpoint",
-                ck,
-                "--http-port",
-                str(http),
-                "--grpc-port",
-                str(grpc_port),
-                "--metrics-port",
-                str(metrics),
-                "--dtype",
-                config.dtype,
-                # one request a forward, so that each prompt's prefill overlaps the
-                # next encode (model_repository/vit/configs/shared-cpu.pbtxt)
-                *(["--model-config-name", "shared-cpu"] if config.vision_shares_cores else []),
-            ],
-            lambda: http_ok(f"http://{LOCAL}:{http}/v2/models/vit/ready"),
-            logs / "triton.log",
-            config.encoder_cpus,
-            config.encoder_nice,
-        ),
-    ]
+    return Component(
+        "triton",
+        [
+            *("triton", "--checkpoint", str(config.checkpoint), "--http-port", str(http)),
+            *("--grpc-port", str(grpc_port), "--metrics-port", str(metrics)),
+            *("--dtype", config.dtype),
+            # one request a forward, so that each prompt's prefill overlaps the
+            # next encode (model_repository/vit/configs/shared-cpu.pbtxt)
+            *(["--model-config-name", "shared-cpu"] if config.vision_shares_cores else []),
+        ],
+        lambda: http_ok(f"http://{LOCAL}:{http}/v2/models/vit/ready"),
+        config.log_dir / "triton.log",
+        config.encoder_cpus,
+        config.encoder_nice,
+    )
+
+
+def _languages(config: StackConfig) -> list[Component]:
+    parts = []
     yielding = config.language_threads_while_encoding
     for i, (name, role) in enumerate(config.languages):
         extra = [*config.language_args, "--role", role]
@@ -434,22 +438,20 @@ def components(config: StackConfig) -> list[Component]:
         # when each parallel region wakes them: libgomp's default spin)
         language.spin_count = GOMP_DEFAULT_SPIN_COUNT if yielding else 0
         parts.append(language)
+    return parts
+
+
+def _encoders(config: StackConfig) -> list[Component]:
+    """As many as the planner may run; those beyond --encoders parked for it."""
+    parts = []
     most = config.planner.max_encoders if config.planner else config.num_encoders
     for i in range(most):
-        extra = ["--triton", f"{LOCAL}:{grpc_port}", *config.encoder_args]
+        extra = ["--triton", f"{LOCAL}:{config.triton_ports[1]}", *config.encoder_args]
         port = config.encoder_port + i
         encoder = _instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, extra)
         encoder.parked = i >= config.num_encoders  # the planner's to start
         parts.append(encoder)
-    parts.append(
-        Component(
-            "gateway",
-            ["gateway", *gateway_args, "--broker", broker, "--served-model", model],
-            lambda: http_ok(gateway_url),
-            logs / "gateway.log",
-        )
-    )
-    return [part for part in parts if part.name.rsplit("-", 1)[0] in _role_names(config)]
+    return parts
 
 
 def _role_names(config: StackConfig) -> set[str]:

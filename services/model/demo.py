@@ -289,6 +289,7 @@ def _qwen2_5_vl(spec: DemoSize, vocab_size: int, ids: dict[str, int], arch: str)
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+# Long: the demo's config, one literal field by field, as the released checkpoints' config.json
 def _qwen3_vl(spec: DemoSize, vocab_size: int, ids: dict[str, int], arch: str) -> Any:
     """Qwen3-VL, or with arch qwen3_vl_moe its MoE variant (every MLP sparse)."""
     from transformers import (

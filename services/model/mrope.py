@@ -19,11 +19,21 @@ delta = max(position) + 1 - prompt_length.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from services.wire.messages import MediaGrid
+
+
+def _spans(grids: Sequence[MediaGrid]) -> Iterator[MediaGrid]:
+    """Each run of placeholders in prompt order: a grid, or each temporal patch of
+    a video whose patches the prompt spells out apart (with their timestamps)."""
+    for grid in grids:
+        if grid.frame_seconds:
+            yield from [dataclasses.replace(grid, t=1, frame_seconds=())] * grid.t
+        else:
+            yield grid
 
 
 def mrope_positions(
@@ -44,15 +54,7 @@ def mrope_positions(
     is_image = [t in media for t in ids.tolist()]
     pos = 0  # next position id
     i = 0  # next sequence index
-    grid_iter = iter(
-        span
-        for grid in grids
-        for span in (
-            [dataclasses.replace(grid, t=1, frame_seconds=())] * grid.t
-            if grid.frame_seconds
-            else [grid]
-        )
-    )
+    grid_iter = _spans(grids)
     while i < n:
         if not is_image[i]:
             j = i

@@ -203,6 +203,27 @@ class TritonServer:
             )
         self._workdir = Path(tempfile.mkdtemp(prefix="epd-triton-"))
         backends = self._prepare_backends(install, self._workdir)
+        cmd = self._command(install, backends)
+        env = self._environment(install)
+        logger.info("starting tritonserver (grpc %s, http %s)", cfg.grpc_url, cfg.http_url)
+        self._process = subprocess.Popen(
+            die_with_parent(cmd),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._log_thread = threading.Thread(target=self._forward_log, daemon=True)
+        self._log_thread.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _command(self, install: TritonInstall, backends: Path) -> list[str]:
+        """tritonserver's command line: this model only, on this host's ports."""
+        cfg = self.config
         cmd = [
             str(install.binary),
             f"--model-repository={cfg.model_repository}",
@@ -234,6 +255,11 @@ class TritonServer:
             cmd.append(f"--model-config-name={cfg.model_config_name}")
         if cfg.otlp_endpoint:
             cmd += _tracing_flags(cfg.otlp_endpoint)
+        return cmd
+
+    def _environment(self, install: TritonInstall) -> dict[str, str]:
+        """Its environment: the wheel's libraries, and what model.py reads."""
+        cfg = self.config
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             filter(None, [str(install.libs), _python_library_dir(), env.get("LD_LIBRARY_PATH")])
@@ -241,21 +267,7 @@ class TritonServer:
         env["EPD_VIT_CHECKPOINT"] = str(Path(cfg.checkpoint).resolve())
         env["EPD_VIT_DTYPE"] = cfg.dtype
         env["EPD_SITE_PACKAGES"] = os.pathsep.join(site.getsitepackages())
-        logger.info("starting tritonserver (grpc %s, http %s)", cfg.grpc_url, cfg.http_url)
-        self._process = subprocess.Popen(
-            die_with_parent(cmd),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self._log_thread = threading.Thread(target=self._forward_log, daemon=True)
-        self._log_thread.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        return env
 
     def _prepare_backends(self, install: TritonInstall, workdir: Path) -> Path:
         """A backend folder holding the wheel's Python backend plus the stub for this Python."""

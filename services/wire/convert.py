@@ -28,14 +28,14 @@ import torch
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor, OneofDescriptor
 from google.protobuf.message import Message
 
-from services.proto import broker_pb2, common_pb2, language_pb2
+from services.proto import broker_pb2, common_pb2, encoder_pb2, language_pb2
 from services.wire import messages, request
 from services.wire.dtypes import DTYPE_NAMES, DTYPES_BY_NAME
 from services.wire.transport import Transport
 
 T = TypeVar("T")
 
-_PROTO_MODULES = (common_pb2, broker_pb2, language_pb2)
+_PROTO_MODULES = (common_pb2, broker_pb2, encoder_pb2, language_pb2)
 _DATACLASSES: dict[str, type] = {
     name: value
     for module in (messages, request)

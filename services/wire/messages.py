@@ -347,6 +347,39 @@ class InstanceJoined:
     instance: InstanceInfo
 
 
+# -- routing: the gateway asks the broker where a request runs (broker.proto) ------
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """A request to place. A failover names what failed: `failed_encoder_id` (its
+    encoder failed before any embedding landed: it stays on `language_id`) or
+    `failed_language_id` (its language instance failed before producing anything)."""
+
+    request_id: str
+    model: str = ""  # empty: any
+    needs_encoder: bool = False  # false for text-only requests
+    language_id: str = ""
+    failed_encoder_id: str = ""
+    failed_language_id: str = ""
+    media_hashes: tuple[str, ...] = ()  # each item's content hash, in prompt order
+
+
+@dataclass(frozen=True, slots=True)
+class RouteReply:
+    """Where it runs: a language instance, an encoder for its media (and the
+    transport between them), and under E/P/D the decode instance that takes it
+    from the prefill instance `language_id`."""
+
+    language_id: str
+    language_address: str
+    encoder_id: str = ""
+    encoder_address: str = ""
+    transport: Transport | None = None
+    decode_id: str = ""
+    decode_address: str = ""
+
+
 # What an instance sends on its Attach stream, and what the broker sends back.
 PeerMessage = (
     Register

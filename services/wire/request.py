@@ -160,6 +160,18 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodeRequest:
+    """A request's images and videos (their encoded bytes, in prompt order; the
+    entries at `video_indices` are videos), for the encoder to send to
+    `language_instance_id` (empty: back in the reply)."""
+
+    request_id: str
+    images: tuple[bytes, ...] = ()
+    language_instance_id: str = ""
+    video_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillReply:
     num_prompt_tokens: int
 

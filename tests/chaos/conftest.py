@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.bench.images import encode_image, random_image
 from services.launcher.serve import grpc_serving, http_ok, launch
+from services.loadgen.synthetic import encode_image, random_image
 from services.runtime.ports import free_port_block
 from services.transfer.shared_memory import SHM_DIR
 

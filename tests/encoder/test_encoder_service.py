@@ -14,9 +14,9 @@ import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.bench.images import encode_image, random_image
-from services.encoder.limits import ImageLimits
 from services.encoder.server import EncoderServer
+from services.loadgen.synthetic import encode_image, random_image
+from services.media.limits import ImageLimits
 from services.proto import broker_pb2, common_pb2, encoder_pb2
 from services.runtime.grpc_server import channel
 from services.runtime.ports import free_port

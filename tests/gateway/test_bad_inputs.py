@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayServer
+from services.loadgen.synthetic import encode_image, random_image
 from tests.bad_images import png_header_only
 from tests.gateway.conftest import MAX_BODY_BYTES
 from tests.stack import MODEL

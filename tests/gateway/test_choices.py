@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.model.tokenizer import load_tokenizer
 from tests.reference import chat, hf_greedy, hf_greedy_prompt
 from tests.stack import MODEL

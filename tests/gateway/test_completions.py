@@ -12,9 +12,9 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from services.bench.runner import RunConfig, run
-from services.bench.workload import Workload, build_requests
 from services.gateway.server import GatewayServer
+from services.loadgen.runner import RunConfig, run
+from services.loadgen.workload import Workload, build_requests
 from services.model.tokenizer import load_tokenizer
 from tests.reference import hf_greedy_prompt
 from tests.stack import MODEL

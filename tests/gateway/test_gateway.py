@@ -15,8 +15,8 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError
 
-from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayConfig, GatewayServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.runtime.ports import free_port
 from services.wire.transport import Transport
 from tests.stack import MODEL, start_broker, start_encoder, start_language

@@ -10,9 +10,9 @@ import logging
 import pytest
 from openai import AsyncOpenAI, BadRequestError, InternalServerError
 
-from services.bench.images import encode_image, random_image
 from services.gateway.backend import GenerateCall, Responses
 from services.gateway.server import GatewayServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.runtime.logs import JsonFormatter
 from tests.stack import MODEL
 

@@ -18,10 +18,10 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 
-from services.bench.images import encode_image, random_image
 from services.broker.placement import hrw_weight
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
+from services.loadgen.synthetic import encode_image, random_image
 from services.proto import encoder_pb2_grpc, language_pb2_grpc
 from services.runtime.ports import free_port
 from services.triton.launcher import TritonServer

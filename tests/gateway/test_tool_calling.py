@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from services.bench.images import encode_image, random_image
 from services.gateway.server import GatewayServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.model.tokenizer import load_tokenizer
 from tests.stack import MODEL
 

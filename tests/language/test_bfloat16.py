@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.bench.images import random_image
 from services.language.engine.request import SamplingParams
+from services.loadgen.synthetic import random_image
 from tests.language.engine_fixtures import (
     make_engine,
     make_request,

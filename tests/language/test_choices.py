@@ -11,10 +11,10 @@ import pytest
 import torch
 import xgrammar
 
-from services.bench.images import random_image
 from services.language.engine.engine import LLMEngine, RequestOutput
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
 from services.language.engine.request import Request, SamplingParams
+from services.loadgen.synthetic import random_image
 from services.model.spec import load_spec
 from tests.language.engine_fixtures import (
     make_engine,

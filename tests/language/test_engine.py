@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from services.bench.images import random_image
 from services.language.engine.request import Request, SamplingParams
+from services.loadgen.synthetic import random_image
 from tests.language.engine_fixtures import (
     check_batch,
     make_engine,

@@ -17,13 +17,13 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
 from services.language.engine.config import EngineConfig
 from services.language.engine.process import EngineProcess
 from services.language.engine.request import SamplingParams
 from services.language.server import LanguageServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.proto import common_pb2, language_pb2
 from services.triton.launcher import TritonServer
 from services.wire.transport import Transport

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.bench.images import random_image
 from services.language.engine.request import SamplingParams
 from services.layers.attention import FlashInferAttention, TorchAttention
 from services.layers.moe import FlashInferExperts
+from services.loadgen.synthetic import random_image
 from services.model.demo import build_demo_checkpoint
 from tests.language.engine_fixtures import (
     count_replays,

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from services.bench.images import random_image
 from services.language.engine.kv_cache import KVBlockManager, KVCacheConfig, _prefix_hashes
 from services.language.engine.request import Request
+from services.loadgen.synthetic import random_image
 from services.wire.request import SamplingParams
 from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
 from tests.reference import hf_greedy

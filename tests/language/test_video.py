@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from services.bench.images import random_video
 from services.language.engine.request import Request, SamplingParams, new_request
+from services.loadgen.synthetic import random_video
 from services.model.checkpoint import load_vision_tower
 from services.model.demo import build_demo_checkpoint
 from services.model.processor import load_image_processor

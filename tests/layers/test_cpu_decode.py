@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.bench.images import random_image
 from services.language.engine.engine import LLMEngine
 from services.language.engine.request import Request, SamplingParams
 from services.layers import cpu_kernels
@@ -19,6 +18,7 @@ from services.layers.cpu_decode import unsupported
 from services.layers.cpu_kernels import silu_table
 from services.layers.language_model import MLP
 from services.layers.linear import KERNEL_MAX_ROWS
+from services.loadgen.synthetic import random_image
 from tests.language.engine_fixtures import make_engine, make_request
 from tests.reference import chat
 

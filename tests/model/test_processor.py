@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.images import random_image
+from services.loadgen.synthetic import random_image
 from services.model.processor import ImageTokenRule, load_image_processor
 
 SIZES = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from services.bench.images import random_image
+from services.loadgen.synthetic import random_image
 from services.model.checkpoint import load_language_weights, load_vision_tower
 from services.model.mrope import decode_position, mrope_positions
 from services.model.processor import load_image_processor

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.bench.images import random_video
+from services.loadgen.synthetic import random_video
 from services.model.demo import build_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer, render_chat

@@ -19,10 +19,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.bench.images import encode_image, random_image
 from services.broker.server import BrokerServer
 from services.encoder.server import EncoderServer
 from services.language.server import LanguageServer
+from services.loadgen.synthetic import encode_image, random_image
 from services.proto import broker_pb2, encoder_pb2
 from services.transfer.state import TransferFailedError
 from services.triton.launcher import TritonServer

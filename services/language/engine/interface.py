@@ -6,7 +6,7 @@ implement, and the part of it they share (EngineHost)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -148,7 +148,9 @@ class EngineHost:
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
-    async def _outputs(self, request: Request, q: OutputQueue) -> AsyncIterator[RequestOutput]:
+    async def _outputs(
+        self, request: Request, q: OutputQueue
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of a request whose queue is `q` (registered by the caller),
         until every choice finishes; leaving early aborts it."""
         going = Going(request.sampling.n)

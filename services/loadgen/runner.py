@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from services.bench.client import RequestResult, send
-from services.bench.workload import BenchRequest
+from services.loadgen.client import RequestResult, send
+from services.loadgen.workload import BenchRequest
 
 
 @dataclass(frozen=True, slots=True)

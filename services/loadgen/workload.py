@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from services.bench.images import encode_image, random_image, random_video
+from services.loadgen.synthetic import encode_image, random_image, random_video
 
 WORDS = [
     "picture",
@@ -190,6 +190,53 @@ class _Images:
         return self._urls[n]
 
 
+def _video_url(workload: Workload, videos: list[tuple[bytes, str]], index: int) -> str:
+    """Request `index`'s video: from the folder, else a random clip of the workload's."""
+    if videos:
+        data, kind = videos[index % len(videos)]
+    else:
+        width, height = workload.video_size
+        data = random_video(workload.video_frames, width, height, workload.video_fps, seed=index)
+        kind = "video/mp4"
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def _body(
+    workload: Workload,
+    model: str,
+    text: str,
+    content: list[dict[str, Any]],
+    schema: bool,
+    tools: bool,
+) -> dict[str, Any]:
+    """A request's JSON body: streamed, greedy, `output_len` tokens."""
+    prompt: dict[str, Any] = (
+        {"prompt": text}
+        if workload.endpoint == "completions"
+        else {"messages": [{"role": "user", "content": content}]}
+    )
+    body = {
+        "model": model,
+        **prompt,
+        "max_tokens": workload.output_len,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if workload.ignore_eos:
+        body["ignore_eos"] = True
+    if schema:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": BENCH_SCHEMA},
+        }
+    if tools:
+        body["tools"] = BENCH_TOOLS
+        body["tool_choice"] = workload.tool_choice
+        body["parallel_tool_calls"] = False
+    return body
+
+
 def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
     rng = random.Random(workload.seed)
     with_images = set(
@@ -220,41 +267,10 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
             for pick in picks:
                 content.append({"type": "image_url", "image_url": {"url": image.url(pick)}})
         if index in with_videos:
-            if videos:
-                data, kind = videos[index % len(videos)]
-            else:
-                width, height = workload.video_size
-                data = random_video(
-                    workload.video_frames, width, height, workload.video_fps, seed=index
-                )
-                kind = "video/mp4"
-            url = f"data:{kind};base64,{base64.b64encode(data).decode()}"
+            url = _video_url(workload, videos, index)
             content.append({"type": "video_url", "video_url": {"url": url}})
         content.append({"type": "text", "text": text})
-        prompt: dict[str, Any] = (
-            {"prompt": text}
-            if workload.endpoint == "completions"
-            else {"messages": [{"role": "user", "content": content}]}
-        )
-        body = {
-            "model": model,
-            **prompt,
-            "max_tokens": workload.output_len,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if workload.ignore_eos:
-            body["ignore_eos"] = True
-        if index in with_schema:
-            body["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "bench", "schema": BENCH_SCHEMA},
-            }
-        if index in with_tools:
-            body["tools"] = BENCH_TOOLS
-            body["tool_choice"] = workload.tool_choice
-            body["parallel_tool_calls"] = False
+        body = _body(workload, model, text, content, index in with_schema, index in with_tools)
         path = "/completions" if workload.endpoint == "completions" else "/chat/completions"
         of: Literal["image", "video", "text"] = (
             "image" if index in with_images else "video" if index in with_videos else "text"

@@ -12,13 +12,14 @@ from typing import Any
 
 import httpx
 
-from services.bench import plots
-from services.bench.runner import RunConfig, RunResult, run
-from services.bench.summary import render, summarize
-from services.bench.workload import Workload, build_requests
+from services.loadgen import plots
+from services.loadgen.runner import RunConfig, RunResult, run
+from services.loadgen.summary import render, summarize
+from services.loadgen.workload import Workload, build_requests
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`epd bench`'s options: the server, the workload, the arrivals, the outputs."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
     p.add_argument("--model", help="default: the first model the server lists")
     p.add_argument("--api-key", default="")
@@ -54,6 +55,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let requests stop at EOS (by default they ask for exactly --output-len)",
     )
+    _media_arguments(p)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="requests/s (Poisson); inf sends all at once; several values sweep",
+    )
+    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--goodput",
+        nargs="*",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:2000 tpot:100 e2e:10000",
+    )
+    p.add_argument("--result-json", help="write every run's summary and requests here")
+    p.add_argument("--plot-dir", help="write latency CDFs and throughput-vs-rate PNGs here")
+
+
+def _media_arguments(p: argparse.ArgumentParser) -> None:
+    """Which requests have images or a video, and what those are."""
     p.add_argument(
         "--image-ratio",
         type=float,
@@ -82,25 +107,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--video-size", default="224x224", help="WIDTHxHEIGHT of random videos")
     p.add_argument("--video-fps", type=int, default=4, help="frame rate of random videos")
     p.add_argument("--video-dir", help="use these videos instead of random ones")
-    p.add_argument(
-        "--request-rate",
-        type=float,
-        nargs="+",
-        default=[math.inf],
-        help="requests/s (Poisson); inf sends all at once; several values sweep",
-    )
-    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests first")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--goodput",
-        nargs="*",
-        default=[],
-        metavar="METRIC:MS",
-        help="SLOs for goodput, e.g. ttft:2000 tpot:100 e2e:10000",
-    )
-    p.add_argument("--result-json", help="write every run's summary and requests here")
-    p.add_argument("--plot-dir", help="write latency CDFs and throughput-vs-rate PNGs here")
 
 
 def parse_slo(items: list[str]) -> dict[str, float]:
@@ -144,10 +150,10 @@ def record(run_result: RunResult, summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(args: argparse.Namespace) -> int:
+def workload_of(args: argparse.Namespace) -> Workload:
     width, _, height = args.image_size.partition("x")
     video_width, _, video_height = args.video_size.partition("x")
-    workload = Workload(
+    return Workload(
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -169,6 +175,10 @@ def main(args: argparse.Namespace) -> int:
         video_fps=args.video_fps,
         video_dir=Path(args.video_dir) if args.video_dir else None,
     )
+
+
+def main(args: argparse.Namespace) -> int:
+    workload = workload_of(args)
     slo = parse_slo(args.goodput)
     model = args.model or first_model(args.base_url, args.api_key)
     requests = build_requests(workload, model)
@@ -194,6 +204,19 @@ def main(args: argparse.Namespace) -> int:
         runs[f"{rate:g} req/s"] = result
         summaries.append(summary)
         print(render(summary), flush=True)
+    write_outputs(args, model, workload, runs, summaries)
+    failed = sum(s["failed"] for s in summaries)
+    return 1 if failed and failed == sum(s["failed"] + s["completed"] for s in summaries) else 0
+
+
+def write_outputs(
+    args: argparse.Namespace,
+    model: str,
+    workload: Workload,
+    runs: dict[str, RunResult],
+    summaries: list[dict[str, Any]],
+) -> None:
+    """--result-json's report and --plot-dir's plots, where asked for."""
     if args.result_json:
         report = {
             "model": model,
@@ -210,5 +233,3 @@ def main(args: argparse.Namespace) -> int:
         plots.latency_cdfs(runs, folder / "latency_cdf.png", f"{model} at {args.base_url}")
         if len(summaries) > 1:
             plots.throughput_vs_rate({model: summaries}, folder / "throughput_vs_rate.png")
-    failed = sum(s["failed"] for s in summaries)
-    return 1 if failed and failed == sum(s["failed"] + s["completed"] for s in summaries) else 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.bench.client import RequestResult
-from services.bench.runner import RunResult
-from services.bench.stats import mean, percentile
+from services.loadgen.client import RequestResult
+from services.loadgen.runner import RunResult
+from services.loadgen.stats import mean, percentile
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
 

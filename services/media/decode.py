@@ -12,7 +12,7 @@ import warnings
 
 from PIL import Image, UnidentifiedImageError
 
-from services.encoder.limits import ImageLimits
+from services.media.limits import ImageLimits
 from services.model.video import VideoError, VideoInfo, probe
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.bench.images import encode_image, random_image, random_video
-from services.encoder.limits import ImageLimits
 from services.gateway.errors import ApiError
-from services.gateway.images import FetchPolicy, ImageLoader
+from services.gateway.media import FetchPolicy, MediaLoader
+from services.loadgen.synthetic import encode_image, random_image, random_video
+from services.media.limits import ImageLimits
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule, probe
 from tests.bad_images import png_header_only
@@ -63,8 +63,8 @@ def image_server() -> Iterator[str]:
     server.shutdown()
 
 
-def loader(allow_private: bool = False) -> ImageLoader:
-    return ImageLoader(
+def loader(allow_private: bool = False) -> MediaLoader:
+    return MediaLoader(
         LIMITS,
         FetchPolicy(timeout_s=5, allow_private=allow_private),
         ImageTokenRule(),

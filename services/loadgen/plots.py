@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.bench.runner import RunResult
-from services.bench.summary import samples
+from services.loadgen.runner import RunResult
+from services.loadgen.summary import samples
 
 
 def _pyplot() -> Any:

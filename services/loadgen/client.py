@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from services.bench.workload import BenchRequest
+from services.loadgen.workload import BenchRequest
 
 
 @dataclass(slots=True)

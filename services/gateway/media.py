@@ -20,16 +20,16 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from services.encoder.images import BadImageError, inspect_image, inspect_video
-from services.encoder.limits import ImageLimits
 from services.gateway.config import FetchPolicy
 from services.gateway.errors import ApiError
+from services.media.decode import BadImageError, inspect_image, inspect_video
+from services.media.limits import ImageLimits
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
 
 
 @dataclass(frozen=True, slots=True)
-class LoadedImage:
+class LoadedMedia:
     data: bytes
     width: int
     height: int
@@ -40,7 +40,7 @@ def _bad(index: int, reason: str, kind: str = "image") -> ApiError:
     return ApiError(400, f"{kind} {index}: {reason}", param="messages")
 
 
-class ImageLoader:
+class MediaLoader:
     """Images and videos (`kind` "video"; indices count both, in request order)."""
 
     def __init__(
@@ -59,7 +59,7 @@ class ImageLoader:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def load_all(self, urls: list[str], kinds: list[str] | None = None) -> list[LoadedImage]:
+    async def load_all(self, urls: list[str], kinds: list[str] | None = None) -> list[LoadedMedia]:
         """`kinds`: "image" or "video" per URL (default: all images)."""
         if len(urls) > self.limits.max_images:
             raise ApiError(
@@ -75,7 +75,7 @@ class ImageLoader:
             )
         )
 
-    async def load(self, url: str, index: int, kind: str = "image") -> LoadedImage:
+    async def load(self, url: str, index: int, kind: str = "image") -> LoadedMedia:
         cap = self.limits.max_video_bytes if kind == "video" else self.limits.max_image_bytes
         if url.startswith("data:"):
             data = self._decode_data_url(url, index, kind, cap)
@@ -99,7 +99,7 @@ class ImageLoader:
             raise ApiError(400, str(exc), param="messages") from None
         except ValueError as exc:  # the resize rule's aspect-ratio check, too few frames
             raise _bad(index, str(exc), kind) from None
-        return LoadedImage(data, width, height, hint)
+        return LoadedMedia(data, width, height, hint)
 
     def _decode_data_url(self, url: str, index: int, kind: str, cap: int) -> bytes:
         header, sep, payload = url.partition(",")

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.images import encode_image, random_image
-from services.encoder.images import BadImageError, check_count, decode_image
-from services.encoder.limits import ImageLimits
+from services.loadgen.synthetic import encode_image, random_image
+from services.media.decode import BadImageError, check_count, decode_image
+from services.media.limits import ImageLimits
 from tests.bad_images import gif, png_header_only, truncated_png
 
 LIMITS = ImageLimits(max_images=4, max_image_bytes=200_000, max_image_pixels=1000 * 1000)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.client import RequestResult
-from services.bench.runner import RunResult, arrival_times
-from services.bench.stats import percentile
-from services.bench.summary import meets, summarize
-from services.bench.workload import Workload, build_requests
+from services.loadgen.client import RequestResult
+from services.loadgen.runner import RunResult, arrival_times
+from services.loadgen.stats import percentile
+from services.loadgen.summary import meets, summarize
+from services.loadgen.workload import Workload, build_requests
 
 
 def test_workload_is_deterministic_and_mixes_exactly() -> None:

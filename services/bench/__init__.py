@@ -1,1 +1,0 @@
-"""The serving benchmark (`epd bench`) and what the bench scripts share."""
