@@ -30,10 +30,10 @@ from pathlib import Path
 
 from bench.peer import with_section
 from bench.report import DOC, PLANNER_END, PLANNER_START, Setup, machine, serve
-from services.bench.client import RequestResult
-from services.bench.runner import RunConfig, run
-from services.bench.stats import percentile
-from services.bench.workload import Workload, build_requests
+from services.loadgen.client import RequestResult
+from services.loadgen.runner import RunConfig, run
+from services.loadgen.stats import percentile
+from services.loadgen.workload import Workload, build_requests
 
 PLANNER_ARGS = (
     *("--encoders", "auto", "--min-encoders", "1", "--max-encoders", "3"),
@@ -179,7 +179,7 @@ def markdown(rows: list[Window], trace: Trace, rate: float) -> str:
         *(
             f"| {w.start:.0f} | {w.encoders} | {w.image_share:.0%} | "
             f"{'-' if w.image_ttft_p99 is None else f'{w.image_ttft_p99:.2f}'} | {w.failed} |"
-            for w in rows
+            for w in rows[:: round(15 / WINDOW_S)]  # every 15 s; the plot has every window
         ),
         "",
         f"An encoder was added {_seconds(added)} after the step up. The image requests' "
@@ -197,7 +197,7 @@ def _seconds(value: float | None) -> str:
 
 
 def plot(rows: list[Window], steps: list[float], path: Path) -> None:
-    from services.bench.plots import _pyplot
+    from services.loadgen.plots import _pyplot
 
     plt = _pyplot()
     fig, left = plt.subplots(figsize=(8, 4))

@@ -1,10 +1,10 @@
-"""Writes docs/performance.md: monolithic against disaggregated serving, same
+"""Writes docs/performance-monolithic.md: monolithic against disaggregated serving, same
 machine, same checkpoint (the small demo model), same workloads, one run.
 
     .venv/bin/python -m bench.report [--quick] [--raw DIR] [--arch qwen3_vl_moe]
 
 With `--arch`, the small demo checkpoint of that family is served and the
-report goes to docs/performance-ARCH.md.
+report goes to docs/performance-monolithic-ARCH.md.
 
 Each configuration is started as a user would (`epd serve ...`, a child
 process on free ports) and driven with the same `epd bench` workloads:
@@ -31,22 +31,23 @@ from typing import Any
 
 import torch
 
-from services.bench import plots
-from services.bench.command import strict_json
-from services.bench.runner import RunConfig, RunResult, run
-from services.bench.summary import summarize
-from services.bench.workload import Workload, build_requests
 from services.launcher.serve import launch
+from services.loadgen import plots
+from services.loadgen.command import strict_json
+from services.loadgen.runner import RunConfig, RunResult, run
+from services.loadgen.summary import summarize
+from services.loadgen.workload import Workload, build_requests
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.runtime.ports import free_serve_ports, serve_port_args
 
 REPO = Path(__file__).resolve().parent.parent
-DOC = REPO / "docs" / "performance.md"
+DOC = REPO / "docs" / "performance.md"  # the current report: the sections below
+MONOLITHIC = REPO / "docs" / "performance-monolithic.md"  # this script's
 TEMPLATE = Path(__file__).with_name("performance.md.in")
 FIGURES = REPO / "docs" / "performance"
 FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
-# bench/peer.py, bench/pd.py and bench/encoder_cache.py write their sections
-# between these; regenerating the rest keeps them.
+# bench/peer.py, bench/pd.py, bench/encoder_cache.py, bench/encoder_planner.py and
+# bench/tracing.py write their sections of DOC between these.
 START, END = "<!-- bench/peer.py: start -->", "<!-- bench/peer.py: end -->"
 PD_START, PD_END = "<!-- bench/pd.py: start -->", "<!-- bench/pd.py: end -->"
 CACHE_START = "<!-- bench/encoder_cache.py: start -->"
@@ -93,22 +94,6 @@ def cases(quick: bool) -> list[Case]:
         Case("image-only", 1.0, round(16 * scale), (0.5, 1.0, math.inf)),
         Case("mixed 1:9 image:text", 0.1, round(40 * scale), (1.0, 2.0, 4.0, math.inf)),
     ]
-
-
-def kept_sections(doc: str) -> str:
-    """bench/peer.py's, bench/pd.py's and bench/encoder_cache.py's sections of a
-    performance.md, markers included ("" if none)."""
-    return "\n\n".join(
-        start + doc.partition(start)[2].partition(end)[0] + end
-        for start, end in (
-            (START, END),
-            (PD_START, PD_END),
-            (CACHE_START, CACHE_END),
-            (PLANNER_START, PLANNER_END),
-            (TRACING_START, TRACING_END),
-        )
-        if start in doc
-    )
 
 
 @dataclass(frozen=True)
@@ -345,8 +330,9 @@ def headline(case: Case, results: dict[str, dict[float, dict[str, Any]]]) -> lis
 def outputs(arch: str) -> tuple[Path, Path]:
     """The report and its figures' folder for a demo family."""
     if arch == ARCHS[0]:
-        return DOC, FIGURES
-    return DOC.with_name(f"performance-{arch}.md"), FIGURES.with_name(f"performance-{arch}")
+        return MONOLITHIC, FIGURES
+    page = MONOLITHIC.with_name(f"performance-monolithic-{arch}.md")
+    return page, FIGURES.with_name(f"performance-{arch}")
 
 
 def write(
@@ -401,7 +387,6 @@ def write(
         figures / "mixed_text_latency_cdf.png",
         f"mixed 1:9 at {top:g} req/s: text requests",
     )
-    kept = kept_sections(doc.read_text()) if doc.exists() else ""
     serve_command = "epd serve --demo-size small"
     if arch != ARCHS[0]:
         serve_command = f"epd serve --model DEMO (epd demo-model DEMO --arch {arch} --size small)"
@@ -422,7 +407,6 @@ def write(
             sections="\n".join(sections),
             top=f"{top:g}",
         )
-        + (f"\n{kept}\n" if kept else "")
     )
 
 

@@ -37,7 +37,7 @@ def run_until_signalled(make: Callable[[], Service], uvloop: bool = False) -> in
     leaves at once (exit_now). `uvloop`: on uvloop's event loop, as vLLM's API
     server runs: the gateway spends ~10 % less CPU a request on it (with
     httptools under uvicorn), a language instance ~6 %; the broker and the
-    encoder, whose loops are not busy, gain nothing (docs/performance.md)."""
+    encoder, whose loops are not busy, gain nothing (git history of docs/performance.md)."""
 
     async def main() -> None:
         service = make()

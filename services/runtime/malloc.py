@@ -18,7 +18,7 @@ def keep_freed_memory() -> bool:
     so a prefill step's activations (megabytes each) were mapped, faulted in
     page by page and given back by every operator: 240k page faults in a burst
     of 16 medium-demo prompts, a 2048-token step 1.9 s against 0.9 s
-    (docs/performance.md). Blocks up to 32 MiB now come from the heap, which
+    (git history of docs/performance.md). Blocks up to 32 MiB now come from the heap, which
     keeps up to 1 GiB free, as a caching allocator (or the tcmalloc vLLM's CPU
     backend preloads) keeps it; larger blocks are still mapped each time. Every
     thread allocates from that one heap (one arena): a thread's own arena lives

@@ -138,21 +138,24 @@ def test_summary_counts_throughput_percentiles_and_goodput() -> None:
     assert not meets(results[0], {"tpot": 80})
 
 
-def test_the_peer_section_survives_a_regenerated_report() -> None:
-    """bench/peer.py writes its section once, replaces it on the next run, and
-    bench/report.py carries it over when it rewrites the rest of the page."""
+def test_the_peer_section_is_replaced_and_the_rest_of_the_page_kept() -> None:
+    """bench/peer.py writes its section once and replaces it on the next run,
+    leaving the rest of docs/performance.md as it was."""
     from bench.peer import with_section
-    from bench.report import kept_sections as peer_section
 
-    first = with_section("# Performance\n\nmonolithic vs disaggregated\n", "vs vLLM: run 1")
-    assert first.startswith("# Performance\n\nmonolithic vs disaggregated\n\n")
+    first = with_section("# Performance\n\nhow to read it\n", "vs vLLM: run 1")
+    assert first.startswith("# Performance\n\nhow to read it\n\n")
     second = with_section(first + "\ntrailing text\n", "vs vLLM: run 2")
     assert "run 1" not in second and second.count("vs vLLM") == 1
     assert second.endswith("\ntrailing text\n")
-    kept = peer_section(second)
-    assert kept.count("vs vLLM: run 2") == 1
-    assert peer_section("# Performance\n") == ""
-    assert peer_section("# regenerated\n\n" + kept + "\n") == kept
+
+
+def test_the_monolithic_report_has_a_page_of_its_own() -> None:
+    """bench/report.py rewrites its whole page: not docs/performance.md, which
+    the other scripts write their sections into."""
+    from bench.report import DOC, MONOLITHIC, outputs
+
+    assert outputs("qwen2_5_vl")[0] == MONOLITHIC != DOC
 
 
 def test_each_cpu_class_and_demo_size_has_its_own_peer_section(
@@ -160,9 +163,8 @@ def test_each_cpu_class_and_demo_size_has_its_own_peer_section(
 ) -> None:
     """A run replaces the section of its CPU class and demo size (and EPD's dtype,
     where not the class's own) only; all stay in bench/peer.py's block, which a
-    regenerated report keeps."""
+    the page keeps."""
     from bench import peer
-    from bench.report import kept_sections
 
     doc = "# Performance\n"
     for cpu, size, run in [("AVX2", "small", 1), ("AVX512-BF16", "small", 1), ("AVX2", "small", 2)]:
@@ -180,23 +182,14 @@ def test_each_cpu_class_and_demo_size_has_its_own_peer_section(
         "AVX512-BF16 small float32: run 1",
     ]
     assert [doc.index(s) for s in sections] == sorted(doc.index(s) for s in sections)
-    kept = kept_sections(doc)
-    assert all(kept.count(s) == 1 for s in sections)
+    assert all(doc.count(s) == 1 for s in sections)
 
 
 def test_the_pd_section_is_kept_beside_the_peer_section() -> None:
     """bench/pd.py's section has its own markers: writing it leaves the peer's
-    alone, and a regenerated report keeps both (and the encoder benchmarks')."""
+    alone, and the encoder benchmarks' likewise."""
     from bench.peer import with_section
-    from bench.report import (
-        CACHE_END,
-        CACHE_START,
-        PD_END,
-        PD_START,
-        PLANNER_END,
-        PLANNER_START,
-        kept_sections,
-    )
+    from bench.report import CACHE_END, CACHE_START, PD_END, PD_START, PLANNER_END, PLANNER_START
 
     doc = with_section("# Performance\n", "vs vLLM")
     doc = with_section(doc, "E/P/D: run 1", PD_START, PD_END)
@@ -204,19 +197,18 @@ def test_the_pd_section_is_kept_beside_the_peer_section() -> None:
     assert doc.count("vs vLLM") == 1 and "run 1" not in doc and doc.count("E/P/D: run 2") == 1
     doc = with_section(doc, "cache routing", CACHE_START, CACHE_END)
     doc = with_section(doc, "planner timeline", PLANNER_START, PLANNER_END)
-    kept = kept_sections(doc)
-    assert "vs vLLM" in kept and "E/P/D: run 2" in kept
-    assert "cache routing" in kept and "planner timeline" in kept
-    assert kept_sections("# regenerated\n\n" + kept + "\n") == kept
+    assert "vs vLLM" in doc and "E/P/D: run 2" in doc
+    assert "cache routing" in doc and "planner timeline" in doc
 
 
 def test_report_of_another_family_goes_to_its_own_page() -> None:
-    from bench.report import DOC, FIGURES, outputs
+    from bench.report import FIGURES, MONOLITHIC, outputs
 
-    assert outputs("qwen2_5_vl") == (DOC, FIGURES)
+    assert outputs("qwen2_5_vl") == (MONOLITHIC, FIGURES)
     doc, figures = outputs("qwen3_vl_moe")
-    assert (doc.name, figures.name) == ("performance-qwen3_vl_moe.md", "performance-qwen3_vl_moe")
-    assert doc.parent == figures.parent == DOC.parent
+    assert doc.name == "performance-monolithic-qwen3_vl_moe.md"
+    assert figures.name == "performance-qwen3_vl_moe"
+    assert doc.parent == figures.parent == MONOLITHIC.parent
 
 
 def test_the_peer_engine_alone_command_gets_the_prompts_and_its_figure_is_read(

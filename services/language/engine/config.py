@@ -49,5 +49,5 @@ class EngineConfig:
     # OpenMP threads of a step that only decodes (0: all). `epd serve` on a small
     # host may leave a core to the processes that stream the tokens: on the small
     # demo (2 cores) one thread decodes as fast there as two, which stall on every
-    # parallel region when the front end takes a core (docs/performance.md)
+    # parallel region when the front end takes a core (docs/performance.md's history)
     decode_threads: int = 0

@@ -4,7 +4,7 @@ In one process, the engine thread releases and takes back the GIL around
 every torch op and kernel call, and the threads that stream each token (the
 event loop, gRPC's poller) take it in between (py-spy: 39 % of the forward's
 samples waiting for the GIL). In a child of its own the decode steps of the
-small demo's text workload are ~10 % shorter (docs/performance.md has the rest
+small demo's text workload are ~10 % shorter (docs/performance.md's history has the rest
 of what the stack costs the engine). As vLLM V1 runs its EngineCore, the child
 owns the LLMEngine (weights, KV
 cache, scheduler, sampler, detokenizers) and the parent keeps everything else
