@@ -198,7 +198,7 @@ def _language(args: argparse.Namespace) -> int:
     from services.language.server import LanguageServer
     from services.wire.messages import LanguageRole
 
-    engine = _engine_config(args)
+    engine = flags.engine_config(args)
     role = LanguageRole[args.role.upper()]
     auto = role is LanguageRole.BOTH and engine.device == "cpu"
     config = LanguageConfig(
@@ -250,33 +250,13 @@ def _monolithic(args: argparse.Namespace) -> int:
     config = _gateway_config(args)
     if config.checkpoint is None:
         raise SystemExit("epd monolithic needs --checkpoint (or $EPD_CHECKPOINT)")
-    engine = _engine_config(args)
+    engine = flags.engine_config(args)
     return run_until_signalled(
         lambda: GatewayServer(
             config,
             LocalBackend(config.checkpoint, _model_name(args), engine, config.limits),
         ),
         uvloop=True,
-    )
-
-
-def _engine_config(args: argparse.Namespace) -> Any:
-    from services.language.engine.config import EngineConfig
-    from services.language.engine.scheduler import SchedulerConfig
-    from services.wire.dtypes import resolve_dtype
-
-    return EngineConfig(
-        max_model_len=args.max_model_len,
-        kv_cache_bytes=args.kv_cache_mb * flags.MIB,
-        page_size=args.page_size,
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-        dtype=resolve_dtype(args.dtype, args.device),
-        device=args.device,
-        attention=args.attention,
-        cuda_graphs=not args.no_cuda_graphs,
-        prefix_caching=not args.no_prefix_caching,
-        threads_while_encoding=getattr(args, "threads_while_encoding", 0),
-        decode_threads=args.decode_threads,
     )
 
 

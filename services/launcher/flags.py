@@ -13,9 +13,12 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.runtime import env, ports
+
+if TYPE_CHECKING:
+    from services.language.engine.config import EngineConfig
 
 MIB = 1024 * 1024
 
@@ -159,42 +162,98 @@ def add_instance(p: argparse.ArgumentParser, config: type) -> None:
     )
 
 
-def add_engine(p: argparse.ArgumentParser) -> None:
-    """EngineConfig's flags (the dtype has its own, shared with the other roles)."""
-    from services.language.engine.config import EngineConfig
-    from services.language.engine.scheduler import SchedulerConfig
+@dataclasses.dataclass(frozen=True)
+class EngineOption:
+    """A flag of an EngineConfig field (or of its SchedulerConfig's)."""
 
-    field_option(p, EngineConfig, "device")
-    field_option(p, EngineConfig, "max_model_len")
-    field_option(p, EngineConfig, "kv_cache_bytes", "--kv-cache-mb", scale=MIB)
-    field_option(p, EngineConfig, "page_size")
-    field_option(p, SchedulerConfig, "max_num_seqs")
-    field_option(p, SchedulerConfig, "max_num_batched_tokens")
-    field_option(
-        p,
-        EngineConfig,
+    field: str
+    flag: str = ""  # default: --the-field
+    scheduler: bool = False
+    scale: int = 1  # the field's units in one of the flag's
+    negated: bool = False  # a field on by default, turned off by the flag
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.flag or f"--{self.field.replace('_', '-')}"
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+# The engine's options, one line each: `add_engine` makes their flags, `engine_config`
+# reads them into the EngineConfig, and `engine_args` passes them on from `epd serve`
+# to its instances. (The dtype has its own flag, shared with the other roles;
+# --threads-while-encoding is `epd serve`'s own decision, add_threads_while_encoding.)
+ENGINE_OPTIONS = (
+    EngineOption("device"),
+    EngineOption("max_model_len"),
+    EngineOption("kv_cache_bytes", "--kv-cache-mb", scale=MIB),
+    EngineOption("page_size"),
+    EngineOption("max_num_seqs", scheduler=True),
+    EngineOption("max_num_batched_tokens", scheduler=True),
+    EngineOption(
         "attention",
         choices=("auto", "torch", "cpu", "flashinfer"),
         help="auto: FlashInfer on CUDA; on CPU in float32 or bfloat16 the compiled paged "
         "decode kernel (built on first use with the machine's C compiler), else torch (SDPA)",
-    )
-    field_option(
-        p,
-        EngineConfig,
+    ),
+    EngineOption(
         "decode_threads",
         help="OpenMP threads of a step that only decodes (0: all; fewer leave cores to the "
         "processes that stream the tokens, where they share the engine's)",
-    )
-    p.add_argument(
+    ),
+    EngineOption(
+        "cuda_graphs",
         "--no-cuda-graphs",
-        action="store_true",
+        negated=True,
         help="run decode steps eagerly on CUDA (by default they replay captured CUDA graphs)",
-    )
-    p.add_argument(
+    ),
+    EngineOption(
+        "prefix_caching",
         "--no-prefix-caching",
-        action="store_true",
+        negated=True,
         help="compute every prompt whole (by default a prompt's text before its first image "
         "reuses the KV pages of earlier prompts that began the same)",
+    ),
+)
+
+
+def add_engine(p: argparse.ArgumentParser) -> None:
+    """ENGINE_OPTIONS' flags, each typed and defaulted by its field."""
+    from services.language.engine.config import EngineConfig
+    from services.language.engine.scheduler import SchedulerConfig
+
+    for option in ENGINE_OPTIONS:
+        if option.negated:
+            p.add_argument(option.name, action="store_true", help=option.help)
+            continue
+        config = SchedulerConfig if option.scheduler else EngineConfig
+        kwargs: dict[str, Any] = {"help": option.help}
+        if option.choices:
+            kwargs["choices"] = option.choices
+        field_option(p, config, option.field, option.name, scale=option.scale, **kwargs)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig a language (or monolithic) instance's flags describe."""
+    from services.language.engine.config import EngineConfig
+    from services.language.engine.scheduler import SchedulerConfig
+    from services.wire.dtypes import resolve_dtype
+
+    values: dict[str, Any] = {
+        o.field: not getattr(args, o.dest) if o.negated else getattr(args, o.dest) * o.scale
+        for o in ENGINE_OPTIONS
+    }
+    scheduling = {o.field: values.pop(o.field) for o in ENGINE_OPTIONS if o.scheduler}
+    scheduler = SchedulerConfig(**scheduling)
+    return EngineConfig(
+        **values,
+        scheduler=scheduler,
+        dtype=resolve_dtype(args.dtype, args.device),
+        threads_while_encoding=getattr(args, "threads_while_encoding", 0),
     )
 
 
@@ -226,18 +285,14 @@ def add_threads_while_encoding(p: argparse.ArgumentParser, serve: bool) -> None:
 
 def engine_args(args: argparse.Namespace) -> list[str]:
     """The engine flags `epd serve` passes on to its language (or monolithic) instances."""
-    return [
-        *("--device", args.device),
-        *("--max-model-len", str(args.max_model_len)),
-        *("--kv-cache-mb", str(args.kv_cache_mb)),
-        *("--page-size", str(args.page_size)),
-        *("--max-num-seqs", str(args.max_num_seqs)),
-        *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
-        *("--attention", args.attention),
-        *("--decode-threads", str(args.decode_threads)),
-        *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
-        *(["--no-prefix-caching"] if args.no_prefix_caching else []),
-    ]
+    passed: list[str] = []
+    for option in ENGINE_OPTIONS:
+        value = getattr(args, option.dest)
+        if not option.negated:
+            passed += [option.name, str(value)]
+        elif value:
+            passed.append(option.name)
+    return passed
 
 
 def add_gateway_common(p: argparse.ArgumentParser) -> None:

@@ -42,6 +42,7 @@ from services.transfer.receiver import (
     Succeed,
 )
 from services.transfer.state import (
+    MachineDriver,
     PoolExhaustedError,
     TransferFailedError,
     TransferState,
@@ -91,7 +92,9 @@ class PartBlocks:
         self.blocks.free(blocks)
 
 
-class ReceiverDriver:
+class ReceiverDriver(MachineDriver):
+    machine: Receiver
+
     def __init__(
         self,
         pool: EmbeddingPool,
@@ -231,12 +234,6 @@ class ReceiverDriver:
                 self._run(self.machine.on_released(message))
             case PeerLost():
                 self._run(self.machine.on_peer_lost(message))
-
-    async def expire(self) -> None:
-        self._run(self.machine.tick())
-
-    async def detached(self) -> None:
-        self._run(self.machine.detached())
 
     async def close(self) -> None:
         self._run(self.machine.close())

@@ -35,7 +35,7 @@ from services.transfer.sender import (
     Succeed,
     Write,
 )
-from services.transfer.state import TransferState
+from services.transfer.state import MachineDriver, TransferState
 from services.transfer.transports.base import Part, Writer
 from services.wire.messages import (
     Abort,
@@ -85,7 +85,9 @@ class TransferError(RuntimeError):
         self.failure = failure
 
 
-class SenderDriver:
+class SenderDriver(MachineDriver):
+    machine: Sender
+
     def __init__(
         self,
         buffer: Source,
@@ -178,12 +180,6 @@ class SenderDriver:
                     for writer in self.writers.values():
                         await writer.forget(instance_id)
                 self._run(self.machine.on_peer_lost(message))
-
-    async def expire(self) -> None:
-        self._run(self.machine.tick())
-
-    async def detached(self) -> None:
-        self._run(self.machine.detached())
 
     async def close(self) -> None:
         for write in self._writes.values():

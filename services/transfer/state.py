@@ -1,8 +1,10 @@
-"""Per-request transfer state, kept by both sides (names from SGLang's KVPoll)."""
+"""What both sides of a transfer share: its per-request state (names from SGLang's
+KVPoll), its errors, and the part of their drivers that is alike."""
 
 from __future__ import annotations
 
 import enum
+from typing import Any, Protocol
 
 
 class TransferState(enum.IntEnum):
@@ -23,3 +25,26 @@ class TransferFailedError(RuntimeError):
 
 class PoolExhaustedError(TransferFailedError):
     """No receive blocks came free within the wait allowed: the instance is overloaded."""
+
+
+class _Machine(Protocol):
+    def tick(self) -> list[Any]: ...
+
+    def detached(self) -> list[Any]: ...
+
+
+class MachineDriver:
+    """What SenderDriver and ReceiverDriver do alike: the timer and a lost broker
+    stream are events of their machine (a Sender, a Receiver), whose actions
+    `_run` carries out."""
+
+    machine: _Machine
+
+    def _run(self, actions: list[Any]) -> None:
+        raise NotImplementedError
+
+    async def expire(self) -> None:
+        self._run(self.machine.tick())
+
+    async def detached(self) -> None:
+        self._run(self.machine.detached())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -114,6 +114,52 @@ class ThreadCopies:
 
     async def settled(self) -> None:
         await asyncio.gather(*self.running, return_exceptions=True)
+
+
+class MappedPool(Protocol):
+    """A peer's pool mapped into this process (shm segments, CUDA IPC handles)."""
+
+    layout: PoolLayout
+    tensors: list[torch.Tensor]
+    copies: ThreadCopies
+
+    def close(self) -> None: ...
+
+
+M = TypeVar("M", bound=MappedPool)
+
+
+class MappedWriter(Generic[M]):
+    """A writer that maps each peer's pool once, on its first part, and copies
+    parts into it on worker threads (shm, CUDA IPC): `_map` opens a peer's pool,
+    `_copy` copies a part into it. A peer's mapping closes only once its copies
+    have settled (ThreadCopies)."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, M] = {}
+
+    def _map(self, peer: Register) -> M:
+        raise NotImplementedError
+
+    def _copy(self, source: EmbeddingPool, mapped: M, part: Part) -> None:
+        raise NotImplementedError
+
+    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
+        mapped = self._mapped.get(peer.instance_id)
+        if mapped is None:
+            mapped = self._mapped[peer.instance_id] = self._map(peer)
+        check_compatible(source.layout, mapped.layout, peer.instance_id)
+        await mapped.copies.run(self._copy, source, mapped, part)
+
+    async def forget(self, instance_id: str) -> None:
+        mapped = self._mapped.pop(instance_id, None)
+        if mapped is not None:
+            await mapped.copies.settled()
+            mapped.close()
+
+    async def close(self) -> None:
+        for instance_id in list(self._mapped):
+            await self.forget(instance_id)
 
 
 def copy_part(

@@ -10,10 +10,10 @@ import torch
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout
 from services.transfer.transports.base import (
+    MappedWriter,
     Part,
     ThreadCopies,
     WrittenBeforeDone,
-    check_compatible,
     copy_part,
     receiver_layout,
 )
@@ -137,33 +137,13 @@ class _OpenedPool:
         self._ptrs = []
 
 
-def _copy(source: EmbeddingPool, target: _OpenedPool, part: Part) -> None:
-    with torch.cuda.device(target.device_id):
-        copy_part(source, target.tensors, target.layout.block_size, part, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-
-
-class CudaIpcWriter:
+class CudaIpcWriter(MappedWriter[_OpenedPool]):
     transport = Transport.CUDA_IPC
 
-    def __init__(self) -> None:
-        self._opened: dict[str, _OpenedPool] = {}
+    def _map(self, peer: Register) -> _OpenedPool:
+        return _OpenedPool(peer)
 
-    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
-        opened = self._opened.get(peer.instance_id)
-        if opened is None:
-            opened = self._opened[peer.instance_id] = _OpenedPool(peer)
-        check_compatible(source.layout, opened.layout, peer.instance_id)
-        await opened.copies.run(_copy, source, opened, part)
-
-    async def forget(self, instance_id: str) -> None:
-        """Unmaps a language instance's pool once no copy into it is running (a
-        worker thread's copy outlives a cancelled write)."""
-        opened = self._opened.pop(instance_id, None)
-        if opened is not None:
-            await opened.copies.settled()
-            opened.close()
-
-    async def close(self) -> None:
-        for instance_id in list(self._opened):
-            await self.forget(instance_id)
+    def _copy(self, source: EmbeddingPool, target: _OpenedPool, part: Part) -> None:
+        with torch.cuda.device(target.device_id):
+            copy_part(source, target.tensors, target.layout.block_size, part, non_blocking=True)
+            torch.cuda.current_stream().synchronize()

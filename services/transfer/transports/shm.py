@@ -5,10 +5,10 @@ from __future__ import annotations
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.shared_memory import SharedSegment
 from services.transfer.transports.base import (
+    MappedWriter,
     Part,
     ThreadCopies,
     WrittenBeforeDone,
-    check_compatible,
     copy_part,
     receiver_layout,
 )
@@ -54,25 +54,11 @@ class ShmReceiveEnd(WrittenBeforeDone):
         return ShmPool(self.pool.shm_names)
 
 
-class ShmWriter:
+class ShmWriter(MappedWriter[_MappedPool]):
     transport = Transport.SHM
 
-    def __init__(self) -> None:
-        self._mapped: dict[str, _MappedPool] = {}
+    def _map(self, peer: Register) -> _MappedPool:
+        return _MappedPool(peer)
 
-    async def write(self, peer: Register, source: EmbeddingPool, part: Part) -> None:
-        mapped = self._mapped.get(peer.instance_id)
-        if mapped is None:
-            mapped = self._mapped[peer.instance_id] = _MappedPool(peer)
-        check_compatible(source.layout, mapped.layout, peer.instance_id)
-        await mapped.copies.run(copy_part, source, mapped.tensors, mapped.layout.block_size, part)
-
-    async def forget(self, instance_id: str) -> None:
-        mapped = self._mapped.pop(instance_id, None)
-        if mapped is not None:
-            await mapped.copies.settled()
-            mapped.close()
-
-    async def close(self) -> None:
-        for instance_id in list(self._mapped):
-            await self.forget(instance_id)
+    def _copy(self, source: EmbeddingPool, mapped: _MappedPool, part: Part) -> None:
+        copy_part(source, mapped.tensors, mapped.layout.block_size, part)
