@@ -188,13 +188,15 @@ class Broker:
         failed_encoder_id: str = "",
         failed_language_id: str = "",
         media_keys: Sequence[str] = (),
+        prefix_keys: Sequence[str] = (),
     ) -> RouteChoice:
         """A language instance and, for images, an encoder; E/P/D: a prefill
         instance and a decode instance. With failed_encoder_id the request fails
         over: it stays on language_id and gets another encoder (NoRouteError if
         none; FailoverError if it cannot move). With failed_language_id (a retry
         under a new request id) other language instances than that one.
-        `media_keys`: the content hashes of its images, for the encoder's choice."""
+        `media_keys`: the content hashes of its images, for the encoder's choice;
+        `prefix_keys`: its chat's prefixes, for the language instance's."""
         choice = self.registry.route(
             model,
             needs_encoder,
@@ -203,6 +205,7 @@ class Broker:
             failed_language_id,
             media_keys,
             self.rendezvous.sending() if needs_encoder else None,  # a scan: only where it counts
+            prefix_keys,
         )
         if not failed_encoder_id:
             if needs_encoder:
@@ -210,6 +213,9 @@ class Broker:
             else:
                 self.routed_text += 1
             self.metrics.routed.labels("yes" if needs_encoder else "no").inc()
+            if prefix_keys:
+                held = "yes" if choice.prefix_depth else "no"
+                self.metrics.prefix_routes.labels(held).inc()
         if request_id and choice.decode is not None:
             kv = kv_transfer_id(request_id)
             self.rendezvous.route(kv, choice.language.instance_id, choice.decode.instance_id)

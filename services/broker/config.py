@@ -9,6 +9,7 @@ from services.runtime.ports import BROKER_PORT
 from services.wire.transport import TRANSFER_TIMEOUT_S
 
 ENCODER_ROUTINGS = ("cache", "least-loaded", "round-robin")  # placement.EncoderRouting's
+LANGUAGE_ROUTINGS = ("prefix", "least-loaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +26,14 @@ class BrokerConfig:
     encoder_routing: str = "cache"
     load_factor: float = 2.0
     load_slack: int = 2
+    # Which language instance takes a request: prefix (the one sent the longest
+    # part of its chat before, within the same load bound) or least-loaded.
+    language_routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         if self.encoder_routing not in ENCODER_ROUTINGS:
             raise ValueError(f"encoder_routing is one of {', '.join(ENCODER_ROUTINGS)}")
+        if self.language_routing not in LANGUAGE_ROUTINGS:
+            raise ValueError(f"language_routing is one of {', '.join(LANGUAGE_ROUTINGS)}")

@@ -46,6 +46,13 @@ class BrokerMetrics:
             "Mean recent encode time over the encoders that encoded lately",
             registry=registry,
         )
+        self.prefix_routes = Counter(
+            "epd_broker_prefix_routes",
+            "Chat requests routed (not failovers), by whether their language instance "
+            "had been sent part of their chat before (its prefix cache likely holds it)",
+            ["held"],
+            registry=registry,
+        )
         self.routed = Counter(
             "epd_broker_routed_requests",
             "Requests routed (not failovers), by whether they carry images or videos",

@@ -19,6 +19,14 @@ that hold them (docs/performance.md, "Encoder cache routing", says why).
 Text-only requests and requests without hashes go to the least loaded. The
 `least-loaded` and `round-robin` rules ignore caches: baselines to measure
 `cache` against.
+
+Language instances, `prefix` rule: a chat names its prefixes (the hash of its
+first message, of its first two, ...; RouteRequest.prefix_hashes), and the
+broker remembers those it sent each instance. Within the same load bound, the
+instance sent the longest of them takes the request (ties: the less loaded), so
+a conversation's turns, and requests about one popular image, meet the prefix
+cache that holds their KV; when it is too busy the request moves, and the next
+turn follows it there.
 """
 
 from __future__ import annotations
@@ -84,6 +92,12 @@ def by_cache(candidates: Sequence[Candidate], keys: Sequence[str], bound: LoadBo
     if most:
         return least_loaded([c for c in eligible if _hits(c, keys) == most])
     return max(eligible, key=lambda c: hrw_weight(keys[0], c.instance_id))
+
+
+def prefix_depth(held: AbstractSet[str], keys: Sequence[str]) -> int:
+    """How many of a request's prefixes (shortest first) one held: the deepest
+    held one's place, counted from 1 (0: none)."""
+    return next((i + 1 for i in range(len(keys) - 1, -1, -1) if keys[i] in held), 0)
 
 
 def _hits(candidate: Candidate, keys: Sequence[str]) -> int:

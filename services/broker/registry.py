@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.broker.placement import Candidate, EncoderRouting, LoadBound, by_cache, least_loaded
+from services.broker.placement import (
+    Candidate,
+    EncoderRouting,
+    LoadBound,
+    by_cache,
+    least_loaded,
+    prefix_depth,
+)
 from services.wire.messages import (
     BrokerMessage,
     CacheReport,
@@ -18,6 +26,10 @@ from services.wire.messages import (
     Role,
 )
 from services.wire.transport import Transport, choose_transport
+
+# The chat prefixes the broker remembers per language instance: a few thousand
+# conversations' worth, a few hundred KB.
+PREFIX_MEMORY = 4096
 
 
 @dataclass(slots=True)
@@ -30,6 +42,8 @@ class Session:
     routed_since_heartbeat: int = 0
     outbox: asyncio.Queue[BrokerMessage | None] = field(default_factory=asyncio.Queue)
     cached: set[str] = field(default_factory=set)  # an encoder's: what its cache holds
+    # a language instance's: the chat prefixes routed to it, least recently first
+    prefixes: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     @property
     def instance_id(self) -> str:
@@ -50,6 +64,7 @@ class RouteChoice:
     encoder: Session | None
     transport: Transport | None
     decode: Session | None = None  # E/P/D: takes the request from the prefill instance
+    prefix_depth: int = 0  # how many of the request's prefixes were routed to `language`
 
 
 class DuplicateInstanceError(ValueError):
@@ -68,16 +83,27 @@ def pair_transport(sender: Register, receiver: Register) -> Transport | None:
     )
 
 
+def _remember(language: Session, keys: Sequence[str]) -> None:
+    """The prefixes routed to a language instance, the most recent PREFIX_MEMORY."""
+    for key in keys:
+        language.prefixes[key] = None
+        language.prefixes.move_to_end(key)
+    while len(language.prefixes) > PREFIX_MEMORY:
+        language.prefixes.popitem(last=False)
+
+
 class Registry:
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
         encoder_routing: EncoderRouting = EncoderRouting.CACHE,
         load_bound: LoadBound | None = None,
+        prefix_routing: bool = True,
     ) -> None:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self.encoder_routing = encoder_routing
+        self.prefix_routing = prefix_routing
         self.load_bound = load_bound or LoadBound()
         self._turn = 0  # round-robin's
 
@@ -129,15 +155,15 @@ class Registry:
         exclude_language: str = "",
         media_keys: Sequence[str] = (),
         encoder_loads: Mapping[str, int] | None = None,
+        prefix_keys: Sequence[str] = (),
     ) -> RouteChoice:
-        """The least-loaded language instance that takes requests (or the pinned
-        one) and, for images, an available encoder that shares a transport with
-        it, as `encoder_routing` picks (placement.py; `media_keys`: the items'
+        """A language instance that takes requests (or the pinned one), in the
+        order `_by_prefix` gives, and for images an available encoder that shares
+        a transport with it, as `encoder_routing` picks (`media_keys`: the items'
         content hashes; `encoder_loads`: each encoder's unfinished requests, in
-        place of its heartbeat's). A prefill instance comes with the least-loaded decode
-        instance it shares a transport with (none when pinned: an encoder
-        failover keeps the request where it is). `exclude_language` is left out
-        of both."""
+        place of its heartbeat's). A prefill instance comes with the least-loaded
+        decode instance it shares a transport with (none when pinned: an encoder
+        failover keeps the request where it is). `exclude_language`: neither."""
         languages = [
             s
             for s in self._serving(Role.LANGUAGE, model, exclude_language)
@@ -150,7 +176,7 @@ class Registry:
             raise NoRouteError(f"no language instance serves model {model!r}")
         encoders = self._serving(Role.ENCODER, model, exclude_encoder)
         no_decode = False
-        for language in sorted(languages, key=lambda s: s.score):
+        for language, depth in self._by_prefix(languages, prefix_keys):
             decode = None
             if language.registration.language_role is LanguageRole.PREFILL and not language_id:
                 decode = self._decode_for(language, model, exclude_language)
@@ -172,12 +198,26 @@ class Registry:
             for chosen in (language, encoder, decode):
                 if chosen is not None:
                     chosen.routed_since_heartbeat += 1
-            return RouteChoice(language, encoder, transport, decode)
+            _remember(language, prefix_keys)
+            return RouteChoice(language, encoder, transport, decode, depth)
         if no_decode:
             raise NoRouteError(f"no decode instance of model {model!r} shares a transport")
         if not encoders:
             raise NoRouteError(f"no available encoder instance serves model {model!r}")
         raise NoRouteError("no encoder shares a transport with any language instance")
+
+    def _by_prefix(
+        self, languages: list[Session], keys: Sequence[str]
+    ) -> list[tuple[Session, int]]:
+        """The language instances in the order to try them, each with how many of
+        the request's prefixes it was sent: the least loaded first, or with
+        prefix routing those within the load bound by that depth, deepest first."""
+        ordered = sorted(languages, key=lambda s: s.score)
+        if not self.prefix_routing or not keys:
+            return [(s, 0) for s in ordered]
+        limit = self.load_bound.limit(ordered[0].score)
+        depths = [(s, prefix_depth(s.prefixes.keys(), keys)) for s in ordered]
+        return sorted(depths, key=lambda sd: -sd[1] if sd[0].score <= limit else 1)
 
     def _pick_encoder(
         self,

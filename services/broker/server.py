@@ -31,6 +31,7 @@ class BrokerServer:
             registry=Registry(
                 encoder_routing=EncoderRouting(config.encoder_routing),
                 load_bound=LoadBound(config.load_factor, config.load_slack),
+                prefix_routing=config.language_routing == "prefix",
             ),
         )
         servicer = BrokerServicer(self.broker, show_endpoints=bool(security.token))

@@ -78,7 +78,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         with tracing.serving("broker.route", metadata, request.request_id) as span:
             reply = await self._route(request, context)
             span.set_attributes(
-                {"epd.language": reply.language_id, "epd.encoder": reply.encoder_id}
+                {
+                    "epd.language": reply.language_id,
+                    "epd.encoder": reply.encoder_id,
+                    "epd.prefix_depth": reply.prefix_depth,
+                }
             )
             return reply
 
@@ -95,6 +99,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 request.failed_encoder_id,
                 request.failed_language_id,
                 request.media_hashes,
+                request.prefix_hashes,
             )
         except NoRouteError as exc:
             self.broker.metrics.routes.labels("unavailable").inc()
@@ -104,7 +109,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         self.broker.metrics.routes.labels("ok").inc()
         language = choice.language
-        reply = RouteReply(language.instance_id, language.registration.grpc_address)
+        reply = RouteReply(
+            language.instance_id,
+            language.registration.grpc_address,
+            prefix_depth=choice.prefix_depth,
+        )
         if choice.encoder is not None and choice.transport is not None:
             encoder = choice.encoder
             reply = replace(

@@ -39,7 +39,7 @@ from services.proto import (
 from services.runtime import tracing
 from services.runtime.grpc_server import channel
 from services.wire.convert import from_proto, to_proto
-from services.wire.messages import RouteReply, RouteRequest, media_key
+from services.wire.messages import RouteReply, RouteRequest
 from services.wire.request import (
     EncodeRequest,
     GenerateComplete,
@@ -83,6 +83,7 @@ class MediaData:
 
     data: bytes
     is_video: bool = False
+    key: str = ""  # its content hash (media_key), computed once by the gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +172,6 @@ class _Helpers:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, ApiError, _NothingProduced):
                 await task
-
-
-def media_keys(media: Iterable[MediaData]) -> list[str]:
-    """Each item's content hash: what the broker places its encode by."""
-    return [media_key(m.data) for m in media]
 
 
 def _component(instance: broker_pb2.InstanceInfo) -> dict[str, Any]:
@@ -317,7 +313,8 @@ class Backend:
         there under a new id downstream, its images encoded for it. After the
         first response a failure ends the request."""
         failed = ""
-        keys = await asyncio.to_thread(media_keys, call.media) if call.media else []
+        keys = [m.key for m in call.media]
+        prefixes = call.request.prefix_hashes()
         for attempt in range(self.max_failovers + 1):
             request = call.request
             if attempt:
@@ -329,6 +326,7 @@ class Backend:
                     needs_encoder=bool(call.media),
                     failed_language_id=failed,
                     media_hashes=tuple(keys),
+                    prefix_hashes=prefixes,
                 )
             )
             attempted = self._attempt(call, request, route, keys)
@@ -365,6 +363,7 @@ class Backend:
         decode instance streams, the prefill instance hands it the KV pages);
         _NothingProduced if an instance is unavailable before the first response."""
         call.record.language = route.language_id
+        call.record.prefix_depth = route.prefix_depth
         streaming_id, address = route.language_id, route.language_address
         to_prefill = request
         if route.decode_id:

@@ -5,6 +5,7 @@ from OpenAI's in one place."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from services.gateway.request_log import RequestRecord
 from services.gateway.tool_calls import structural_tag
 from services.runtime import tracing
 from services.wire import request as wire
+from services.wire.messages import media_key
 
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
@@ -54,7 +56,11 @@ async def chat_call(
         )
     metrics.images.inc(len(loaded))
     record.media = len(loaded)
-    messages = _messages(body.messages, [image.token_hint for image in loaded])
+    # each item's content hash: the broker places its encode by it, the language
+    # instance's prefix cache knows its KV by it
+    keys = await asyncio.to_thread(lambda: [media_key(item.data) for item in loaded])
+    hints = [item.token_hint for item in loaded]
+    messages = _messages(body.messages, hints, keys)
     form = body.response_format
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     sampling = _sampling(
@@ -72,8 +78,8 @@ async def chat_call(
         record.request_id, messages, sampling, tools=json.dumps(tools) if tools else ""
     )
     items = tuple(
-        MediaData(image.data, isinstance(part, VideoPart))
-        for image, part in zip(loaded, vision, strict=True)
+        MediaData(image.data, isinstance(part, VideoPart), key)
+        for image, part, key in zip(loaded, vision, keys, strict=True)
     )
     return GenerateCall(request, body.model, items, body.calls_tools, record)
 
@@ -87,18 +93,21 @@ def _forced_calls(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> s
     return structural_tag(tools, dumped, body.parallel_tool_calls)
 
 
-def _messages(messages: list[ChatMessage], hints: list[int]) -> tuple[wire.ChatMessage, ...]:
+def _messages(
+    messages: list[ChatMessage], hints: list[int], keys: list[str]
+) -> tuple[wire.ChatMessage, ...]:
     """The chat as the language service takes it: each image and video with its
-    token hint (in prompt order), an assistant's calls, a tool result's call id."""
-    hint = iter(hints)
+    token hint and content hash (in prompt order), an assistant's calls, a tool
+    result's call id."""
+    item = iter(zip(hints, keys, strict=True))
     out = []
     for message in messages:
         parts: list[wire.ContentPart] = []
         for part in message.parts:
             if isinstance(part, ImagePart):
-                parts.append(wire.ImagePart(token_hint=next(hint)))
+                parts.append(wire.ImagePart(*next(item)))
             elif isinstance(part, VideoPart):
-                parts.append(wire.VideoPart(token_hint=next(hint)))
+                parts.append(wire.VideoPart(*next(item)))
             else:
                 parts.append(part.text)
         calls = tuple(

@@ -29,6 +29,7 @@ class RequestRecord:
     ttft_ms: float | None = None
     total_ms: float = 0.0
     language: str = "-"  # the instance that generated
+    prefix_depth: int = 0  # the chat's messages the broker had sent it before (routing)
     encoder: str = "-"  # the one that encoded (the last, after failovers)
     error: str = ""
     component: str = ""  # what raised the error: gateway, broker, an instance

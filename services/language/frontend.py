@@ -90,14 +90,19 @@ class Rendered:
     sampling: SamplingParams  # max_tokens resolved
     grammar: Any  # the compiled grammar of a guided request, else None
     tools: Tools = ()  # the functions the chat template renders
+    media_keys: tuple[str, ...] = ()  # each image's and video's content hash ("": none)
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessages, tuple[int, ...]]:
-    """The chat template's messages and the token hint of each image and video, in order."""
+def chat_messages(
+    messages: Sequence[ChatMessage],
+) -> tuple[ChatMessages, tuple[int, ...], tuple[str, ...]]:
+    """The chat template's messages, and the token hint and content hash of each
+    image and video, in order."""
     if not messages:
         raise ValueError("messages must not be empty")
     out: list[dict[str, Any]] = []
     hints: list[int] = []
+    keys: list[str] = []
     for message in messages:
         if message.role not in ROLES:
             raise ValueError(f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}")
@@ -108,13 +113,14 @@ def chat_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessages, tuple[
             else:
                 parts.append({"type": "image" if isinstance(part, ImagePart) else "video"})
                 hints.append(part.token_hint)
+                keys.append(part.key)
         entry: dict[str, Any] = {"role": message.role, "content": parts}
         if message.tool_calls:
             entry["tool_calls"] = [template_call(call) for call in message.tool_calls]
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
-    return out, tuple(hints)
+    return out, tuple(hints), tuple(keys)
 
 
 def template_call(call: ToolCall) -> dict[str, Any]:
@@ -344,12 +350,13 @@ class Frontend:
                 raise ValueError("a request has messages or a prompt, not both")
             chat: ChatMessages = []
             hints: tuple[int, ...] = ()
+            keys: tuple[str, ...] = ()
             tools: Tools = ()
             known = True
             args = (request.prompt, list(request.prompt_token_ids))
             prompt = await self._tokenize(completion_prompt, *args)
         else:
-            chat, hints = chat_messages(request.messages)
+            chat, hints, keys = chat_messages(request.messages)
             tools = request_tools(request)
             check_hints(hints, self.max_media_tokens, self.engine.max_model_len)
             known = all(h > 0 for h in hints)  # else the prompt's length waits for the grids
@@ -360,7 +367,7 @@ class Frontend:
         grammar = await self.engine.compile_grammar(sampling)
         if known:
             self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
-        return Rendered(request.request_id, chat, hints, prompt, sampling, grammar, tools)
+        return Rendered(request.request_id, chat, hints, prompt, sampling, grammar, tools, keys)
 
     async def receive(self, rendered: Rendered) -> Media:
         """Preallocates receive blocks for the hinted tokens, waits for the
@@ -409,6 +416,7 @@ class Frontend:
             media.pixel_values,
             grammar=rendered.grammar,
             deepstack=media.deepstack,
+            media_keys=rendered.media_keys,
         )
 
     async def stream(self, rendered: Rendered, request: Request) -> AsyncIterator[GenerateResponse]:

@@ -52,7 +52,9 @@ class LanguageMetrics:
         )
         self.prefix_cached_tokens = Counter(
             "epd_language_prefix_cache_hit_tokens",
-            "Prompt tokens whose KV pages came from the prefix cache (not computed)",
+            "Tokens whose KV pages came from the prefix cache (not computed), by kind: "
+            "text, or an image's or video's",
+            ["kind"],
             registry=registry,
         )
         self.requests = Counter(
@@ -161,7 +163,9 @@ class LanguageMetrics:
         self.engine_threads.set(stats.threads)
         self.generated_tokens.inc(stats.num_generated)
         self.prompt_tokens.inc(stats.num_tokens - stats.num_generated)
-        self.prefix_cached_tokens.inc(stats.num_cached_tokens)
+        media = stats.num_cached_media_tokens
+        self.prefix_cached_tokens.labels("text").inc(stats.num_cached_tokens - media)
+        self.prefix_cached_tokens.labels("media").inc(media)
         for value in stats.ttfts:
             self.ttft.observe(value)
         for value in stats.tpots:

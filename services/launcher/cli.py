@@ -124,6 +124,7 @@ def _broker(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         rendezvous_ttl_s=args.rendezvous_ttl,
         encoder_routing=args.encoder_routing,
+        language_routing=args.language_routing,
         load_factor=args.load_factor,
         load_slack=args.load_slack,
     )
@@ -377,6 +378,7 @@ def stack_config(
         encoder_args=("--cache-mb", str(args.encoder_cache_mb)) if args.encoder_cache_mb else (),
         broker_args=(
             *("--encoder-routing", args.encoder_routing),
+            *("--language-routing", args.language_routing),
             *("--load-factor", str(args.load_factor), "--load-slack", str(args.load_slack)),
         ),
         monolithic=args.monolithic,

@@ -373,7 +373,7 @@ def broker(p: argparse.ArgumentParser) -> None:
     field_option(p, BrokerConfig, "heartbeat_interval_s", "--heartbeat-interval")
     field_option(p, BrokerConfig, "heartbeat_timeout_s", "--heartbeat-timeout")
     field_option(p, BrokerConfig, "rendezvous_ttl_s", "--rendezvous-ttl")
-    add_encoder_routing(p)
+    add_routing(p)
     add_security(p)
     add_tracing(p)
 
@@ -403,8 +403,9 @@ def add_planner(p: argparse.ArgumentParser) -> None:
         field_option(p, PlannerConfig, name, flag, help=meaning)
 
 
-def add_encoder_routing(p: argparse.ArgumentParser) -> None:
-    from services.broker.config import ENCODER_ROUTINGS, BrokerConfig
+def add_routing(p: argparse.ArgumentParser) -> None:
+    """How the broker picks an encoder and a language instance for a request."""
+    from services.broker.config import ENCODER_ROUTINGS, LANGUAGE_ROUTINGS, BrokerConfig
 
     field_option(
         p,
@@ -413,6 +414,15 @@ def add_encoder_routing(p: argparse.ArgumentParser) -> None:
         choices=ENCODER_ROUTINGS,
         help="which encoder takes a request's images: the one whose cache holds the most "
         "of them, within a load bound (cache), or ignoring caches",
+    )
+    field_option(
+        p,
+        BrokerConfig,
+        "language_routing",
+        choices=LANGUAGE_ROUTINGS,
+        help="which language instance takes a request: the one sent the longest part of "
+        "its chat before, within the load bound (prefix: a conversation's turns meet the "
+        "KV its prefix cache holds), or the least loaded",
     )
     field_option(p, BrokerConfig, "load_factor", help="cache routing's load bound: x the least")
     field_option(p, BrokerConfig, "load_slack", help="cache routing's load bound: + this")
@@ -588,7 +598,7 @@ def _serve_scale(p: argparse.ArgumentParser) -> None:
         default=0,
         help="each encoder's embedding cache (default: `epd encoder --cache-mb`'s)",
     )
-    add_encoder_routing(p)
+    add_routing(p)
     p.add_argument(
         "--languages",
         type=int,

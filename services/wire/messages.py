@@ -363,6 +363,7 @@ class RouteRequest:
     failed_encoder_id: str = ""
     failed_language_id: str = ""
     media_hashes: tuple[str, ...] = ()  # each item's content hash, in prompt order
+    prefix_hashes: tuple[str, ...] = ()  # a chat's prefixes, shortest first (prefix_hashes())
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +379,7 @@ class RouteReply:
     transport: Transport | None = None
     decode_id: str = ""
     decode_address: str = ""
+    prefix_depth: int = 0  # how many of the prefix hashes the language instance was sent before
 
 
 # What an instance sends on its Attach stream, and what the broker sends back.

@@ -11,6 +11,7 @@ baseline, sees only these.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -104,11 +105,13 @@ class SamplingParams:
 @dataclass(frozen=True, slots=True)
 class ImagePart:
     token_hint: int = 0  # expected embedding tokens (0: unknown)
+    key: str = ""  # its content hash (media_key): the prefix cache knows its KV by it
 
 
 @dataclass(frozen=True, slots=True)
 class VideoPart:
     token_hint: int = 0  # expected embedding tokens (0: unknown)
+    key: str = ""  # its content hash (media_key)
 
 
 # A ContentPart is its oneof's member: text, an image or a video.
@@ -157,6 +160,17 @@ class GenerateRequest:
     def media(self) -> list[MediaPart]:
         """The images and videos, in prompt order."""
         return [p for m in self.messages for p in m.content if not isinstance(p, str)]
+
+    def prefix_hashes(self) -> tuple[str, ...]:
+        """The chat's prefixes, shortest first: the hash of the tools and its first
+        message, then of those and its second, ... (images and videos by their
+        content hashes): what the broker routes a conversation's turns by."""
+        hashes = []
+        digest = hashlib.blake2b(self.tools.encode(), digest_size=16)
+        for message in self.messages:
+            digest.update(repr(message).encode())
+            hashes.append(digest.copy().hexdigest())
+        return tuple(hashes)
 
 
 @dataclass(frozen=True, slots=True)

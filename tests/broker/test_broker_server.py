@@ -206,6 +206,43 @@ async def test_route_can_ignore_caches() -> None:
     await server.stop()
 
 
+@pytest.mark.parametrize("routing", ["prefix", "least-loaded"])
+async def test_a_conversation_s_turns_go_where_its_earlier_turns_went(routing: str) -> None:
+    """With prefix routing the next turn (its prefixes extend the last turn's)
+    goes to the instance that served the last one, while that one is within the
+    load bound, and moves with the turns once it is not; by load alone it goes to
+    the least loaded."""
+    server = await start_broker(heartbeat_interval_s=0.1, language_routing=routing)
+    peers = [await attach(server, language(n), load=load) for n, load in (("A", 3), ("B", 2))]
+    await asyncio.sleep(0.3)  # heartbeats carry the loads
+    stub = broker_stub(server)
+
+    async def turn(*prefixes: str) -> Any:
+        request = broker_pb2.RouteRequest(model="m", prefix_hashes=list(prefixes))
+        return await stub.Route(request)
+
+    first = await turn("c1")
+    assert (first.language_id, first.prefix_depth) == ("B", 0)  # the least loaded
+    peers[1].load = Heartbeat(num_requests=3)  # as busy as A: within the bound (2 x 3 + 2)
+    await asyncio.sleep(0.3)
+    second = await turn("c1", "c1-2", "c1-3")
+    if routing == "least-loaded":
+        assert second.prefix_depth == 0
+    else:
+        assert (second.language_id, second.prefix_depth) == ("B", 1)
+        peers[1].load = Heartbeat(num_requests=30)  # past the bound: the chat moves, and stays
+        await asyncio.sleep(0.3)
+        third = await turn("c1", "c1-2", "c1-3", "c1-4", "c1-5")
+        assert (third.language_id, third.prefix_depth) == ("A", 0)
+        peers[1].load = Heartbeat(num_requests=3)
+        await asyncio.sleep(0.3)
+        fourth = await turn("c1", "c1-2", "c1-3", "c1-4", "c1-5", "c1-6", "c1-7")
+        assert (fourth.language_id, fourth.prefix_depth) == ("A", 5)
+    for peer in peers:
+        await peer.link.close()
+    await server.stop()
+
+
 async def test_route_needs_a_shared_transport(broker: BrokerServer) -> None:
     peers = [
         await attach(broker, language("shm-only-lang", host="h1", shm=True)),

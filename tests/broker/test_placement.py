@@ -15,6 +15,7 @@ from services.broker.placement import (
     by_cache,
     hrw_weight,
     least_loaded,
+    prefix_depth,
     within_bound,
 )
 
@@ -95,3 +96,10 @@ def test_the_encoder_holding_more_of_the_items_wins() -> None:
 def test_a_bound_must_not_exclude_the_least_loaded() -> None:
     with pytest.raises(ValueError, match="factor >= 1"):
         LoadBound(factor=0.5)
+
+
+def test_the_prefix_depth_is_the_deepest_prefix_held() -> None:
+    assert prefix_depth({"a", "ab", "abc"}, ["a", "ab", "abc", "abcd"]) == 3
+    assert prefix_depth({"a", "abc"}, ["a", "ab", "abc"]) == 3  # the deepest, gaps or not
+    assert prefix_depth({"x"}, ["a", "ab"]) == 0
+    assert prefix_depth(set(), []) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ def make_request(
     images: list[Image.Image],
     sampling: SamplingParams,
     dtype: torch.dtype = torch.float32,
+    media_keys: Sequence[str] = (),
 ) -> Request:
     spec = load_spec(checkpoint)
     grids: list[MediaGrid] = []
@@ -90,6 +92,7 @@ def make_request(
         grids,
         embeds,
         deepstack=deepstack,
+        media_keys=media_keys,
     )
 
 

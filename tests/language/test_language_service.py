@@ -374,7 +374,7 @@ async def test_grpcurl_generate_and_metrics(
     ):
         assert name in text
     # the second request began with the first's system prompt: its pages were cached
-    hits = text.split("\nepd_language_prefix_cache_hit_tokens_total ")[1].split()[0]
+    hits = text.split('\nepd_language_prefix_cache_hit_tokens_total{kind="text"} ')[1].split()[0]
     assert float(hits) >= language.engine.engine.blocks.page_size
     steps = {
         kind: float(text.split(f'epd_language_step_seconds_count{{kind="{kind}"}} ')[1].split()[0])

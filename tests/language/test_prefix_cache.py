@@ -1,7 +1,8 @@
-"""The prefix cache: prompts that begin with the same text share its KV pages,
-and every output still equals HF generate(); pages come back, a cached page no
-one holds gives way when memory is wanted, nothing past the first image is
-shared."""
+"""The prefix cache: prompts that begin with the same tokens share their KV
+pages, images and earlier answers included, and every output still equals HF
+generate(); pages come back, a cached page no one holds gives way when memory is
+wanted, two pictures never share a page, an image without a content hash ends
+what is shared."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
+from services.language.engine.engine import LLMEngine
 from services.language.engine.kv_cache import KVBlockManager, KVCacheConfig, _prefix_hashes
-from services.language.engine.request import Request
+from services.language.engine.request import Request, new_request
 from services.loadgen.synthetic import random_image
+from services.model.spec import load_spec
+from services.model.tokenizer import load_tokenizer
+from services.wire.messages import media_key
 from services.wire.request import SamplingParams
 from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
 from tests.reference import hf_greedy
@@ -73,9 +79,12 @@ def test_a_batch_in_a_cache_that_holds_one_request_still_equals_hf(
     engine.blocks.allocator.check_integrity()
 
 
-def test_pages_from_the_first_image_on_are_not_shared(tiny_checkpoint: Path) -> None:
-    """The same text before different images: the text's pages are shared, the
-    images' are not (the same placeholder tokens stand for other pictures)."""
+def test_pages_from_an_image_without_a_content_hash_on_are_not_shared(
+    tiny_checkpoint: Path,
+) -> None:
+    """The same text before images the caller gave no hash: the text's pages are
+    shared, the images' are not (the same placeholder tokens may stand for other
+    pictures)."""
     engine = make_engine(tiny_checkpoint)
     for i in range(2):
         image = random_image(56, 56, seed=i)
@@ -89,7 +98,7 @@ def test_pages_from_the_first_image_on_are_not_shared(tiny_checkpoint: Path) -> 
         assert tokens(out[f"i{i}"]) == expected
 
 
-def test_the_cacheable_prefix_stops_before_the_first_image_and_the_last_token() -> None:
+def test_the_cacheable_prefix_stops_before_an_unhashed_image_and_the_last_token() -> None:
     def request(num_tokens: int, media: list[int]) -> Request:
         positions = torch.tensor(media) if media else None
         return Request(
@@ -126,6 +135,163 @@ def test_an_idle_cached_page_is_taken_only_when_the_free_list_is_empty() -> None
     assert blocks.num_cached_pages == 0  # now the idle ones went
     assert blocks.allocate_pages(1) is None
     blocks.allocator.check_integrity()
+
+
+def test_a_page_of_an_image_is_known_by_the_image_not_its_placeholders() -> None:
+    """Pages over an image hash its content key and each token's place in it:
+    another picture of the same size (the same placeholder tokens) is another
+    page, the same picture behind the same tokens the same page."""
+
+    def request(key: str) -> Request:
+        return Request(
+            "r",
+            [7] * 8 + [1] * 16 + [9] * 16,
+            GREEDY,
+            torch.zeros(3, 40, dtype=torch.long),
+            media_positions=torch.arange(8, 24),
+            media_keys=(key,),
+            media_sizes=(16,),
+        )
+
+    first, same, other = request("aa"), request("aa"), request("bb")
+    assert len(_prefix_hashes(first, 8)) == 4
+    assert _prefix_hashes(first, 8) == _prefix_hashes(same, 8)
+    assert _prefix_hashes(other, 8)[0] == _prefix_hashes(first, 8)[0]  # the text before
+    assert not set(_prefix_hashes(other, 8)[1:]) & set(_prefix_hashes(first, 8))
+
+
+def _converse(
+    engine: LLMEngine,
+    checkpoint: Path,
+    image: Image.Image,
+    questions: list[str],
+    max_tokens: int = 8,
+) -> list[tuple[int, int]]:
+    """A conversation about `image` on `engine`: each turn resends the history
+    with the engine's earlier answers and must equal HF; the tokens (all, media)
+    each turn took from the cache."""
+    tokenizer = load_tokenizer(checkpoint)
+    messages: list[dict[str, Any]] = []
+    hits = []
+    for turn, question in enumerate(questions):
+        parts: list[dict[str, Any]] = [{"type": "text", "text": question}]
+        if turn == 0:
+            parts.insert(0, {"type": "image"})
+        messages.append({"role": "user", "content": parts})
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        key = media_key(image.tobytes())
+        request = make_request(
+            checkpoint, f"t{turn}", messages, [image], sampling, media_keys=[key]
+        )
+        before = engine.blocks.num_hit_tokens, engine.blocks.num_hit_media_tokens
+        answer = tokens(run_to_completion(engine, [request])[f"t{turn}"])
+        assert answer == hf_greedy(checkpoint, messages, [image], max_tokens), f"turn {turn}"
+        hits.append(
+            (
+                engine.blocks.num_hit_tokens - before[0],
+                engine.blocks.num_hit_media_tokens - before[1],
+            )
+        )
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+    engine.blocks.allocator.check_integrity()
+    assert engine.blocks.num_used_pages == 0
+    return hits
+
+
+def _image_tokens(checkpoint: Path, image: Image.Image) -> int:
+    request = make_request(
+        checkpoint, "x", [{"role": "user", "content": [{"type": "image"}]}], [image], GREEDY
+    )
+    assert request.media_positions is not None
+    return request.media_positions.numel()
+
+
+QUESTIONS_ABOUT_IT = ["What is in this picture?", "What colour is it?", "And how big is it?"]
+
+
+def test_a_conversation_about_an_image_prefills_only_each_turns_new_tokens(
+    tiny_checkpoint: Path,
+) -> None:
+    """Turns 2 and 3 take the image's pages, and everything before it and up to
+    the earlier turns' answers, from the cache; every answer is HF's."""
+    engine = make_engine(tiny_checkpoint)
+    image = random_image(112, 112, seed=3)
+    hits = _converse(engine, tiny_checkpoint, image, QUESTIONS_ABOUT_IT)
+    assert hits[0] == (0, 0)
+    for total, media in hits[1:]:
+        assert media == _image_tokens(tiny_checkpoint, image)
+        assert total > media
+    assert hits[2][0] > hits[1][0]  # turn 3 reuses turn 2's question and answer too
+
+
+def test_a_deepstack_conversation_reuses_its_image(qwen3_checkpoint: Path) -> None:
+    """Qwen3-VL: the cached pages of an image stand for its deepstack features too."""
+    engine = make_engine(qwen3_checkpoint)
+    image = random_image(112, 112, seed=5)
+    hits = _converse(engine, qwen3_checkpoint, image, QUESTIONS_ABOUT_IT[:2])
+    assert hits[1][1] == _image_tokens(qwen3_checkpoint, image)
+
+
+def test_two_pictures_of_one_size_never_share_a_page(tiny_checkpoint: Path) -> None:
+    """The same question about two pictures of one size, both hashed: only the
+    text before them is shared, and each answer is its own picture's (HF's)."""
+    engine = make_engine(tiny_checkpoint)
+    for i in range(2):
+        image = random_image(112, 112, seed=10 + i)
+        chat = _chat("What is it?", 1)
+        request = make_request(
+            tiny_checkpoint, f"p{i}", chat, [image], GREEDY, media_keys=[media_key(image.tobytes())]
+        )
+        assert request.media_positions is not None
+        before = engine.blocks.num_hit_tokens, engine.blocks.num_hit_media_tokens
+        out = run_to_completion(engine, [request])
+        assert engine.blocks.num_hit_media_tokens == before[1]
+        assert engine.blocks.num_hit_tokens - before[0] <= int(request.media_positions[0])
+        assert tokens(out[f"p{i}"]) == hf_greedy(tiny_checkpoint, chat, [image], 8)
+
+
+def test_the_same_picture_after_other_tokens_is_computed_again(tiny_checkpoint: Path) -> None:
+    """A picture's pages stand for it after the tokens before it: after others
+    (here a caption in front of it) nothing of it is shared, and the answer is HF's."""
+    engine = make_engine(tiny_checkpoint)
+    image = random_image(112, 112, seed=7)
+    key = [media_key(image.tobytes())]
+    first = _chat("What is it?", 1)
+    later = [
+        first[0],
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, *first[1]["content"]]},
+    ]
+    run_to_completion(
+        engine, [make_request(tiny_checkpoint, "a", first, [image], GREEDY, media_keys=key)]
+    )
+    before = engine.blocks.num_hit_media_tokens
+    out = run_to_completion(
+        engine, [make_request(tiny_checkpoint, "b", later, [image], GREEDY, media_keys=key)]
+    )
+    assert engine.blocks.num_hit_media_tokens == before
+    assert tokens(out["b"]) == hf_greedy(tiny_checkpoint, later, [image], 8)
+
+
+def test_a_request_s_output_pages_are_cached_once_full(tiny_checkpoint: Path) -> None:
+    """A long answer's full pages are cached: a prompt that continues it (the next
+    turn of a chat whose answer tokenizes the same) takes them, and generates
+    what an engine without the cache does."""
+    spec = load_spec(tiny_checkpoint)
+    prompt = make_request(tiny_checkpoint, "x", _chat("Tell a story."), [], GREEDY).prompt_token_ids
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine = make_engine(tiny_checkpoint)
+    answer = tokens(run_to_completion(engine, [new_request("a", prompt, long, spec)])["a"])
+    follow = [*prompt, *answer, *prompt[-4:]]
+    before = engine.blocks.num_hit_tokens
+    out = run_to_completion(engine, [new_request("b", follow, GREEDY, spec)])
+    page = engine.blocks.page_size
+    assert (
+        engine.blocks.num_hit_tokens - before >= (len(prompt) + len(answer)) // page * page - page
+    )
+    uncached = make_engine(tiny_checkpoint, prefix_caching=False)
+    expected = run_to_completion(uncached, [new_request("b", follow, GREEDY, spec)])
+    assert tokens(out["b"]) == tokens(expected["b"])
 
 
 def _bytes(checkpoint: Path, num_tokens: int) -> int:

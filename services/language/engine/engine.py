@@ -128,7 +128,8 @@ class StepStats:
     num_generated: int
     ttfts: list[float]  # seconds, for requests that got their first token this step
     tpots: list[float]  # seconds per output token, for requests that finished this step
-    num_cached_tokens: int = 0  # prompt tokens admitted from the prefix cache this step
+    num_cached_tokens: int = 0  # tokens admitted from the prefix cache this step
+    num_cached_media_tokens: int = 0  # of those, images' and videos'
     threads: int = 0  # the OpenMP threads it ran on
 
 
@@ -385,11 +386,12 @@ class LLMEngine:
         if self.vision is not None:  # the tower's threads, as a prompt step's
             self._pace_threads()
             self.vision.encode_pending(self.scheduler.waiting)
-        hits = self.blocks.num_hit_tokens
+        hits, media_hits = self.blocks.num_hit_tokens, self.blocks.num_hit_media_tokens
         batch = ModelRunner.order(self.scheduler.schedule())
         self._pace_threads(batch)
         _mark_started(batch, time.monotonic())
         cached = self.blocks.num_hit_tokens - hits
+        cached_media = self.blocks.num_hit_media_tokens - media_hits
         lost = [
             self._fail(
                 r,
@@ -399,14 +401,18 @@ class LLMEngine:
             for r in self.scheduler.take_lost()
         ]
         if not batch:
-            return lost, replace(self._stats([], [], []), num_cached_tokens=cached)
+            stats = self._stats([], [], [])
+            return lost, replace(
+                stats, num_cached_tokens=cached, num_cached_media_tokens=cached_media
+            )
         self.runner.kv_cache.copy_pages(self.blocks.take_copies())
         logits = self.runner.execute(batch)
         batch, logits = self._fork(batch, logits)
         sampling = [s.request for s in batch if s.samples]
         samples = self.sampler.sample(logits, sampling)
         outputs, stats = self.postprocess(batch, samples)
-        return lost + outputs, replace(stats, num_cached_tokens=cached)
+        stats = replace(stats, num_cached_tokens=cached, num_cached_media_tokens=cached_media)
+        return lost + outputs, stats
 
     def _pace_threads(self, batch: Sequence[Scheduled] = ()) -> None:
         """The step's OpenMP threads: all, or config.decode_threads for a batch
@@ -453,8 +459,8 @@ class LLMEngine:
         for s in batch:
             request = s.request
             request.num_computed_tokens += s.num_tokens
-            if s.is_prefill:
-                self.blocks.cache_computed(request)
+            if s.is_prefill or request.num_computed_tokens % self.blocks.page_size == 0:
+                self.blocks.cache_computed(request)  # a prompt's pages, or an output's full one
             if not s.samples or request.is_finished:  # another choice failed it this step
                 continue
             sample = next(sample_iter)

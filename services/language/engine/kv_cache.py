@@ -17,13 +17,18 @@ counted). A page is copied on write: before a request writes into a page it
 shares, the page is copied to a fresh one (in practice the prompt's last,
 partly filled page, at each choice's first decode step).
 
-Prefix caching: a full page of a prompt's text before its first image or video
-is known by the hash of its tokens and of every token before it. Once computed
-it is kept, and a request whose prompt begins with the same pages shares them
-and starts its prefill after them (a system prompt, the tools a chat template
-renders, a conversation's earlier turns). A cached page no request holds stays
-until its memory is wanted: pages are taken from the free list first, then
-from the least recently used of those.
+Prefix caching: a full page is known by the hash of its tokens and of every
+token before it, an image's or video's token by its item's content hash (the
+gateway's media key) and its index in the item, so two pictures of one size
+never share a page and the same picture does wherever the tokens before it are
+the same; the M-RoPE positions and Qwen3-VL's deepstack features follow from
+those. Pages of a request's output count too, once full. Once computed a page
+is kept, and a request whose tokens begin with the same pages shares them and
+starts its prefill after them (a system prompt, the tools a chat template
+renders, a conversation's earlier turns, their images and answers included). An
+item without a hash ends what a request may share. A cached page no request
+holds stays until its memory is wanted: pages are taken from the free list
+first, then from the least recently used of those.
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ class KVBlockManager:
         self.cached: dict[int, int] = {}
         self.hash_of: dict[int, int] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()
-        self.num_hit_tokens = 0  # prompt tokens served from the cache, ever
+        self.num_hit_tokens = 0  # tokens served from the cache, ever
+        self.num_hit_media_tokens = 0  # of those, images' and videos'
 
     @property
     def num_used_pages(self) -> int:
@@ -172,12 +178,19 @@ class KVBlockManager:
         request.num_cached_pages = len(request.block_table)
         request.num_computed_tokens = len(request.block_table) * self.page_size
 
+    def count_hit(self, request: Request) -> None:
+        """Counts the tokens an admitted request took from the cache."""
+        hit = request.num_computed_tokens
+        self.num_hit_tokens += hit
+        if hit and request.media_positions is not None:
+            self.num_hit_media_tokens += int((request.media_positions < hit).sum())
+
     def cache_computed(self, request: Request) -> None:
-        """Caches the request's full prefix pages computed since the last call."""
+        """Caches the request's full pages computed since the last call."""
         if not self.prefix_caching:
             return
-        hashes = _prefix_hashes(request, self.page_size)
-        done = min(len(hashes), request.num_computed_tokens // self.page_size)
+        hashes = _prefix_hashes(request, self.page_size, request.num_computed_tokens)
+        done = len(hashes)
         for index in range(request.num_cached_pages, done):
             page = request.block_table[index]
             if hashes[index] not in self.cached and page not in self.hash_of:
@@ -247,20 +260,49 @@ class KVBlockManager:
         request.num_cached_pages = 0
 
 
-def _prefix_hashes(request: Request, page_size: int) -> list[int]:
-    """The hash of each full page of the request's cacheable prefix: its prompt
-    before the first image or video, less the last prompt token; each hash
-    covers its page's tokens and, through the previous hash, all before them.
-    Computed once a request."""
-    if request.prefix_hashes is not None:
-        return request.prefix_hashes
-    end = request.num_prompt_tokens - 1
-    if request.media_positions is not None and request.media_positions.numel():
-        end = min(end, int(request.media_positions[0]))
-    hashes, previous = [], 0
-    tokens = request.prompt_token_ids
-    for start in range(0, end - page_size + 1, page_size):
-        previous = hash((previous, *tokens[start : start + page_size]))
+def _cache_tokens(request: Request) -> list[object]:
+    """The prompt's tokens as the cache knows them: a text token by its id, an
+    image's or video's by (its item's content hash, its index in the item). The
+    list stops before the first item without a hash; a decode instance's request
+    with images (their tokens unknown here) shares nothing."""
+    if request.cache_tokens is not None:
+        return request.cache_tokens
+    tokens: list[object] = list(request.prompt_token_ids)
+    if not request.recomputable:
+        tokens = []
+    elif request.media_positions is not None and request.media_positions.numel():
+        positions = request.media_positions.tolist()
+        first = 0  # the first token of the next item
+        for key, size in zip(request.media_keys, request.media_sizes, strict=False):
+            if not key:
+                break
+            for offset in range(size):
+                tokens[positions[first + offset]] = (key, offset)
+            first += size
+        if first < len(positions):
+            del tokens[positions[first] :]
+    request.cache_tokens = tokens
+    return tokens
+
+
+def _prefix_hashes(request: Request, page_size: int, num_tokens: int | None = None) -> list[int]:
+    """The hash of each full page among the request's first `num_tokens` tokens
+    (prompt, then output; by default all but the last: its logits give the next
+    token) that the cache may share; each covers its page's tokens and, through
+    the previous hash, all before them. Kept on the request, extended as it grows."""
+    tokens = _cache_tokens(request)
+    end = request.num_tokens - 1 if num_tokens is None else num_tokens
+    if len(tokens) < request.num_prompt_tokens:  # it stops inside the prompt
+        end = min(end, len(tokens))
+    hashes = request.prefix_hashes
+    previous = hashes[-1] if hashes else 0
+    prompt = request.num_prompt_tokens
+    for start in range(len(hashes) * page_size, end - page_size + 1, page_size):
+        page = (
+            tokens[start : start + page_size]
+            if start + page_size <= prompt
+            else [*tokens[start:prompt], *request.token_ids(max(start, prompt), start + page_size)]
+        )
+        previous = hash((previous, *page))
         hashes.append(previous)
-    request.prefix_hashes = hashes
-    return hashes
+    return hashes[: end // page_size]

@@ -58,6 +58,10 @@ class Request:
     # Monolithic serving only: pixels the engine's own vision tower still has to encode.
     pixel_values: torch.Tensor | None = None  # [num_patches, patch_dim]
     media_grids: tuple[MediaGrid, ...] = ()
+    # Each image's and video's content hash ("": none) and its number of tokens, in
+    # prompt order: the prefix cache knows their tokens' KV by them.
+    media_keys: tuple[str, ...] = ()
+    media_sizes: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -79,9 +83,11 @@ class Request:
     # one: with images or videos it cannot be recomputed (no embeddings here).
     hold_kv: bool = False
     recomputable: bool = True
-    # The prefix cache's (kv_cache.py): the hash of each full page of the prompt's
-    # cacheable prefix, and how many of its pages are in the cache.
-    prefix_hashes: list[int] | None = None
+    # The prefix cache's (kv_cache.py): the prompt's tokens as it knows them, the
+    # hash of each full page of those it may share so far, and how many of the
+    # request's pages are in the cache.
+    cache_tokens: list[object] | None = None
+    prefix_hashes: list[int] = field(default_factory=list)
     num_cached_pages: int = 0
 
     def __post_init__(self) -> None:
@@ -105,6 +111,8 @@ class Request:
             self.media_positions,
             self.deepstack,
             media_grids=self.media_grids,
+            media_keys=self.media_keys,
+            media_sizes=self.media_sizes,
             arrival_time=self.arrival_time,
             grammar=self.grammar,
             index=index,
@@ -149,6 +157,7 @@ def new_request(
     pixel_values: torch.Tensor | None = None,
     grammar: Any = None,
     deepstack: torch.Tensor | None = None,
+    media_keys: Sequence[str] = (),
 ) -> Request:
     """A request with its M-RoPE positions and image placeholder positions computed
     (the placeholder tokens, merge size and video time scale are the model's).
@@ -156,7 +165,8 @@ def new_request(
     Images and videos (`grids` in prompt order; "image" below means either) come
     either encoded (media_embeds, and with deepstack its features) or, for an
     engine with its own vision tower, as pixel_values it encodes before the
-    request runs."""
+    request runs. `media_keys`: their content hashes, by which the prefix cache
+    shares their tokens' KV (none, or "": not from that item on)."""
     image_token_id = spec.image_token_id
     # without videos, the video pad is a token like any other
     video_token_id = spec.video_token_id if any(g.is_video for g in grids) else None
@@ -173,18 +183,8 @@ def new_request(
         pads = [image_token_id] if video_token_id is None else [image_token_id, video_token_id]
         media_positions = torch.isin(torch.tensor(token_ids), torch.tensor(pads))
         media_positions = media_positions.nonzero().flatten()
-        if pixel_values is None and (
-            media_embeds is None or media_embeds.shape[0] != media_positions.numel()
-        ):
-            raise ValueError(
-                f"{media_positions.numel()} image placeholders but "
-                f"{0 if media_embeds is None else media_embeds.shape[0]} image embeddings"
-            )
-        if deepstack is not None and deepstack.shape[0] != media_positions.numel():
-            raise ValueError(
-                f"{media_positions.numel()} image placeholders but deepstack features "
-                f"for {deepstack.shape[0]} tokens"
-            )
+        if pixel_values is None:
+            _check_embeddings(media_positions.numel(), media_embeds, deepstack)
     return Request(
         request_id,
         list(token_ids),
@@ -196,8 +196,26 @@ def new_request(
         deepstack,
         pixel_values=pixel_values,
         media_grids=tuple(grids),
+        media_keys=tuple(media_keys),
+        media_sizes=tuple(g.num_tokens(spec.vision.spatial_merge_size) for g in grids),
         grammar=grammar,
     )
+
+
+def _check_embeddings(
+    placeholders: int, embeds: torch.Tensor | None, deepstack: torch.Tensor | None
+) -> None:
+    """An embedding (and with deepstack its features) for every placeholder."""
+    if embeds is None or embeds.shape[0] != placeholders:
+        raise ValueError(
+            f"{placeholders} image placeholders but "
+            f"{0 if embeds is None else embeds.shape[0]} image embeddings"
+        )
+    if deepstack is not None and deepstack.shape[0] != placeholders:
+        raise ValueError(
+            f"{placeholders} image placeholders but deepstack features "
+            f"for {deepstack.shape[0]} tokens"
+        )
 
 
 def prefilled_request(

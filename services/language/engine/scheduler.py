@@ -3,7 +3,7 @@
 Each step, running requests come first (a decode is one token, an unfinished
 prefill continues in chunks), then waiting ones are admitted in arrival order
 while the token budget, the sequence limit and free KV pages allow; an
-admitted request first takes the cached pages its prompt begins with. When a
+admitted request first takes the cached pages its tokens begin with. When a
 running request cannot get pages, the newest running request is preempted:
 its pages are freed and it goes back to the front of the queue to be
 recomputed later. Admission checks that every request fits the cache alone,
@@ -117,7 +117,7 @@ class Scheduler:
                 self.blocks.free(request)  # the cached pages it took, until it fits
                 request.num_computed_tokens = 0
                 break
-            self.blocks.num_hit_tokens += request.num_computed_tokens
+            self.blocks.count_hit(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

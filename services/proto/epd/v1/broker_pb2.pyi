@@ -251,7 +251,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, registration: _Optional[_Union[Register, _Mapping]] = ..., load: _Optional[_Union[Heartbeat, _Mapping]] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "needs_encoder", "language_id", "failed_encoder_id", "failed_language_id", "media_hashes")
+    __slots__ = ("request_id", "model", "needs_encoder", "language_id", "failed_encoder_id", "failed_language_id", "media_hashes", "prefix_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NEEDS_ENCODER_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class RouteRequest(_message.Message):
     FAILED_ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
     MEDIA_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     needs_encoder: bool
@@ -266,10 +267,11 @@ class RouteRequest(_message.Message):
     failed_encoder_id: str
     failed_language_id: str
     media_hashes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ..., failed_language_id: _Optional[str] = ..., media_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ..., failed_language_id: _Optional[str] = ..., media_hashes: _Optional[_Iterable[str]] = ..., prefix_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport", "decode_id", "decode_address")
+    __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport", "decode_id", "decode_address", "prefix_depth")
     ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +279,7 @@ class RouteReply(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DECODE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     encoder_id: str
     encoder_address: str
     language_id: str
@@ -284,7 +287,8 @@ class RouteReply(_message.Message):
     transport: _common_pb2.Transport
     decode_id: str
     decode_address: str
-    def __init__(self, encoder_id: _Optional[str] = ..., encoder_address: _Optional[str] = ..., language_id: _Optional[str] = ..., language_address: _Optional[str] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    prefix_depth: int
+    def __init__(self, encoder_id: _Optional[str] = ..., encoder_address: _Optional[str] = ..., language_id: _Optional[str] = ..., language_address: _Optional[str] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prefix_depth: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ("role",)

@@ -20,16 +20,20 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class ImagePart(_message.Message):
-    __slots__ = ("token_hint",)
+    __slots__ = ("token_hint", "key")
     TOKEN_HINT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     token_hint: int
-    def __init__(self, token_hint: _Optional[int] = ...) -> None: ...
+    key: str
+    def __init__(self, token_hint: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
 
 class VideoPart(_message.Message):
-    __slots__ = ("token_hint",)
+    __slots__ = ("token_hint", "key")
     TOKEN_HINT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     token_hint: int
-    def __init__(self, token_hint: _Optional[int] = ...) -> None: ...
+    key: str
+    def __init__(self, token_hint: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "image", "video")

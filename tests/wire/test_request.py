@@ -1,0 +1,29 @@
+"""A chat's prefix hashes: what the broker routes a conversation's turns by."""
+
+from __future__ import annotations
+
+from services.wire.request import ChatMessage, GenerateRequest, ImagePart
+
+
+def _chat(*messages: ChatMessage, tools: str = "") -> GenerateRequest:
+    return GenerateRequest("r", messages, tools=tools)
+
+
+USER = ChatMessage("user", (ImagePart(64, "aa"), "What is it?"))
+ANSWER = ChatMessage("assistant", ("A cat.",))
+FOLLOW_UP = ChatMessage("user", ("What colour?",))
+
+
+def test_the_next_turn_begins_with_the_last_turn_s_prefixes() -> None:
+    first = _chat(USER).prefix_hashes()
+    second = _chat(USER, ANSWER, FOLLOW_UP).prefix_hashes()
+    assert len(first) == 1 and len(second) == 3
+    assert second[:1] == first
+    assert len(set(second)) == 3
+
+
+def test_another_picture_or_other_tools_is_another_prefix() -> None:
+    other = ChatMessage("user", (ImagePart(64, "bb"), "What is it?"))
+    assert _chat(other).prefix_hashes() != _chat(USER).prefix_hashes()
+    assert _chat(USER, tools='[{"x": 1}]').prefix_hashes() != _chat(USER).prefix_hashes()
+    assert GenerateRequest("r", prompt="hi").prefix_hashes() == ()
