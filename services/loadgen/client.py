@@ -29,6 +29,7 @@ class RequestResult:
     e2e: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    text: str = ""  # the content it streamed (a multi-turn workload resends it)
 
     @property
     def tpot(self) -> float | None:
@@ -44,6 +45,7 @@ async def send(
     started = time.perf_counter()
     result = RequestResult(request.index, request.kind, started - run_start)
     chunks = 0
+    pieces: list[str] = []
     last = started
     try:
         async with session.post(url, json=request.body) as response:
@@ -69,7 +71,8 @@ async def send(
                     result.output_tokens = event["usage"]["completion_tokens"]
                 for choice in event.get("choices") or ():
                     # A chat delta's content, or a text completion's text.
-                    if (choice.get("delta") or {}).get("content") or choice.get("text"):
+                    if piece := (choice.get("delta") or {}).get("content") or choice.get("text"):
+                        pieces.append(piece)
                         chunks += 1
                         if result.ttft is None:
                             result.ttft = now - started
@@ -80,6 +83,7 @@ async def send(
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e = time.perf_counter() - started
+    result.text = "".join(pieces)
     if not result.output_tokens:
         result.output_tokens = chunks  # a server that sends no usage: one token a chunk
     result.ok = True

@@ -1,0 +1,223 @@
+"""Conversations about images: EPD against a peer (vLLM's CPU build), one server
+at a time, same machine, same checkpoint, same client, one run.
+
+    .venv/bin/python -m bench.multiturn --peer-url http://127.0.0.1:8100/v1 \\
+        --peer-start '../shared/peers/vllm-cpu.sh serve /work/peer {checkpoint} 8100 bfloat16' \\
+        --peer-stop '../shared/peers/vllm-cpu.sh stop /work/peer' [--sessions 16 --turns 3]
+
+A session is a chat of `--turns` turns that starts with its own 448x448 image;
+each turn resends the whole history (the image, every question and the answers
+the server gave), streamed, `--output-len` tokens (ignore_eos); `--concurrency`
+sessions run at once, each turn after the last one's answer. Reported for each
+server: the first turns' TTFT p50 (the image is new), the later turns' (the
+history is what a prefix cache holds) and requests/s over the run. Then EPD with
+two language instances, with the broker's prefix routing and by load alone: the
+share of later turns routed to an instance that served the conversation before
+(the broker's epd_broker_prefix_routes counter).
+
+Targets (issue 58): later-turn TTFT p50 at most 0.5x EPD's own first-turn TTFT and
+at most the peer's; requests/s at least the peer's; with two instances, at least
+90 % of later turns on the instance of the turn before with prefix routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import math
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.peer import shell
+from bench.report import Setup, machine, serve
+from services.loadgen.client import RequestResult, send
+from services.loadgen.synthetic import encode_image, random_image
+from services.loadgen.workload import BenchRequest
+from services.model.demo import cached_demo_checkpoint
+from services.runtime.ports import METRICS_OFFSET, free_serve_ports
+
+QUESTIONS = (
+    "What is in this picture?",
+    "Describe its colours in detail.",
+    "What would you call it?",
+    "Which part of it stands out most?",
+    "Summarize what we said about it.",
+)
+
+
+def image_url(session: int) -> str:
+    data = encode_image(random_image(448, 448, seed=1000 + session), "JPEG")
+    return f"data:image/jpeg;base64,{base64.b64encode(data).decode()}"
+
+
+async def converse(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    session: int,
+    turns: int,
+    output_len: int,
+    run_start: float,
+) -> list[tuple[int, RequestResult]]:
+    """One session's turns, in order: (turn, its result)."""
+    messages: list[dict[str, Any]] = []
+    image = {"type": "image_url", "image_url": {"url": image_url(session)}}
+    out = []
+    for turn in range(turns):
+        question = {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]}
+        messages.append({"role": "user", "content": [image, question] if turn == 0 else [question]})
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        request = BenchRequest(session * turns + turn, "image" if turn == 0 else "text", body)
+        result = await send(http, base_url + request.path, request, run_start)
+        out.append((turn, result))
+        if not result.ok:
+            break  # the rest of this chat has no history to resend
+        messages.append({"role": "assistant", "content": result.text})
+    return out
+
+
+async def conversations(
+    base_url: str, model: str, sessions: int, turns: int, output_len: int, concurrency: int
+) -> dict[str, Any]:
+    """Every session, `concurrency` at a time; TTFT p50 of first and later turns, req/s."""
+    gate = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        warm = await converse(http, base_url, model, 10_000, 1, 4, time.perf_counter())
+        if not warm[0][1].ok:
+            raise RuntimeError(f"the warm-up request failed: {warm[0][1].error}")
+        start = time.perf_counter()
+
+        async def one(session: int) -> list[tuple[int, RequestResult]]:
+            async with gate:
+                return await converse(http, base_url, model, session, turns, output_len, start)
+
+        done = await asyncio.gather(*(one(s) for s in range(sessions)))
+        elapsed = time.perf_counter() - start
+    results = [item for chat in done for item in chat]
+    first = [r.ttft for t, r in results if t == 0 and r.ok and r.ttft is not None]
+    later = [r.ttft for t, r in results if t > 0 and r.ok and r.ttft is not None]
+    return {
+        "first_ttft_ms": 1000 * statistics.median(first) if first else math.nan,
+        "later_ttft_ms": 1000 * statistics.median(later) if later else math.nan,
+        "req_s": sum(r.ok for _, r in results) / elapsed,
+        "failed": sum(not r.ok for _, r in results),
+        "requests": len(results),
+    }
+
+
+def broker_counter(metrics_url: str, name: str) -> dict[str, float]:
+    """A labelled counter's values by its one label's value."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            label = line.split('"')[1]
+            values[label] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def epd(args: argparse.Namespace, checkpoint: Path, languages: int, routing: str) -> dict[str, Any]:
+    """`epd serve` with `languages` language instances and the broker's `routing`."""
+    ports = free_serve_ports(encoders=1, languages=languages)
+    setup = Setup(
+        "epd",
+        ("--model", str(checkpoint), "--languages", str(languages), "--language-routing", routing),
+    )
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        serve(setup, Path(logs), max_num_batched_tokens=None, ports=ports) as (url, _),
+    ):
+        result = asyncio.run(
+            conversations(
+                url, checkpoint.name, args.sessions, args.turns, args.output_len, args.concurrency
+            )
+        )
+        metrics = f"http://127.0.0.1:{ports['broker-port'] + METRICS_OFFSET}/metrics"
+        routes = broker_counter(metrics, "epd_broker_prefix_routes_total")
+    later = args.sessions * (args.turns - 1)
+    result["later_on_their_instance"] = routes.get("yes", 0.0) / later if later else math.nan
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peer-url", help="the peer's /v1 URL (none: EPD alone)")
+    parser.add_argument("--peer-name", default="vLLM")
+    parser.add_argument("--peer-start", help="shell command that starts the peer and waits")
+    parser.add_argument("--peer-stop", help="shell command that stops the peer")
+    parser.add_argument("--size", default="small", help="the demo checkpoint's size")
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8, help="sessions at once")
+    args = parser.parse_args()
+    checkpoint = cached_demo_checkpoint(args.size)
+    print(f"{machine()}\ncheckpoint: {checkpoint}", flush=True)
+    rows = {"EPD": epd(args, checkpoint, 1, "prefix")}
+    print(f"  EPD: {rows['EPD']}", flush=True)
+    if args.peer_url:
+        if args.peer_start:
+            shell(args.peer_start, checkpoint)
+        try:
+            rows[args.peer_name] = asyncio.run(
+                conversations(
+                    args.peer_url,
+                    checkpoint.name,
+                    args.sessions,
+                    args.turns,
+                    args.output_len,
+                    args.concurrency,
+                )
+            )
+        finally:
+            if args.peer_stop:
+                shell(args.peer_stop, checkpoint)
+        print(f"  {args.peer_name}: {rows[args.peer_name]}", flush=True)
+    routed = {routing: epd(args, checkpoint, 2, routing) for routing in ("prefix", "least-loaded")}
+    print(
+        f"\n{'server':<12} {'first TTFT p50':>15} {'later TTFT p50':>15} {'req/s':>7} {'failed':>7}"
+    )
+    for name, row in rows.items():
+        print(
+            f"{name:<12} {row['first_ttft_ms']:>12.0f} ms {row['later_ttft_ms']:>12.0f} ms "
+            f"{row['req_s']:>7.2f} {row['failed']:>7}"
+        )
+    ours = rows["EPD"]
+    print(f"EPD later / first turn TTFT: {ours['later_ttft_ms'] / ours['first_ttft_ms']:.2f}x")
+    if args.peer_url:
+        peer = rows[args.peer_name]
+        print(
+            f"EPD / {args.peer_name}: later-turn TTFT "
+            f"{ours['later_ttft_ms'] / peer['later_ttft_ms']:.2f}x, "
+            f"first-turn TTFT {ours['first_ttft_ms'] / peer['first_ttft_ms']:.2f}x, "
+            f"req/s {ours['req_s'] / peer['req_s']:.2f}x"
+        )
+    for routing, row in routed.items():
+        print(
+            f"two language instances, {routing} routing: "
+            f"{row['later_on_their_instance']:.0%} of later turns on their chat's instance, "
+            f"later TTFT p50 {row['later_ttft_ms']:.0f} ms, {row['req_s']:.2f} req/s, "
+            f"{row['failed']} failed"
+        )
+
+
+if __name__ == "__main__":
+    main()
