@@ -49,22 +49,27 @@ class StreamedCall:
         return self._responses()
 
     async def _responses(self) -> AsyncIterator[GenerateResponse]:
+        over = False  # the call's end came (or it was stopped): nothing to tell the instance
         try:
             while True:
                 item = await self.items.get()
                 if isinstance(item, GenerateResponse):
                     yield item
-                elif isinstance(item, language_pb2.GenerateEnd):
+                    continue
+                over = True
+                if isinstance(item, language_pb2.GenerateEnd):
                     if item.code:
                         code = _STATUS_BY_VALUE.get(item.code, grpc.StatusCode.UNKNOWN)
                         raise _error(code, item.message)
                     return
-                elif item is None:
+                if item is None:
                     raise asyncio.CancelledError
-                else:
-                    raise item
+                raise item
         finally:
-            self._end()
+            if over:
+                self._end()
+            else:  # its consumer left (it was cancelled): the instance cancels the request
+                self._stop(None)
 
     def take(self, response: Message) -> None:
         try:

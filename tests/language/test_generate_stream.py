@@ -129,7 +129,8 @@ async def test_a_failed_request_ends_with_its_status_and_the_stream_serves_on(
     assert ids(await responses(good)) == hf_greedy(tiny_checkpoint, chat("Hello there", 0), [], 5)
     # a second request under an id in flight is refused; the first goes on
     first = call(streams, language, request("twice", "Count slowly.", 400, ignore_eos=True))
-    await anext(aiter(first))
+    reading = aiter(first)  # held: an iteration let go of cancels its call
+    await anext(reading)
     second = call(GenerateStreams(), language, request("twice", "Again", 3))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await responses(second)
@@ -152,6 +153,32 @@ async def test_a_cancelled_call_frees_everything_and_its_stream_serves_on(
     await until(lambda: freed(language))
     after = call(streams, language, request("after-cancel", "Hi", 4))
     assert ids(await responses(after)) == hf_greedy(tiny_checkpoint, chat("Hi", 0), [], 4)
+    await streams.close()
+
+
+async def test_a_consumer_cancelled_mid_call_cancels_the_request_on_the_instance(
+    language: LanguageServer,
+) -> None:
+    """The gateway's task that reads a call is cancelled (its client left): the
+    instance hears it at once, not at the request's end, even if nothing calls
+    cancel() after (a decode instance's request would otherwise wait for KV pages
+    that never come, holding them, until its transfer timeout)."""
+    streams = GenerateStreams()
+    long = call(streams, language, request("reader-gone", "Go on forever.", 400, ignore_eos=True))
+    ended = language.metrics.requests.labels("length")
+    before = ended._value.get()
+
+    async def read() -> None:
+        async for _ in long:
+            pass
+
+    reader = asyncio.ensure_future(read())
+    await until(lambda: language.engine.engine.requests)
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    await until(lambda: freed(language))
+    assert ended._value.get() == before  # cancelled, not run to its 400 tokens
     await streams.close()
 
 
