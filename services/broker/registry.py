@@ -211,12 +211,13 @@ class Registry:
     ) -> list[tuple[Session, int]]:
         """The language instances in the order to try them, each with how many of
         the request's prefixes it was sent: the least loaded first, or with
-        prefix routing those within the load bound by that depth, deepest first."""
+        prefix routing those within the load bound by that depth, deepest first
+        (by load alone the depth is still told: what routing by it would gain)."""
         ordered = sorted(languages, key=lambda s: s.score)
+        depths = [(s, prefix_depth(s.prefixes.keys(), keys) if keys else 0) for s in ordered]
         if not self.prefix_routing or not keys:
-            return [(s, 0) for s in ordered]
+            return depths
         limit = self.load_bound.limit(ordered[0].score)
-        depths = [(s, prefix_depth(s.prefixes.keys(), keys)) for s in ordered]
         return sorted(depths, key=lambda sd: -sd[1] if sd[0].score <= limit else 1)
 
     def _pick_encoder(

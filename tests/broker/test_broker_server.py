@@ -227,7 +227,7 @@ async def test_a_conversation_s_turns_go_where_its_earlier_turns_went(routing: s
     await asyncio.sleep(0.3)
     second = await turn("c1", "c1-2", "c1-3")
     if routing == "least-loaded":
-        assert second.prefix_depth == 0
+        assert (second.language_id, second.prefix_depth) == ("A", 0)  # first of the tied
     else:
         assert (second.language_id, second.prefix_depth) == ("B", 1)
         peers[1].load = Heartbeat(num_requests=30)  # past the bound: the chat moves, and stays
