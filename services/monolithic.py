@@ -33,11 +33,16 @@ from services.model.tokenizer import load_tokenizer
 
 class LocalBackend:
     def __init__(
-        self, checkpoint: Path, model_name: str, engine: EngineConfig, limits: ImageLimits
+        self,
+        checkpoint: Path,
+        model_name: str,
+        engine: EngineConfig,
+        limits: ImageLimits,
+        chat_template: Path | None = None,
     ) -> None:
         self.model_name = model_name
         spec = load_spec(checkpoint)
-        tokenizer = load_tokenizer(checkpoint)
+        tokenizer = load_tokenizer(checkpoint, chat_template)
         device = torch.device(engine.device)
         tower = load_vision_tower(checkpoint, spec, dtype=engine.dtype, device=device)
         fuse_vision_tower(tower)  # as Triton's tower is

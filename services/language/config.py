@@ -20,6 +20,7 @@ from services.wire.transport import TRANSFER_TIMEOUT_S
 class LanguageConfig:
     checkpoint: Path
     model_name: str
+    chat_template: Path | None = None  # in place of the checkpoint's (vLLM's --chat-template)
     instance: InstanceConfig = field(
         default_factory=lambda: InstanceConfig(Role.LANGUAGE, LANGUAGE_PORT)
     )

@@ -54,7 +54,7 @@ class LanguageServer(InstanceServer):
         self.config = config
         self.role = config.role
         self.spec = load_spec(config.checkpoint)
-        self.tokenizer = load_tokenizer(config.checkpoint)
+        self.tokenizer = load_tokenizer(config.checkpoint, config.chat_template)
         registry = metrics_registry()
         self.metrics = LanguageMetrics(registry)
         self.metrics.expect_steps()

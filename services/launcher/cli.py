@@ -107,7 +107,9 @@ def _protos(args: argparse.Namespace) -> int:
 def _demo_model(args: argparse.Namespace) -> int:
     from services.model.demo import build_demo_checkpoint
 
-    out = build_demo_checkpoint(Path(args.dir), size=args.size, seed=args.seed, arch=args.arch)
+    out = build_demo_checkpoint(
+        Path(args.dir), size=args.size, seed=args.seed, arch=args.arch, template=args.template
+    )
     print(f"demo checkpoint ({args.arch}, {args.size}, seed {args.seed}) written to {out}")
     return 0
 
@@ -205,6 +207,7 @@ def _language(args: argparse.Namespace) -> int:
     config = LanguageConfig(
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
+        chat_template=args.chat_template,
         instance=_instance(args, "language"),
         embedding_pool_tokens=args.embedding_pool_tokens,
         default_allocate_tokens=args.default_allocate_tokens,
@@ -255,7 +258,9 @@ def _monolithic(args: argparse.Namespace) -> int:
     return run_until_signalled(
         lambda: GatewayServer(
             config,
-            LocalBackend(config.checkpoint, _model_name(args), engine, config.limits),
+            LocalBackend(
+                config.checkpoint, _model_name(args), engine, config.limits, args.chat_template
+            ),
         ),
         uvloop=True,
     )
@@ -370,6 +375,7 @@ def stack_config(
         api_key=args.api_key,
         language_args=(
             *flags.engine_args(args),
+            *(("--chat-template", str(args.chat_template.resolve())) if args.chat_template else ()),
             *(() if args.monolithic else ("--engine-process", args.engine_process)),
             *transports,
         ),

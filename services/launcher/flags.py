@@ -134,6 +134,16 @@ def add_checkpoint(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_template(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a chat template file (Jinja, or a processor's chat_template.json) in place of "
+        "the checkpoint's, as vLLM's flag: e.g. one that renders tools for a checkpoint "
+        "whose own does not; checked at start-up",
+    )
+
+
 def add_instance(p: argparse.ArgumentParser, config: type) -> None:
     """An encoder's or language instance's flags: `config` is its service's
     config (EncoderConfig, LanguageConfig), whose `instance` gives the defaults."""
@@ -362,6 +372,13 @@ def demo_model(p: argparse.ArgumentParser) -> None:
         "--arch", choices=("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"), default="qwen2_5_vl"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--template",
+        choices=("tools", "released"),
+        default="tools",
+        help="its chat template: the project's, which renders tools, or the one the "
+        "Qwen2.5-VL checkpoints were released with, which does not",
+    )
 
 
 def broker(p: argparse.ArgumentParser) -> None:
@@ -485,6 +502,7 @@ def language(p: argparse.ArgumentParser) -> None:
         help="E/P/D: prefill hands each request's KV pages to a decode instance after its "
         "first token; decode takes them from one; both does both steps (default)",
     )
+    add_chat_template(p)
     add_engine(p)
     add_dtype(p, "model dtype (and the embeddings')")
     add_engine_process(p)
@@ -526,6 +544,7 @@ def gateway(p: argparse.ArgumentParser) -> None:
 
 def monolithic(p: argparse.ArgumentParser) -> None:
     add_gateway_common(p)
+    add_chat_template(p)
     add_engine(p)
     add_dtype(p, "model dtype")
     p.add_argument("--model-name", help="served model name (default: the folder's name)")
@@ -556,6 +575,7 @@ def serve(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
     p.add_argument("--model-name", help="served model name (default: the folder's name)")
+    add_chat_template(p)
     p.add_argument("--demo-size", choices=DEMO_SIZES, default="tiny")
     p.add_argument(
         "--monolithic",

@@ -111,13 +111,20 @@ def gpu_size(heads_per_kv_head: int) -> DemoSize:
     )
 
 
-def build_tokenizer(out_dir: Path) -> dict[str, int]:
+# The chat templates a demo can carry: the project's, which renders tools as the
+# Qwen3-VL and later Qwen2.5-VL templates do, or the one the Qwen2.5-VL checkpoints
+# were released with, which renders none (what `--chat-template` is for).
+TEMPLATES = {"tools": "chat_template.jinja", "released": "chat_template_released.jinja"}
+
+
+def build_tokenizer(out_dir: Path, template_name: str = "tools") -> dict[str, int]:
     """Trains the BPE tokenizer, saves it with the chat template; returns special-token ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = resources.files("services.model").joinpath("demo_corpus.txt").read_text("utf-8")
-    template = resources.files("services.model").joinpath("chat_template.jinja").read_text("utf-8")
+    files = resources.files("services.model")
+    corpus = files.joinpath("demo_corpus.txt").read_text("utf-8")
+    template = files.joinpath(TEMPLATES[template_name]).read_text("utf-8")
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -207,10 +214,14 @@ def cached_demo_checkpoint(size: str, arch: str = "qwen2_5_vl") -> Path:
 
 
 def build_demo_checkpoint(
-    out_dir: Path, size: str | DemoSize = "tiny", seed: int = 0, arch: str = "qwen2_5_vl"
+    out_dir: Path,
+    size: str | DemoSize = "tiny",
+    seed: int = 0,
+    arch: str = "qwen2_5_vl",
+    template: str = "tools",
 ) -> Path:
     """Writes a complete checkpoint folder and returns it (`size`: a name in SIZES,
-    or the layer sizes themselves)."""
+    or the layer sizes themselves; `template`: a name in TEMPLATES)."""
     from transformers import GenerationConfig
 
     if isinstance(size, str) and size not in SIZES:
@@ -220,7 +231,11 @@ def build_demo_checkpoint(
     spec = SIZES[size] if isinstance(size, str) else size
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    ids = build_tokenizer(out_dir)
+    if template not in TEMPLATES:
+        raise ValueError(
+            f"unknown demo chat template {template!r}; choose from {sorted(TEMPLATES)}"
+        )
+    ids = build_tokenizer(out_dir, template)
     vocab_size = len(json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"])
     build = _qwen2_5_vl if arch == "qwen2_5_vl" else _qwen3_vl
     torch.manual_seed(seed)

@@ -28,9 +28,12 @@ from services.wire.messages import MediaGrid
 ChatMessages = Sequence[dict[str, Any]]
 
 
-def load_tokenizer(folder: str | Path) -> Any:
+def load_tokenizer(folder: str | Path, chat_template: str | Path | None = None) -> Any:
     """The checkpoint's tokenizer, with its chat template (from tokenizer_config.json,
-    chat_template.jinja or the processor's chat_template.json)."""
+    chat_template.jinja or the processor's chat_template.json), or the one in the
+    `chat_template` file (Jinja, or a processor's chat_template.json), as vLLM's
+    --chat-template: checked here, so a template that cannot render a chat fails
+    at start-up, not on the first request (CheckpointError)."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
@@ -44,9 +47,42 @@ def load_tokenizer(folder: str | Path) -> Any:
         processor_template = folder / "chat_template.json"
         if processor_template.is_file():
             tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+    if chat_template is not None:
+        tokenizer.chat_template = _template_file(Path(chat_template))
     if not tokenizer.chat_template:
         raise CheckpointError(f"{folder}: the tokenizer has no chat template")
+    if chat_template is not None:
+        _check_template(tokenizer, Path(chat_template))
     return tokenizer
+
+
+def _template_file(path: Path) -> str:
+    try:
+        text = path.read_text()
+        return str(json.loads(text)["chat_template"]) if path.suffix == ".json" else text
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path}: cannot read a chat template: {exc}") from exc
+
+
+# What a template given at start-up must render: a system prompt, an image, a
+# function's call and its result, and the next turn (tools where it renders them).
+_PROBE: ChatMessages = [
+    {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+    {"role": "user", "content": [{"type": "text", "text": "And now?"}]},
+]
+_PROBE_TOOLS: Tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+
+def _check_template(tokenizer: Any, path: Path) -> None:
+    tools = _PROBE_TOOLS if "tools" in tokenizer.chat_template else ()
+    try:
+        text = render_chat(tokenizer, _PROBE, tools)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: the chat template does not render a chat: {exc}") from exc
+    if text.count("<|image_pad|>") != 1:
+        raise CheckpointError(f"{path}: the chat template does not render an image placeholder")
 
 
 @dataclass(frozen=True, slots=True)
