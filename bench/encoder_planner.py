@@ -179,7 +179,7 @@ def markdown(rows: list[Window], trace: Trace, rate: float) -> str:
         *(
             f"| {w.start:.0f} | {w.encoders} | {w.image_share:.0%} | "
             f"{'-' if w.image_ttft_p99 is None else f'{w.image_ttft_p99:.2f}'} | {w.failed} |"
-            for w in rows[:: round(15 / WINDOW_S)]  # every 15 s; the plot has every window
+            for w in rows[:: round(30 / WINDOW_S)]  # every 30 s; the plot has every window
         ),
         "",
         f"An encoder was added {_seconds(added)} after the step up. The image requests' "

@@ -33,15 +33,11 @@ from services.loadgen.workload import Workload, build_requests
 
 RATES = (1.0, 2.0, math.inf)
 MEANING = """\
-On two cores each language instance has one core. Aggregated, a 400-token
-prefill runs in the same engine step as the decodes of that instance, so their
-next token waits for it: the text requests' TPOT tail is the prefills' length.
-Split, the decode instance's core runs only decode steps (and takes in KV pages,
-a copy per hand-off), the prefill instance's core only prefills: the tail falls
-to the decode batch's own step time, and more so the more prefills there are.
-Throughput stays about the same: both setups have one core of language compute
-per instance, and a request's prefill and decode each still run once; E/P/D
-pays a hand-off per request and leaves the prefill core idle between prompts."""
+On two cores each language instance has one. Aggregated, a 400-token prefill
+shares the decodes' step, so the text requests' TPOT tail is the prefills' length;
+split, the decode core runs only decodes and the tail falls to their own step time.
+Throughput stays about the same: E/P/D pays a hand-off a request and leaves the
+prefill core idle between prompts."""
 
 
 def setups() -> list[Setup]:

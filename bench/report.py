@@ -56,6 +56,8 @@ PLANNER_START = "<!-- bench/encoder_planner.py: start -->"
 PLANNER_END = "<!-- bench/encoder_planner.py: end -->"
 TRACING_START = "<!-- bench/tracing.py: start -->"
 TRACING_END = "<!-- bench/tracing.py: end -->"
+MULTITURN_START = "<!-- bench/multiturn.py: start -->"
+MULTITURN_END = "<!-- bench/multiturn.py: end -->"
 
 
 @dataclass(frozen=True)
