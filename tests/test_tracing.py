@@ -1,5 +1,6 @@
 """Tracing end to end: `epd serve --otlp-endpoint` against an OTLP/gRPC receiver
-run here (opentelemetry-proto's TraceService): a request with two images is one
+run here (opentelemetry-proto's TraceService), and with only the standard
+OTEL_EXPORTER_OTLP_* variables against an OTLP/HTTP one: a request with two images is one
 trace across the gateway, the broker, the encoder and the language instance,
 its spans parented call by call and inside the request's time; a client's
 `traceparent` is honoured and a malformed one starts a new trace; `epd trace`
@@ -25,7 +26,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from services.loadgen.synthetic import random_image
 from services.runtime.ports import free_serve_ports
-from tests.otlp import Collector, Received
+from tests.otlp import Collector, Received, receiving
 from tests.processes import served
 from tests.test_serve import image_url
 
@@ -252,3 +253,27 @@ def test_epd_trace_of_an_unknown_request_says_so(stack: Stack) -> None:
     shown = _epd_trace(stack, "chatcmpl-nosuchrequest")
     assert shown.returncode == 1
     assert "no spans for request chatcmpl-nosuchrequest" in shown.stdout
+
+
+def test_spans_reach_an_otlp_http_collector_with_the_standard_variables_only(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf, no
+    flag: every EPD process's steps of a request arrive at the collector's
+    /v1/traces as one trace (Triton's own exporter is its flag's, untouched)."""
+    with receiving() as (receiver, _grpc_port), pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        env.setenv("EPD_CLUSTER_TOKEN", TOKEN)
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.http_port}")
+        env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        with served(tiny_checkpoint, MODEL, tmp_path, ports=free_serve_ports()) as url:
+            trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+            client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            _two_images(
+                client, 40, extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"}
+            )
+            ours = set().union(*(names for c, names in EXPECTED.items() if c != "triton"))
+            spans = _all_steps(receiver, bytes.fromhex(trace_id), ours)
+    assert receiver.refused == []
+    assert ours <= {r.span.name for r in spans}
+    assert {r.component for r in spans} == {"gateway", "broker", "encoder", "language"}

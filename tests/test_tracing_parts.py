@@ -67,3 +67,45 @@ def test_a_collector_that_does_not_answer_is_said_once(
     assert results == [SpanExportResult.FAILURE] * 3
     said = [r.message for r in caplog.records if "dropped" in r.message]
     assert len(said) == 1 and "does not answer" in said[0]
+
+
+def test_spans_go_over_otlp_http_with_the_standard_variables_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf,
+    as a collector's documentation gives them: the spans arrive at its /v1/traces."""
+    from opentelemetry.sdk.resources import Resource
+
+    from tests.otlp import receiving
+
+    with receiving() as (collector, _grpc_port):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{collector.http_port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        assert tracing.protocol() == "http/protobuf"
+        exporter = tracing._OnceLoggedExporter(tracing.endpoint(), tracing.protocol())
+        assert exporter.url == f"http://127.0.0.1:{collector.http_port}/v1/traces"
+        provider = TracerProvider(resource=Resource.create({"epd.component": "test"}))
+        kept = tracing.RecentSpans()
+        provider.add_span_processor(kept)
+        provider.get_tracer("test").start_span("step", attributes={tracing.REQUEST_ID: "r"}).end()
+        assert exporter.export(kept.spans("r")) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+        assert [r.span.name for r in collector.received] == ["step"]
+        assert collector.refused == []
+
+
+def test_the_protocol_and_url_follow_the_specification(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        monkeypatch.delenv(name, raising=False)
+    assert tracing.protocol() == "grpc"  # unset: gRPC, as before and as vLLM's
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    assert tracing.protocol() == "grpc"  # the signal's own variable first
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="http/json"):
+        tracing.protocol()
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert tracing.traces_url("http://c:4318/", "http/protobuf") == "http://c:4318/v1/traces"
+    assert tracing.traces_url("http://c:4317", "grpc") == "http://c:4317"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4318/custom")
+    assert tracing.traces_url("http://c:4318/custom", "http/protobuf") == "http://c:4318/custom"

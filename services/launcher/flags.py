@@ -91,9 +91,10 @@ def add_tracing(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--otlp-endpoint",
-        help="also export the spans over OTLP/gRPC to this collector, e.g. "
-        "http://127.0.0.1:4317 ($OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; the other OTEL_* "
-        "variables, OTEL_TRACES_SAMPLER among them, hold too)",
+        help="also export the spans over OTLP to this collector, e.g. http://127.0.0.1:4317 "
+        "(gRPC), or with OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf http://127.0.0.1:4318/"
+        "v1/traces ($OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; the other OTEL_* variables, "
+        "OTEL_TRACES_SAMPLER among them, hold too)",
     )
 
 

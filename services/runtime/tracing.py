@@ -4,7 +4,9 @@ Off unless asked for (`--trace`, `--otlp-endpoint` or the standard
 OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT): then every process records a span per
 step that costs time, keeps the spans of its recent requests in memory (for
 `epd trace`, over the Telemetry service) and, given an endpoint, exports them
-over OTLP/gRPC in a background thread. The sampler is the SDK's, read from
+in a background thread over OTLP/gRPC, or OTLP/HTTP (protobuf) where the standard
+OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL says http/protobuf (gRPC by default, as
+vLLM's). The sampler is the SDK's, read from
 OTEL_TRACES_SAMPLER (every request by default, a client's sampled flag
 honoured). Off, every helper here returns at once: no span, no context.
 
@@ -60,6 +62,30 @@ def endpoint() -> str:
     )
 
 
+PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def protocol() -> str:
+    """OTLP's transport, as the specification's variables choose it (the traces'
+    own first); ValueError for one this exporter does not speak (http/json)."""
+    chosen = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    )
+    if chosen not in PROTOCOLS:
+        raise ValueError(f"OTLP protocol {chosen!r}: EPD exports traces over {PROTOCOLS}")
+    return chosen
+
+
+def traces_url(url: str, chosen: str) -> str:
+    """Where OTLP/HTTP posts: the traces' own endpoint as it is, the general
+    one with the signal's path (/v1/traces) appended, as the specification says."""
+    if chosen == "grpc" or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return url
+    return url.rstrip("/") + "/v1/traces"
+
+
 def configure(component: str) -> bool:
     """Tracing for this process (`component`: gateway, broker, encoder, language),
     when EPD_TRACE or an OTLP endpoint asks for it; whether it is on."""
@@ -74,25 +100,35 @@ def configure(component: str) -> bool:
     _recent = RecentSpans()
     provider.add_span_processor(_recent)
     if endpoint():
-        provider.add_span_processor(BatchSpanProcessor(_OnceLoggedExporter(endpoint())))
+        exporter = _OnceLoggedExporter(endpoint(), protocol())
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _enabled = True
-    logger.info("tracing on (%s)", f"exporting to {endpoint()}" if endpoint() else "kept here")
+    where = f"exporting to {endpoint()} over OTLP ({protocol()})" if endpoint() else "kept here"
+    logger.info("tracing on (%s)", where)
     return True
 
 
 class _OnceLoggedExporter(SpanExporter):
-    """The OTLP/gRPC exporter, whose failures (a collector that does not answer)
-    are said once, not once a batch: spans are dropped, requests go on."""
+    """The OTLP exporter (gRPC or HTTP), whose failures (a collector that does not
+    answer) are said once, not once a batch: spans are dropped, requests go on."""
 
-    def __init__(self, url: str) -> None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    def __init__(self, url: str, chosen: str = "grpc") -> None:
+        self.url = traces_url(url, chosen)
+        self.exporter: SpanExporter
+        if chosen == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc_otlp
 
-        logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").setLevel(
-            logging.CRITICAL
-        )
-        self.url = url
-        self.exporter = OTLPSpanExporter(endpoint=url, insecure=not url.startswith("https"))
+            logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").setLevel(
+                logging.CRITICAL
+            )
+            insecure = not url.startswith("https")
+            self.exporter = grpc_otlp.OTLPSpanExporter(endpoint=url, insecure=insecure)
+        else:
+            from opentelemetry.exporter.otlp.proto.http import trace_exporter as http_otlp
+
+            logging.getLogger(http_otlp.__name__).setLevel(logging.CRITICAL)
+            self.exporter = http_otlp.OTLPSpanExporter(endpoint=self.url)
         self.failing = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
