@@ -37,18 +37,31 @@ OUTPUTS: dict[str, tuple[str, str | None, list[tuple[str, dict[str, object]]]]] 
         '<tool_call>{"arguments": {}}</tool_call>',
         [],
     ),
-    "an unclosed block stays text": (
+    "a block cut before its name is left out": (
         'Sure: <tool_call>\n{"name": "add", "argu',
-        'Sure: <tool_call>\n{"name": "add", "argu',
+        "Sure:",
         [],
     ),
-    "what only looks like a block's start": ("a <tool_ca", "a <tool_ca", []),
+    "a block's opening cut short is left out": ("a <tool_ca", "a", []),
     "no arguments": ('<tool_call>{"name": "now"}</tool_call>', None, [("now", {})]),
+    "a call cut by max_tokens is a call with its arguments so far": (
+        WEATHER + "\n" + '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2',
+        None,
+        [("get_weather", {"city": "Paris"}), ("add", '{"a": 1, "b": [2')],
+    ),
 }
 
 
 def _calls(calls: list[Call]) -> list[tuple[str, object]]:
-    return [(c.name, json.loads(c.arguments)) for c in calls]
+    """Each call's name and arguments (parsed where they are whole JSON)."""
+    return [(c.name, _arguments(c.arguments)) for c in calls]
+
+
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # cut short: as far as it got
 
 
 @pytest.mark.parametrize("name", list(OUTPUTS))
@@ -84,9 +97,32 @@ def test_streamed_in_any_pieces_it_gives_the_same(name: str, data: st.DataObject
 
 def test_a_call_is_given_out_when_its_block_closes() -> None:
     stream = ToolCallStream()
-    assert stream.feed("Checking. <tool") == ["Checking. "]
+    assert stream.feed("Checking. <tool") == ["Checking."]  # its space waits for more
     assert stream.feed('_call>{"name": "now", "arguments": {}}') == []
     (call,) = stream.feed("</tool_call>")
     assert isinstance(call, Call) and call.name == "now"
     assert stream.feed("\n") == []  # whitespace between calls goes nowhere
     assert stream.finish() == []
+
+
+# A forced output (what the grammar holds "required" to: calls, a newline apart)
+FORCED = WEATHER + "\n" + ADD
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(FORCED)), st.data())
+def test_a_forced_output_cut_anywhere_and_streamed_anyhow_shows_no_markup(
+    cut: int, data: st.DataObject
+) -> None:
+    """Cut by max_tokens at any point and streamed in any pieces: no content, and
+    never the template's markup; the calls are those written, the last as far as
+    it got, as the whole output gives them."""
+    text = FORCED[:cut]
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12)))
+    content, calls = _streamed(text, [c for c in cuts if c < len(text)])
+    assert content is None or not ({"<tool", "tool_call", "</"} & set(content.split()))
+    assert content is None or "<tool_call>" not in content
+    assert _calls(calls) == _calls(split(text)[1])
+    whole = [c.arguments for c in split(FORCED)[1]]
+    for call, arguments in zip(calls, whole, strict=False):
+        assert arguments.startswith(call.arguments)  # what was cut is a prefix of the whole

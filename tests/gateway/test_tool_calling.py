@@ -111,6 +111,36 @@ async def test_forced_calls_validate_and_stream_the_same(
     assert _valid(streamed.message.tool_calls, names) == calls
 
 
+async def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup(gateway: GatewayServer) -> None:
+    """The grammar writes the call's opening, then the arguments begin: cut there
+    by max_tokens, the reply is the call with its arguments so far and
+    finish_reason "length", never the template's markup, streamed or not."""
+    free = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    kwargs = {
+        **_kwargs({"type": "function", "function": {"name": "f"}}, False),
+        "tools": free,
+        "max_tokens": 48,  # the demo's opening takes ~30; its object runs on past 64
+    }
+    reply = await client(gateway).chat.completions.create(**kwargs)
+    (only,) = reply.choices
+    assert only.finish_reason == "length"
+    assert only.message.content is None
+    (call,) = only.message.tool_calls or []
+    assert call.function.name == "f" and call.function.arguments.startswith("{")
+    # Streamed (the client's stream helper refuses a "length" finish): no content,
+    # and the call's deltas add up to the same call.
+    names, arguments, reasons, content = [], "", [], ""
+    async for chunk in await client(gateway).chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                names += [delta.function.name] if delta.function.name else []
+                arguments += delta.function.arguments or ""
+    assert content == "" and reasons[-1] == "length"
+    assert (names, arguments) == (["f"], call.function.arguments)
+
+
 async def test_parallel_calls_and_a_conversation_that_sends_results_back(
     gateway: GatewayServer, tiny_checkpoint: Path
 ) -> None:
@@ -119,10 +149,13 @@ async def test_parallel_calls_and_a_conversation_that_sends_results_back(
     "none": text). The prompt is what the chat template makes of it all."""
     kwargs = _kwargs("required", True, parallel=True)
     reply = await client(gateway).chat.completions.create(**kwargs)
-    assert reply.choices[0].finish_reason in ("tool_calls", "length")
-    calls = reply.choices[0].message.tool_calls or []
-    _valid(calls, {"get_weather", "add"})
-    assert calls or reply.choices[0].finish_reason == "length"
+    (only,) = reply.choices
+    assert only.finish_reason in ("tool_calls", "length")
+    assert only.message.content is None  # calls, and nothing after them
+    calls = only.message.tool_calls or []
+    assert calls
+    # cut by max_tokens, the last call is a call too, its arguments as far as they got
+    _valid(calls[:-1] if only.finish_reason == "length" else calls, {"get_weather", "add"})
     history = [
         {"role": "user", "content": "What will the weather be in Paris?"},
         {
