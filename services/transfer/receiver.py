@@ -395,7 +395,7 @@ class Receiver:
             return []
         actions: list[Action] = []
         if not inbound.state.is_finished:
-            if notify and inbound.state is not TransferState.BOOTSTRAPPING:
+            if notify:  # preallocated or not: the sender may already hold its part for it
                 actions.append(Send(Abort(request_id, str(error))))
             actions.append(Fail(request_id, error))
         actions.append(Forget(request_id))

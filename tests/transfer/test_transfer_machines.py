@@ -505,6 +505,25 @@ def test_a_lost_prefill_instance_aborts_its_kv_transfer() -> None:
     assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
 
 
+def test_a_decode_side_without_pages_aborts_and_the_prefill_side_frees_at_once() -> None:
+    """A decode instance whose page reservation fails before it preallocated
+    anything still says so: the prefill instance gives up its KV pages now, not
+    at its transfer timeout (no time passes here)."""
+    world = World(kv=True)
+    a = world.id("a")
+    world.start(a)  # the prefill side holds its part and has announced it
+    world.expect(a, exact_hint=True)  # the decode side waits for pages
+    world.waiting.clear()
+    world.on_receiver(world.receiver.allocation_failed(a, "no free KV pages within 0.5s"))
+    assert [type(m) for _, m in world.to_broker][-1] is Abort
+    for _ in range(20):  # every message in flight, and nothing else: the clock stays
+        for queue in ("to_broker", "to_e", "to_l"):
+            _deliver_all(world, queue)
+    assert world.e_outcome == {a: False} and world.l_outcome == {a: False}
+    assert world.send_pool.num_free_blocks == SEND_BLOCKS
+    assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
+
+
 def _deliver_all(world: World, queue: str) -> None:
     while getattr(world, queue):
         world.deliver(queue, "once")
