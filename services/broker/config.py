@@ -29,6 +29,9 @@ class BrokerConfig:
     # Which language instance takes a request: prefix (the one sent the longest
     # part of its chat before, within the same load bound) or least-loaded.
     language_routing: str = "prefix"
+    # A Route that finds no instance to take it waits this long for one to attach
+    # (they attach again within a second or two of a broker restart) before 503.
+    route_wait_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -34,7 +34,9 @@ class BrokerServer:
                 prefix_routing=config.language_routing == "prefix",
             ),
         )
-        servicer = BrokerServicer(self.broker, show_endpoints=bool(security.token))
+        servicer = BrokerServicer(
+            self.broker, show_endpoints=bool(security.token), route_wait_s=config.route_wait_s
+        )
         self.grpc = GrpcServer(
             "broker",
             [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],

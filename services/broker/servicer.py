@@ -12,7 +12,7 @@ from dataclasses import replace
 import grpc
 
 from services.broker.broker import Broker
-from services.broker.registry import DuplicateInstanceError, NoRouteError, Session
+from services.broker.registry import DuplicateInstanceError, NoRouteError, RouteChoice, Session
 from services.broker.rendezvous import FailoverError
 from services.proto import broker_pb2, broker_pb2_grpc, common_pb2
 from services.runtime import tracing
@@ -22,9 +22,18 @@ from services.wire.messages import Register, Role, RouteReply, RouteRequest
 logger = logging.getLogger(__name__)
 
 
+# A Route the broker itself refused carries this: the gateway retries a Route that
+# did not reach the broker (restarting), never one the broker answered.
+ANSWERED = (("epd-route", "answered"),)
+ROUTE_POLL_S = 0.05
+
+
 class BrokerServicer(broker_pb2_grpc.BrokerServicer):
-    def __init__(self, broker: Broker, show_endpoints: bool = True) -> None:
+    def __init__(
+        self, broker: Broker, show_endpoints: bool = True, route_wait_s: float = 3.0
+    ) -> None:
         self.broker = broker
+        self.route_wait_s = route_wait_s
         # Shared-memory names and NIXL metadata only for authenticated callers
         # (with no cluster token, no caller is).
         self.show_endpoints = show_endpoints
@@ -91,19 +100,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     ) -> broker_pb2.RouteReply:
         request = from_proto(RouteRequest, pb)
         try:
-            choice = self.broker.route(
-                request.request_id,
-                request.model,
-                request.needs_encoder,
-                request.language_id,
-                request.failed_encoder_id,
-                request.failed_language_id,
-                request.media_hashes,
-                request.prefix_hashes,
-            )
+            choice = await self._when_routable(request)
         except NoRouteError as exc:
             self.broker.metrics.routes.labels("unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), ANSWERED)
         except FailoverError as exc:
             self.broker.metrics.routes.labels("failover_refused").inc()
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
@@ -128,6 +128,29 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 reply, decode_id=decode.instance_id, decode_address=decode.registration.grpc_address
             )
         return to_proto(reply)
+
+    async def _when_routable(self, request: RouteRequest) -> RouteChoice:
+        """The route, once the instances it needs are attached: after a broker
+        restart (or an instance's) they attach again within a second or two, and a
+        request in that moment waits for them, at most route_wait_s; NoRouteError
+        after that."""
+        deadline = time.monotonic() + self.route_wait_s
+        while True:
+            try:
+                return self.broker.route(
+                    request.request_id,
+                    request.model,
+                    request.needs_encoder,
+                    request.language_id,
+                    request.failed_encoder_id,
+                    request.failed_language_id,
+                    request.media_hashes,
+                    request.prefix_hashes,
+                )
+            except NoRouteError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(ROUTE_POLL_S)
 
     async def ListInstances(
         self, request: broker_pb2.ListInstancesRequest, context: grpc.aio.ServicerContext

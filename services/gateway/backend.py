@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 CLIENT = SpanKind.CLIENT
 BROKER_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0  # for a channel that is not connected (its peer just restarted)
+# How long a Route that cannot reach the broker is tried again: a broker that
+# restarts (its supervisor's, or Kubernetes') is back within a few seconds.
+BROKER_BACK_S = 10.0
 
 # A request's stream from the language instance, as the gateway consumes it.
 Responses = AsyncGenerator[GenerateResponse, None]
@@ -202,6 +206,11 @@ def _role_name(registration: broker_pb2.Register) -> str:
     return common_pb2.Role.Name(registration.role).removeprefix("ROLE_").lower()
 
 
+def _answered(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the broker itself refused the route (services/broker/servicer.py)."""
+    return any(key == "epd-route" for key, _ in exc.trailing_metadata() or ())
+
+
 class Backend:
     def __init__(
         self,
@@ -297,13 +306,20 @@ class Backend:
         )
 
     async def _route(self, request: RouteRequest) -> RouteReply:
+        """The broker's route; a broker that cannot be reached (restarting) is
+        asked again for up to BROKER_BACK_S, one that answered is not."""
+        given_up = time.monotonic() + BROKER_BACK_S
         with tracing.span("gateway.route", kind=CLIENT, media=len(request.media_hashes)):
-            try:
-                broker = await self._broker()
-                reply = await broker.Route(to_proto(request), timeout=BROKER_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                raise from_grpc(exc, "routing") from None
-        return from_proto(RouteReply, reply)
+            while True:
+                try:
+                    broker = await self._broker()
+                    reply = await broker.Route(to_proto(request), timeout=BROKER_TIMEOUT_S)
+                    return from_proto(RouteReply, reply)
+                except grpc.aio.AioRpcError as exc:
+                    unreached = exc.code() == grpc.StatusCode.UNAVAILABLE and not _answered(exc)
+                    if not unreached or time.monotonic() >= given_up:
+                        raise from_grpc(exc, "routing") from None
+                await asyncio.sleep(0.1)
 
     async def generate(self, call: GenerateCall) -> Responses:
         """The language instance's stream; ApiError for anything that fails.

@@ -125,6 +125,7 @@ def _broker(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         rendezvous_ttl_s=args.rendezvous_ttl,
+        route_wait_s=args.route_wait,
         encoder_routing=args.encoder_routing,
         language_routing=args.language_routing,
         load_factor=args.load_factor,

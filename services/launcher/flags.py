@@ -391,6 +391,13 @@ def broker(p: argparse.ArgumentParser) -> None:
     field_option(p, BrokerConfig, "heartbeat_interval_s", "--heartbeat-interval")
     field_option(p, BrokerConfig, "heartbeat_timeout_s", "--heartbeat-timeout")
     field_option(p, BrokerConfig, "rendezvous_ttl_s", "--rendezvous-ttl")
+    field_option(
+        p,
+        BrokerConfig,
+        "route_wait_s",
+        "--route-wait",
+        help="seconds a request waits for an instance to attach before 503 (after a restart)",
+    )
     add_routing(p)
     add_security(p)
     add_tracing(p)

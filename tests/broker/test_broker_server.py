@@ -243,6 +243,28 @@ async def test_a_conversation_s_turns_go_where_its_earlier_turns_went(routing: s
     await server.stop()
 
 
+async def test_a_route_waits_for_an_instance_that_attaches_and_no_longer() -> None:
+    """After a broker restart the instances attach again within a moment: a Route
+    in that moment waits for them (route_wait_s), then answers UNAVAILABLE, marked
+    as the broker's own answer (the gateway asks again only a broker it cannot reach)."""
+    server = await start_broker(heartbeat_interval_s=0.1, route_wait_s=1.5)
+    stub = broker_stub(server)
+    asked = asyncio.ensure_future(stub.Route(broker_pb2.RouteRequest(model="m")))
+    await asyncio.sleep(0.5)
+    assert not asked.done()
+    peer = await attach(server, language("late"))
+    assert (await asked).language_id == "late"
+    await peer.link.close()
+    await wait_for(lambda: server.broker.registry.get("late") is None)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Route(broker_pb2.RouteRequest(model="m"))
+    waited = asyncio.get_running_loop().time() - started
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and 1.4 < waited < 3
+    assert ("epd-route", "answered") in tuple(info.value.trailing_metadata() or ())
+    await server.stop()
+
+
 async def test_route_needs_a_shared_transport(broker: BrokerServer) -> None:
     peers = [
         await attach(broker, language("shm-only-lang", host="h1", shm=True)),

@@ -8,6 +8,7 @@ another encoder."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,13 +20,14 @@ import pytest_asyncio
 from openai import AsyncOpenAI
 
 from services.broker.placement import hrw_weight
+from services.gateway.backend import Backend
 from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
 from services.loadgen.synthetic import encode_image, random_image
 from services.proto import encoder_pb2_grpc, language_pb2_grpc
 from services.runtime.ports import free_port
 from services.triton.launcher import TritonServer
-from services.wire.messages import Register, media_key
+from services.wire.messages import Register, RouteRequest, media_key
 from tests.broker.peers import Peer, attach, encoder, language
 from tests.gateway.test_gateway import image_part
 from tests.stack import MODEL, start_broker, start_encoder, start_language
@@ -176,3 +178,21 @@ async def test_images_an_encoder_cancels_go_to_another(
     served = [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
     assert [f["status"] for f in served] == [200] * 4
     assert {f["encoder"] for f in served} != {"encoder-ghost"}
+
+
+async def test_routing_waits_for_a_broker_that_comes_back() -> None:
+    """A broker restarting (here: not yet started on its port) costs a request only
+    the wait: the gateway asks it again until it answers, for a few seconds."""
+    port = free_port()
+    backend = Backend(f"127.0.0.1:{port}")
+    routed = asyncio.ensure_future(backend._route(RouteRequest("r", "m")))
+    await asyncio.sleep(1.0)
+    assert not routed.done()
+    broker = await start_broker(port=port)
+    peer = await attach(broker, language("back"))
+    try:
+        assert (await asyncio.wait_for(routed, 10)).language_id == "back"
+    finally:
+        await peer.link.close()
+        await backend.close()
+        await broker.stop()
