@@ -58,6 +58,7 @@ CONNECT_TIMEOUT_S = 2.0  # for a channel that is not connected (its peer just re
 # How long a Route that cannot reach the broker is tried again: a broker that
 # restarts (its supervisor's, or Kubernetes') is back within a few seconds.
 BROKER_BACK_S = 10.0
+HELPERS_FINISH_S = 1.0  # an encode (or prefill) still returning after its request finished
 
 # A request's stream from the language instance, as the gateway consumes it.
 Responses = AsyncGenerator[GenerateResponse, None]
@@ -170,8 +171,14 @@ class _Helpers:
         """What made a watched task fail (and so cancelled the stream), if one did."""
         return next(filter(None, map(self._failure, self.watched)), None)
 
-    async def close(self) -> None:
+    async def close(self, finished: bool) -> None:
+        """Ends the tasks: cancelled if the stream ended early; after a stream that
+        finished, given HELPERS_FINISH_S to finish (an encode whose embeddings the
+        answer used is about to return: cancelled, its encoder would count a
+        failure, and its span would end after the request's)."""
         for task in self.tasks:
+            if finished and not task.done():
+                await asyncio.wait({task}, timeout=HELPERS_FINISH_S)
             if not task.done():
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, ApiError, _NothingProduced):
@@ -425,7 +432,7 @@ class Backend:
             if not finished:
                 stream.cancel()
                 await self._abort(language, request.request_id)
-            await helpers.close()
+            await helpers.close(finished)
 
     async def _prefill(self, request: GenerateRequest, route: RouteReply) -> None:
         """E/P/D: Prefill on the prefill instance, which returns once the KV pages
