@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from services.gateway.backend import BROKER_BACK_S, BROKER_TIMEOUT_S
 from services.transfer.shared_memory import SHM_DIR
 from tests.chaos.conftest import BOUND_S, Load, Outcome, Stack, chat_body, wait_for
 from tests.chaos.test_burst import pools_are_whole
@@ -206,9 +207,11 @@ def test_triton_frozen(stack: Stack) -> None:
 
 
 def test_the_broker_frozen(stack: Stack) -> None:
-    """A frozen broker answers nothing: new requests get a clean error within
-    Route's deadline, transfers that needed it end within keepalive; thawed,
-    every instance attaches again and everything is served."""
+    """A frozen broker answers nothing: a request that needs it ends in a bounded
+    time, served once the broker is back if that is soon enough (the gateway asks a
+    broker it cannot reach again for BROKER_BACK_S, each Route within its deadline),
+    else with a clean error; thawed, every instance attaches again and everything is
+    served."""
     pid = stack.pid("services.launcher.cli broker", f"--port {stack.ports['broker']}")
     with Load(stack.url) as load:
         time.sleep(2)
@@ -216,9 +219,10 @@ def test_the_broker_frozen(stack: Stack) -> None:
         _recovered(stack, "broker")
         _served_after(load, time.monotonic())
     _assert_failures_are_clean(load.outcomes)
-    refused = [o for o in load.outcomes if o.started > frozen + 1 and o.status != 200]
-    assert refused, "requests did need the broker while it was frozen"
-    assert all(o.seconds < KEEPALIVE_S + 2 for o in refused), refused
+    during = [o for o in load.outcomes if frozen + 1 < o.started < frozen + 15]
+    assert during, "requests did need the broker while it was frozen"
+    bound = KEEPALIVE_S + BROKER_BACK_S + BROKER_TIMEOUT_S
+    assert all(o.seconds < bound for o in during), [o for o in during if o.seconds >= bound]
 
 
 def _ask(stack: Stack, seed: int, max_tokens: int) -> httpx.Response:
