@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peer import shell, with_section
 from bench.report import DOC, MULTITURN_END, MULTITURN_START, Setup, machine, serve
@@ -125,14 +126,16 @@ async def conversations(
 
 
 def broker_counter(metrics_url: str, name: str) -> dict[str, float]:
-    """A labelled counter's values by its one label's value."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            label = line.split('"')[1]
-            values[label] = float(line.rsplit(" ", 1)[1])
-    return values
+    """A counter's values by its one label's value (prometheus_client's parser)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        next(iter(sample.labels.values())): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for sample in family.samples
+        if sample.name == name + "_total"
+    }
 
 
 def epd(args: argparse.Namespace, checkpoint: Path, languages: int, routing: str) -> dict[str, Any]:
@@ -152,7 +155,7 @@ def epd(args: argparse.Namespace, checkpoint: Path, languages: int, routing: str
             )
         )
         metrics = f"http://127.0.0.1:{ports['broker-port'] + METRICS_OFFSET}/metrics"
-        routes = broker_counter(metrics, "epd_broker_prefix_routes_total")
+        routes = broker_counter(metrics, "epd_broker_prefix_routes")
     later = args.sessions * (args.turns - 1)
     result["later_on_their_instance"] = routes.get("yes", 0.0) / later if later else math.nan
     return result

@@ -57,8 +57,8 @@ async def chat_call(
     metrics.images.inc(len(loaded))
     record.media = len(loaded)
     # each item's content hash: the broker places its encode by it, the language
-    # instance's prefix cache knows its KV by it
-    keys = await asyncio.to_thread(lambda: [media_key(item.data) for item in loaded])
+    # instance's prefix cache knows its KV by it (hashed off the loop; text: none)
+    keys = await asyncio.to_thread(lambda: [media_key(i.data) for i in loaded]) if loaded else []
     hints = [item.token_hint for item in loaded]
     messages = _messages(body.messages, hints, keys)
     form = body.response_format

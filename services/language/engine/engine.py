@@ -400,17 +400,15 @@ class LLMEngine:
             )
             for r in self.scheduler.take_lost()
         ]
-        if not batch:
-            stats = self._stats([], [], [])
-            return lost, replace(
-                stats, num_cached_tokens=cached, num_cached_media_tokens=cached_media
-            )
-        self.runner.kv_cache.copy_pages(self.blocks.take_copies())
-        logits = self.runner.execute(batch)
-        batch, logits = self._fork(batch, logits)
-        sampling = [s.request for s in batch if s.samples]
-        samples = self.sampler.sample(logits, sampling)
-        outputs, stats = self.postprocess(batch, samples)
+        if batch:
+            self.runner.kv_cache.copy_pages(self.blocks.take_copies())
+            logits = self.runner.execute(batch)
+            batch, logits = self._fork(batch, logits)
+            sampling = [s.request for s in batch if s.samples]
+            samples = self.sampler.sample(logits, sampling)
+            outputs, stats = self.postprocess(batch, samples)
+        else:
+            outputs, stats = [], self._stats([], [], [])
         stats = replace(stats, num_cached_tokens=cached, num_cached_media_tokens=cached_media)
         return lost + outputs, stats
 
