@@ -16,7 +16,7 @@ from services.gateway.request_log import RequestRecord
 from services.gateway.request_log import log as log_request
 from services.runtime import tracing
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 CLIENT_LEFT = 499  # nginx's: the client closed the connection before the response
 
 

@@ -1,11 +1,13 @@
-"""The FastAPI app: its routes (/v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics, /debug/spans) over a Gateway.
+"""The FastAPI app: its routes (/v1/chat/completions, /v1/completions,
+/v1/responses, /v1/models, /health, /metrics, /debug/spans) over a Gateway.
 
 A request's response starts only once its first token (or its error) is
 known: whatever can fail before that, routing, validation on the language
 instance, the images, is an HTTP status, streaming or not. A request's path:
 admission.py admits and accounts it, prepare.py reads it into a GenerateCall,
-backend.py runs it, streaming.py or responses.py shape the answer.
+backend.py runs it, streaming.py or shapes.py shape the answer. A Responses
+API request is a chat request (responses/convert.py) whose answer
+responses/events.py shapes.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.prepare import chat_call, completion_calls, parse
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, validation_error
 from services.gateway.request_log import RequestRecord
-from services.gateway.responses import (
+from services.gateway.responses.convert import assistant_message, chat_request
+from services.gateway.responses.events import ResponseOutput, response_events
+from services.gateway.responses.protocol import ResponsesRequest
+from services.gateway.responses.store import ResponseStore
+from services.gateway.shapes import (
     Generated,
     chat_choice,
     collect,
@@ -57,6 +63,7 @@ class Gateway:
     media: MediaLoader
     metrics: GatewayMetrics
     registry: CollectorRegistry
+    store: ResponseStore  # the Responses API's stored responses
     api_key: str = ""
     max_concurrent_requests: int = 512
     max_body_bytes: int = 64 * 1024 * 1024
@@ -153,6 +160,7 @@ def create_app(gateway: Gateway) -> ASGIApp:
     app = FastAPI(title="EPD gateway", docs_url=None, redoc_url=None, **_NO_NATIVE_TELEMETRY)
     _errors_as_json(app)
     _generation_routes(app, gateway)
+    _responses_routes(app, gateway)
     _other_routes(app, gateway)
     return InFlight(app, gateway.metrics, gateway.max_concurrent_requests)
 
@@ -250,9 +258,74 @@ def _text_completion(
         for i, out in enumerate(prompt_outs)
     ]
     each = [usage_of(prompt_outs) for prompt_outs in outs]
-    total = usage(sum(u["prompt_tokens"] for u in each), sum(u["completion_tokens"] for u in each))
+    total = usage(
+        sum(u["prompt_tokens"] for u in each),
+        sum(u["completion_tokens"] for u in each),
+        sum(u["prompt_tokens_details"]["cached_tokens"] for u in each),
+    )
     request_id = calls[0].request_id.removesuffix("-0")  # several prompts: ID-0, ID-1, ...
     return text_completion(request_id, body.model, choices, total)
+
+
+def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The Responses API: a translation onto the chat path, and the stored
+    responses a later request continues (previous_response_id), reads or deletes."""
+
+    def stored(response_id: str, param: str = "response_id") -> Any:
+        found = gateway.store.get(response_id)
+        if found is None:
+            text = f"no stored response '{response_id}' (never stored, expired or deleted)"
+            if param == "response_id":
+                raise ApiError(404, text, param=param)
+            raise ApiError(400, f"{param}: {text}", param=param)
+        return found
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(request: Request) -> Response:
+        started = time.monotonic()
+        record = await _admitted(gateway, request, "resp")
+        body = await parse(request, gateway.max_body_bytes, ResponsesRequest)
+        previous = body.previous_response_id
+        history = stored(previous, "previous_response_id").conversation if previous else []
+        chat, conversation = chat_request(body, history)
+        call = await chat_call(gateway.backend, gateway.media, gateway.metrics, chat, record)
+        output = ResponseOutput(record.request_id, body, call.tool_calls)
+
+        def keep(done: ResponseOutput) -> None:
+            if body.store:
+                turns = [*conversation, assistant_message(done.output)]
+                gateway.store.put(done.response, turns)
+
+        try:
+            if body.stream:
+                stream, first = await _generate(gateway, request, call, started)
+                events = response_events(
+                    gateway.metrics, call, stream, first, output, started, keep
+                )
+                return StreamingResponse(events, media_type="text/event-stream")
+            (out,) = await _complete(gateway, request, call, started)
+        except _ClientLeft:
+            return Response(status_code=CLIENT_LEFT)
+        output.text(out.text)
+        output.finish(
+            wire.GenerateComplete(
+                out.finish_reason, out.prompt_tokens, out.completion_tokens, 0, out.cached_tokens
+            )
+        )
+        keep(output)
+        return JSONResponse(output.response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Any:
+        _check_key(gateway, request)
+        return stored(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+        _check_key(gateway, request)
+        stored(response_id)
+        gateway.store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 def _other_routes(app: FastAPI, gateway: Gateway) -> None:

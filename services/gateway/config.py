@@ -34,3 +34,6 @@ class GatewayConfig:
     served_models: tuple[str, ...] = ()
     max_concurrent_requests: int = 512  # beyond: 429 with Retry-After
     max_body_bytes: int = 64 * 1024 * 1024  # beyond: 413
+    # The Responses API's stored responses: the oldest go first beyond this, or at this age.
+    responses_store_bytes: int = 256 * 1024 * 1024
+    responses_ttl_s: float = 3600.0

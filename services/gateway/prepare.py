@@ -33,7 +33,7 @@ from services.runtime import tracing
 from services.wire import request as wire
 from services.wire.messages import media_key
 
-R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+R = TypeVar("R", bound=BaseModel)
 
 
 async def chat_call(

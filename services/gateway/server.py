@@ -13,6 +13,7 @@ from services.gateway.backend import Backend, GenerationBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.media import MediaLoader
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.responses.store import ResponseStore
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
 from services.runtime import env
@@ -42,6 +43,7 @@ class GatewayServer:
             api_key=config.api_key,
             max_concurrent_requests=config.max_concurrent_requests,
             max_body_bytes=config.max_body_bytes,
+            store=ResponseStore(config.responses_store_bytes, config.responses_ttl_s),
         )
         self._server = uvicorn.Server(
             uvicorn.Config(

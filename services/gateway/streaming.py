@@ -1,5 +1,5 @@
 """Server-sent events: a call's responses as OpenAI's stream of chunks (chat
-deltas, tool calls as they complete, text completion pieces, usage), and an error
+deltas, tool calls as they are written, text completion pieces, usage), and an error
 after the stream started as an event in it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from services.gateway.backend import GenerateCall, Responses
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses import (
+from services.gateway.shapes import (
     called,
     choice_index,
     chunk,
@@ -24,7 +24,7 @@ from services.gateway.responses import (
     text_logprobs,
     usage,
 )
-from services.gateway.tool_calls import Call, ToolCallStream, call_deltas
+from services.gateway.tool_calls import Arguments, Opened, Piece, ToolCallStream
 from services.wire import request as wire
 
 
@@ -34,7 +34,8 @@ def _event(payload: dict[str, Any]) -> str:
 
 class _Deltas:
     """One chat choice's deltas: its text as content, or, where the output is
-    parsed for tool calls, content and calls as they complete (tool_calls.py)."""
+    parsed for tool calls, content and calls as they are written (tool_calls.py):
+    a call's id and name, then its arguments in fragments."""
 
     def __init__(self, tool_calls: bool) -> None:
         self.stream = ToolCallStream() if tool_calls else None
@@ -51,12 +52,17 @@ class _Deltas:
         deltas = self._deltas(self.stream.finish()) if self.stream is not None else []
         return deltas, called(reason, self.calls > 0)
 
-    def _deltas(self, pieces: list[str | Call]) -> list[dict[str, Any]]:
+    def _deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for piece in pieces:
-            if isinstance(piece, Call):
-                out += call_deltas(piece, self.calls)
+            if isinstance(piece, Opened):
+                function = {"name": piece.name, "arguments": ""}
+                opened = {"index": self.calls, "id": piece.id, "type": "function"}
+                out.append({"tool_calls": [{**opened, "function": function}]})
                 self.calls += 1
+            elif isinstance(piece, Arguments):
+                fragment = {"index": self.calls - 1, "function": {"arguments": piece.text}}
+                out.append({"tool_calls": [fragment]})
             else:
                 out.append({"content": piece})
         return out
@@ -145,7 +151,9 @@ async def events(
                         kind = "text_completion" if call.is_completion else body["object"]
                         body["object"] = kind
                         body["choices"] = []
-                        body["usage"] = usage(done.prompt_tokens, completion_tokens)
+                        body["usage"] = usage(
+                            done.prompt_tokens, completion_tokens, done.cached_tokens
+                        )
                         yield _event(body)
         yield "data: [DONE]\n\n"
     except ApiError as exc:  # a failure after the response started: it travels in the stream

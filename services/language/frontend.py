@@ -179,7 +179,11 @@ def responses(output: RequestOutput, media_tokens: int) -> list[GenerateResponse
         out.append(GenerateResponse(output.request_id, chunk, output.index))
     if output.finish_reason is not None:
         complete = GenerateComplete(
-            output.finish_reason, output.num_prompt_tokens, output.num_output_tokens, media_tokens
+            output.finish_reason,
+            output.num_prompt_tokens,
+            output.num_output_tokens,
+            media_tokens,
+            output.num_cached_tokens,
         )
         out.append(GenerateResponse(output.request_id, complete, output.index))
     return out

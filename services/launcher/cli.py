@@ -239,6 +239,8 @@ def _gateway_config(args: argparse.Namespace) -> Any:
         served_models=tuple(args.served_model or ()),
         max_concurrent_requests=args.max_concurrent_requests,
         max_body_bytes=args.max_body_mb * flags.MIB,
+        responses_store_bytes=args.responses_store_mb * flags.MIB,
+        responses_ttl_s=args.responses_ttl,
     )
 
 

@@ -306,6 +306,27 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     return passed
 
 
+def add_responses_store(p: argparse.ArgumentParser) -> None:
+    """The bounds of the Responses API's stored responses."""
+    from services.gateway.config import GatewayConfig
+
+    field_option(
+        p,
+        GatewayConfig,
+        "responses_store_bytes",
+        "--responses-store-mb",
+        scale=MIB,
+        help="the Responses API's stored responses: the oldest go beyond this",
+    )
+    field_option(
+        p,
+        GatewayConfig,
+        "responses_ttl_s",
+        "--responses-ttl",
+        help="seconds a stored response (previous_response_id, GET) is kept",
+    )
+
+
 def add_gateway_common(p: argparse.ArgumentParser) -> None:
     """The flags of a gateway, in front of a broker or of the monolithic engine."""
     from services.gateway.config import FetchPolicy, GatewayConfig
@@ -345,6 +366,7 @@ def add_gateway_common(p: argparse.ArgumentParser) -> None:
         scale=MIB,
         help="request bodies over this are refused (413)",
     )
+    add_responses_store(p)
     field_option(
         p,
         GatewayConfig,

@@ -229,6 +229,7 @@ class GenerateComplete:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     image_tokens: int = 0  # the images' and videos' embedding tokens
+    cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
 
 
 @dataclass(frozen=True, slots=True)

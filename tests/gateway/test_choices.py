@@ -55,6 +55,9 @@ async def test_greedy_choices_equal_hf(gateway: GatewayServer, tiny_checkpoint: 
     )
     assert one.usage is not None
     assert reply.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    # the same prompt again: its full pages, image and all, from the prefix cache
+    details = one.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == one.usage.prompt_tokens // 16 * 16
     assert reply.usage.completion_tokens == 3 * one.usage.completion_tokens
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tool_calls import Call, ToolCallStream, split
+from services.gateway.tool_calls import Arguments, Call, Opened, ToolCallStream, calls_of, split
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, "é"]}}\n</tool_call>'
@@ -27,10 +27,20 @@ OUTPUTS: dict[str, tuple[str, str | None, list[tuple[str, dict[str, object]]]]] 
         "Let me look.\n\nDone.",
         [("get_weather", {"city": "Paris"})],
     ),
-    "a malformed block stays text": (
+    "malformed arguments are the call's, as written": (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+        None,
+        [("get_weather", '{"city":')],
+    ),
+    "a malformed block with no call stays text": (
+        '<tool_call>\n{"name": get_weather}\n</tool_call>',
+        '<tool_call>\n{"name": get_weather}\n</tool_call>',
         [],
+    ),
+    "keys in another order": (
+        '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>',
+        None,
+        [("f", {"x": 1})],
     ),
     "a block without a name stays text": (
         '<tool_call>{"arguments": {}}</tool_call>',
@@ -43,6 +53,11 @@ OUTPUTS: dict[str, tuple[str, str | None, list[tuple[str, dict[str, object]]]]] 
         [],
     ),
     "a block's opening cut short is left out": ("a <tool_ca", "a", []),
+    "nested arguments, spaced out": (
+        '<tool_call> {"name": "f", "arguments":  {"a": {"b": "}"}} }\n\n</tool_call>',
+        None,
+        [("f", {"a": {"b": "}"}})],
+    ),
     "no arguments": ('<tool_call>{"name": "now"}</tool_call>', None, [("now", {})]),
     "a call cut by max_tokens is a call with its arguments so far": (
         WEATHER + "\n" + '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2',
@@ -80,8 +95,7 @@ def _streamed(text: str, cuts: list[int]) -> tuple[str | None, list[Call]]:
     for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
         pieces += stream.feed(text[start:end])
     pieces += stream.finish()
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return content or None, [p for p in pieces if isinstance(p, Call)]
+    return calls_of(pieces)
 
 
 @settings(max_examples=300, deadline=None)
@@ -92,15 +106,21 @@ def test_streamed_in_any_pieces_it_gives_the_same(name: str, data: st.DataObject
     content, calls = _streamed(text, [c for c in cuts if c < len(text)])
     whole_content, whole_calls = split(text)
     assert content == whole_content
-    assert _calls(calls) == _calls(whole_calls)
+    # each call's fragments concatenate to the arguments of the whole, to the character
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
 
 
-def test_a_call_is_given_out_when_its_block_closes() -> None:
+def test_a_call_is_given_out_as_it_is_written() -> None:
+    """Its name as soon as its arguments begin; each fragment of them once it
+    cannot be the block's end; the rest when the block closes."""
     stream = ToolCallStream()
     assert stream.feed("Checking. <tool") == ["Checking."]  # its space waits for more
-    assert stream.feed('_call>{"name": "now", "arguments": {}}') == []
-    (call,) = stream.feed("</tool_call>")
-    assert isinstance(call, Call) and call.name == "now"
+    assert stream.feed('_call>{"name": "now", "arguments": ') == []  # more space may follow
+    (opened, first) = stream.feed('{"tz": "UTC"')
+    assert isinstance(opened, Opened) and opened.name == "now" and opened.id.startswith("call_")
+    assert first == Arguments('{"tz": "UTC"')
+    assert stream.feed("}}\n</tool") == []  # the argument's brace or the call's
+    assert stream.feed("_call>") == [Arguments("}")]
     assert stream.feed("\n") == []  # whitespace between calls goes nowhere
     assert stream.finish() == []
 
@@ -122,7 +142,7 @@ def test_a_forced_output_cut_anywhere_and_streamed_anyhow_shows_no_markup(
     content, calls = _streamed(text, [c for c in cuts if c < len(text)])
     assert content is None or not ({"<tool", "tool_call", "</"} & set(content.split()))
     assert content is None or "<tool_call>" not in content
-    assert _calls(calls) == _calls(split(text)[1])
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in split(text)[1]]
     whole = [c.arguments for c in split(FORCED)[1]]
     for call, arguments in zip(calls, whole, strict=False):
         assert arguments.startswith(call.arguments)  # what was cut is a prefix of the whole

@@ -109,6 +109,9 @@ async def test_forced_calls_validate_and_stream_the_same(
     streamed = final.choices[0]
     assert streamed.finish_reason == "tool_calls"
     assert _valid(streamed.message.tool_calls, names) == calls
+    # the streamed fragments add up to the arguments as written, to the character
+    whole = [c.function.arguments for c in only.message.tool_calls or []]
+    assert [c.function.arguments for c in streamed.message.tool_calls or []] == whole
 
 
 async def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup(gateway: GatewayServer) -> None:
@@ -129,16 +132,17 @@ async def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup(gateway: Gat
     assert call.function.name == "f" and call.function.arguments.startswith("{")
     # Streamed (the client's stream helper refuses a "length" finish): no content,
     # and the call's deltas add up to the same call.
-    names, arguments, reasons, content = [], "", [], ""
+    names, fragments, reasons, content = [], [], [], ""
     async for chunk in await client(gateway).chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             content += choice.delta.content or ""
             reasons.append(choice.finish_reason)
             for delta in choice.delta.tool_calls or []:
                 names += [delta.function.name] if delta.function.name else []
-                arguments += delta.function.arguments or ""
+                fragments += [delta.function.arguments] if delta.function.arguments else []
     assert content == "" and reasons[-1] == "length"
-    assert (names, arguments) == (["f"], call.function.arguments)
+    assert (names, "".join(fragments)) == (["f"], call.function.arguments)
+    assert len(fragments) > 1  # the arguments stream as they are written, not at the end
 
 
 async def test_parallel_calls_and_a_conversation_that_sends_results_back(

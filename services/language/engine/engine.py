@@ -104,6 +104,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None  # set on the last output of a request that failed
     index: int = 0  # the choice, for n > 1
+    num_cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
     prefilled: Prefilled | None = None  # the last output of a hold_kv request's choice
 
     @property
@@ -568,6 +569,7 @@ class LLMEngine:
             request.num_output_tokens,
             index=request.index,
             prefilled=prefilled,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _stats(self, batch: list[Scheduled], ttfts: list[float], tpots: list[float]) -> StepStats:

@@ -181,6 +181,7 @@ class KVBlockManager:
     def count_hit(self, request: Request) -> None:
         """Counts the tokens an admitted request took from the cache."""
         hit = request.num_computed_tokens
+        request.num_cached_tokens = hit
         self.num_hit_tokens += hit
         if hit and request.media_positions is not None:
             self.num_hit_media_tokens += int((request.media_positions < hit).sum())

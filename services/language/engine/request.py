@@ -89,6 +89,7 @@ class Request:
     cache_tokens: list[object] | None = None
     prefix_hashes: list[int] = field(default_factory=list)
     num_cached_pages: int = 0
+    num_cached_tokens: int = 0  # of the prompt's, taken from the cache when admitted
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/language.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\",\n\tImagePart\x12\x12\n\ntoken_hint\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\t\",\n\tVideoPart\x12\x12\n\ntoken_hint\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\t\"m\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x11.epd.v1.ImagePartH\x00\x12\"\n\x05video\x18\x03 \x01(\x0b\x32\x11.epd.v1.VideoPartH\x00\x42\x06\n\x04kind\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.epd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x06 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x07 \x01(\t\x12\r\n\x05tools\x18\x08 \x01(\t\")\n\x0cPrefillReply\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x1f\n\x03top\x18\x04 \x03(\x0b\x32\x12.epd.v1.TopLogprob\"X\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12&\n\x08logprobs\x18\x03 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\"\x87\x01\n\x10GenerateComplete\x12+\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x04 \x01(\r\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.epd.v1.GenerateChunkH\x00\x12,\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x18.epd.v1.GenerateCompleteH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.epd.v1.GenerateErrorH\x00\x12\r\n\x05index\x18\x05 \x01(\rB\x06\n\x04kind\"\xa1\x01\n\rGenerateStart\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.GenerateRequest\x12\x35\n\x08metadata\x18\x02 \x03(\x0b\x32#.epd.v1.GenerateStart.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\x15GenerateStreamRequest\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.epd.v1.GenerateStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"@\n\x0bGenerateEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"h\n\x16GenerateStreamResponse\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.epd.v1.GenerateResponse\x12!\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x13.epd.v1.GenerateEnd\"\x86\x01\n\x0e\x45mbeddingChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1b\n\x13\x65ncoder_instance_id\x18\x06 \x01(\t\x12\x0e\n\x06planes\x18\x07 \x03(\x0cJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\".\n\x13PushEmbeddingsReply\x12\x17\n\x0freceived_tokens\x18\x01 \x01(\r\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd6\x02\n\x08Language\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x12S\n\x0eGenerateStream\x12\x1d.epd.v1.GenerateStreamRequest\x1a\x1e.epd.v1.GenerateStreamResponse(\x01\x30\x01\x12\x38\n\x07Prefill\x12\x17.epd.v1.GenerateRequest\x1a\x14.epd.v1.PrefillReply\x12G\n\x0ePushEmbeddings\x12\x16.epd.v1.EmbeddingChunk\x1a\x1b.epd.v1.PushEmbeddingsReply(\x01\x12\x31\n\x05\x41\x62ort\x12\x14.epd.v1.AbortRequest\x1a\x12.epd.v1.AbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65pd/v1/language.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\",\n\tImagePart\x12\x12\n\ntoken_hint\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\t\",\n\tVideoPart\x12\x12\n\ntoken_hint\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\t\"m\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x11.epd.v1.ImagePartH\x00\x12\"\n\x05video\x18\x03 \x01(\x0b\x32\x11.epd.v1.VideoPartH\x00\x42\x06\n\x04kind\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.epd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x06 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x07 \x01(\t\x12\r\n\x05tools\x18\x08 \x01(\t\")\n\x0cPrefillReply\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x1f\n\x03top\x18\x04 \x03(\x0b\x32\x12.epd.v1.TopLogprob\"X\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12&\n\x08logprobs\x18\x03 \x03(\x0b\x32\x14.epd.v1.TokenLogprob\"\x9e\x01\n\x10GenerateComplete\x12+\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x14.epd.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.epd.v1.GenerateChunkH\x00\x12,\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x18.epd.v1.GenerateCompleteH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.epd.v1.GenerateErrorH\x00\x12\r\n\x05index\x18\x05 \x01(\rB\x06\n\x04kind\"\xa1\x01\n\rGenerateStart\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.GenerateRequest\x12\x35\n\x08metadata\x18\x02 \x03(\x0b\x32#.epd.v1.GenerateStart.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\x15GenerateStreamRequest\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.epd.v1.GenerateStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"@\n\x0bGenerateEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"h\n\x16GenerateStreamResponse\x12+\n\tresponses\x18\x01 \x03(\x0b\x32\x18.epd.v1.GenerateResponse\x12!\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x13.epd.v1.GenerateEnd\"\x86\x01\n\x0e\x45mbeddingChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bstart_token\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x1b\n\x13\x65ncoder_instance_id\x18\x06 \x01(\t\x12\x0e\n\x06planes\x18\x07 \x03(\x0cJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\".\n\x13PushEmbeddingsReply\x12\x17\n\x0freceived_tokens\x18\x01 \x01(\r\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd6\x02\n\x08Language\x12?\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x18.epd.v1.GenerateResponse0\x01\x12S\n\x0eGenerateStream\x12\x1d.epd.v1.GenerateStreamRequest\x1a\x1e.epd.v1.GenerateStreamResponse(\x01\x30\x01\x12\x38\n\x07Prefill\x12\x17.epd.v1.GenerateRequest\x1a\x14.epd.v1.PrefillReply\x12G\n\x0ePushEmbeddings\x12\x16.epd.v1.EmbeddingChunk\x1a\x1b.epd.v1.PushEmbeddingsReply(\x01\x12\x31\n\x05\x41\x62ort\x12\x14.epd.v1.AbortRequest\x1a\x12.epd.v1.AbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATESTART_METADATAENTRY']._loaded_options = None
   _globals['_GENERATESTART_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2041
-  _globals['_FINISHREASON']._serialized_end=2161
+  _globals['_FINISHREASON']._serialized_start=2064
+  _globals['_FINISHREASON']._serialized_end=2184
   _globals['_IMAGEPART']._serialized_start=54
   _globals['_IMAGEPART']._serialized_end=98
   _globals['_VIDEOPART']._serialized_start=100
@@ -57,29 +57,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATECHUNK']._serialized_start=882
   _globals['_GENERATECHUNK']._serialized_end=970
   _globals['_GENERATECOMPLETE']._serialized_start=973
-  _globals['_GENERATECOMPLETE']._serialized_end=1108
-  _globals['_GENERATEERROR']._serialized_start=1110
-  _globals['_GENERATEERROR']._serialized_end=1156
-  _globals['_GENERATERESPONSE']._serialized_start=1159
-  _globals['_GENERATERESPONSE']._serialized_end=1346
-  _globals['_GENERATESTART']._serialized_start=1349
-  _globals['_GENERATESTART']._serialized_end=1510
-  _globals['_GENERATESTART_METADATAENTRY']._serialized_start=1463
-  _globals['_GENERATESTART_METADATAENTRY']._serialized_end=1510
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1512
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1601
-  _globals['_GENERATEEND']._serialized_start=1603
-  _globals['_GENERATEEND']._serialized_end=1667
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1669
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1773
-  _globals['_EMBEDDINGCHUNK']._serialized_start=1776
-  _globals['_EMBEDDINGCHUNK']._serialized_end=1910
-  _globals['_PUSHEMBEDDINGSREPLY']._serialized_start=1912
-  _globals['_PUSHEMBEDDINGSREPLY']._serialized_end=1958
-  _globals['_ABORTREQUEST']._serialized_start=1960
-  _globals['_ABORTREQUEST']._serialized_end=2010
-  _globals['_ABORTREPLY']._serialized_start=2012
-  _globals['_ABORTREPLY']._serialized_end=2039
-  _globals['_LANGUAGE']._serialized_start=2164
-  _globals['_LANGUAGE']._serialized_end=2506
+  _globals['_GENERATECOMPLETE']._serialized_end=1131
+  _globals['_GENERATEERROR']._serialized_start=1133
+  _globals['_GENERATEERROR']._serialized_end=1179
+  _globals['_GENERATERESPONSE']._serialized_start=1182
+  _globals['_GENERATERESPONSE']._serialized_end=1369
+  _globals['_GENERATESTART']._serialized_start=1372
+  _globals['_GENERATESTART']._serialized_end=1533
+  _globals['_GENERATESTART_METADATAENTRY']._serialized_start=1486
+  _globals['_GENERATESTART_METADATAENTRY']._serialized_end=1533
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1535
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1624
+  _globals['_GENERATEEND']._serialized_start=1626
+  _globals['_GENERATEEND']._serialized_end=1690
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1692
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1796
+  _globals['_EMBEDDINGCHUNK']._serialized_start=1799
+  _globals['_EMBEDDINGCHUNK']._serialized_end=1933
+  _globals['_PUSHEMBEDDINGSREPLY']._serialized_start=1935
+  _globals['_PUSHEMBEDDINGSREPLY']._serialized_end=1981
+  _globals['_ABORTREQUEST']._serialized_start=1983
+  _globals['_ABORTREQUEST']._serialized_end=2033
+  _globals['_ABORTREPLY']._serialized_start=2035
+  _globals['_ABORTREPLY']._serialized_end=2062
+  _globals['_LANGUAGE']._serialized_start=2187
+  _globals['_LANGUAGE']._serialized_end=2529
 # @@protoc_insertion_point(module_scope)

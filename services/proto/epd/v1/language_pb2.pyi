@@ -126,16 +126,18 @@ class GenerateChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "image_tokens")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "image_tokens", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     image_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateError(_message.Message):
     __slots__ = ("code", "message")

@@ -16,11 +16,13 @@ from services.wire import request as wire
 from services.wire.request import FinishReason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens: of the prompt's, those the prefix cache held."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -41,7 +43,7 @@ def logprob_content(entries: list[Any]) -> list[dict[str, Any]]:
 
 
 def completion(
-    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any]
 ) -> dict[str, Any]:
     """A chat completion; each choice from chat_choice()."""
     return {
@@ -94,7 +96,7 @@ def text_logprobs(entries: list[Any]) -> dict[str, Any]:
 
 
 def text_completion(
-    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None
 ) -> dict[str, Any]:
     """A /v1/completions response or stream chunk; each choice {index, text,
     logprobs, finish_reason}."""
@@ -178,11 +180,15 @@ class Generated:
     finish_reason: wire.FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
-def usage_of(choices: list[Generated]) -> dict[str, int]:
+def usage_of(choices: list[Generated]) -> dict[str, Any]:
     """The prompt once, every choice's completion."""
-    return usage(choices[0].prompt_tokens, sum(c.completion_tokens for c in choices))
+    first = choices[0]
+    return usage(
+        first.prompt_tokens, sum(c.completion_tokens for c in choices), first.cached_tokens
+    )
 
 
 async def collect(
@@ -215,6 +221,7 @@ async def collect(
                     end.finish_reason,
                     end.prompt_tokens,
                     end.completion_tokens,
+                    end.cached_tokens,
                 )
                 if len(done) == n:
                     return [done[i] for i in range(n)]
