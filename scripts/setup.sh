@@ -49,4 +49,14 @@ if ! command -v prometheus >/dev/null && [[ "$(id -u)" == 0 ]] && command -v apt
     || echo "prometheus could not be installed: tests/test_observability.py will skip"
 fi
 
+# tests/test_containers.py builds the images and runs the stack in real
+# containers: Debian's Docker engine (the tests start its daemon) and mmdebstrap
+# (a local base image where no registry is reachable).
+if ! { command -v dockerd && command -v mmdebstrap; } >/dev/null && [[ "$(id -u)" == 0 ]] \
+    && command -v apt-get >/dev/null; then
+  apt-get install -y -qq docker.io mmdebstrap >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq docker.io mmdebstrap >/dev/null 2>&1; } \
+    || echo "docker.io could not be installed: tests/test_containers.py will skip"
+fi
+
 echo "$WANT" > "$STAMP"

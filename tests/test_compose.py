@@ -19,10 +19,13 @@ COMPOSE = Path(sys.executable).parent / "docker-compose"
 SECRETS = {"EPD_CLUSTER_TOKEN": "t0ken", "EPD_API_KEY": "k3y"}
 
 
-def compose(*args: str, **environment: str) -> subprocess.CompletedProcess[str]:
+def compose(
+    *args: str, files: tuple[str, ...] = ("compose.yaml",), **environment: str
+) -> subprocess.CompletedProcess[str]:
     given = {**os.environ, "EPD_MODEL_DIR": "/srv/models/qwen", **SECRETS, **environment}
+    named = [arg for name in files for arg in ("-f", str(REPO_ROOT / name))]
     return subprocess.run(
-        [str(COMPOSE), "-f", str(REPO_ROOT / "compose.yaml"), *args],
+        [str(COMPOSE), *named, *args],
         capture_output=True,
         text=True,
         check=False,
@@ -45,7 +48,18 @@ def test_config_quiet_passes() -> None:
 
 def test_services_health_checks_and_order(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert set(services) == {"triton", "broker", "encoder", "language", "gateway", "grpcurl"}
+    assert set(services) == {
+        "model",
+        "triton",
+        "broker",
+        "encoder",
+        "language",
+        "gateway",
+        "grpcurl",
+    }
+    for name in ("triton", "encoder", "language"):  # the checkpoint is there first
+        condition = services[name]["depends_on"]["model"]["condition"]
+        assert condition == "service_completed_successfully", name
     for name in ("triton", "broker", "encoder", "language", "gateway"):
         assert services[name]["healthcheck"]["test"], name
     assert services["gateway"]["depends_on"]["language"]["condition"] == "service_healthy"
@@ -119,3 +133,63 @@ def test_the_observability_profile_mounts_what_deploy_observability_ships() -> N
     targets = (REPO_ROOT / "deploy/observability/targets/compose.yaml").read_text()
     for component in ("gateway:8000", "broker:50151", "encoder:50161", "language:50171"):
         assert component in targets
+
+
+def _rendered(files: tuple[str, ...], **environment: str) -> dict[str, Any]:
+    result = compose("--profile", "debug", "config", "--format", "json", files=files, **environment)
+    assert result.returncode == 0, result.stderr
+    parsed: dict[str, Any] = json.loads(result.stdout)
+    return parsed
+
+
+def test_without_a_model_dir_the_demo_is_built_into_a_volume() -> None:
+    services = _rendered(("compose.yaml",), EPD_MODEL_DIR="")["services"]
+    mounts = {v["target"]: v for v in services["language"]["volumes"]}
+    checkpoint = mounts["/models/checkpoint"]
+    assert (checkpoint["type"], checkpoint["source"]) == ("volume", "demo-model")
+    (built,) = services["model"]["volumes"]
+    assert (built["source"], built["target"]) == ("demo-model", "/models/checkpoint")
+    assert "epd demo-model /models/checkpoint" in " ".join(services["model"]["command"])
+
+
+# What the CPU compose may change, service by service: what a GPU needs.
+GPU_ONLY = {"image", "build", "pull_policy", "deploy", "command", "volumes"}
+CPU_CHANGES = {
+    "triton": GPU_ONLY | {"environment", "healthcheck"},  # Triton from the wheel: its own image
+    "language": GPU_ONLY | {"healthcheck"},  # start_period: C kernels, not FlashInfer builds
+}
+# The flags of a command that differ: devices, dtypes, transports, memory.
+CPU_FLAGS = ("--device", "--dtype", "--transports", "--kv-cache-mb", "--max-model-len")
+
+
+def _flags(command: list[str]) -> list[str]:
+    return [arg for arg in command if not arg.startswith(CPU_FLAGS)]
+
+
+def test_the_cpu_compose_differs_from_the_gpu_one_only_in_what_a_gpu_needs() -> None:
+    gpu = _rendered(("compose.yaml",))["services"]
+    cpu = _rendered(("compose.yaml", "compose.cpu.yaml"))["services"]
+    assert set(cpu) == set(gpu)
+    for name in set(gpu) - {"grpcurl"}:
+        allowed = CPU_CHANGES.get(name, GPU_ONLY)
+        for key in set(gpu[name]) | set(cpu[name]):
+            if key not in allowed:
+                assert gpu[name].get(key) == cpu[name].get(key), (name, key)
+        assert "deploy" not in cpu[name], name  # no GPU reserved
+        assert cpu[name]["image"] == "epd-cpu:latest", name
+        healthcheck = {k: v for k, v in cpu[name].get("healthcheck", {}).items() if k != "test"}
+        assert (
+            healthcheck.items()
+            >= {
+                k: v
+                for k, v in gpu[name].get("healthcheck", {}).items()
+                if k not in ("test", "start_period")
+            }.items()
+        ), name
+    for name in ("encoder", "language"):
+        assert _flags(cpu[name]["command"]) == _flags(gpu[name]["command"]), name
+        assert "--device=cpu" in cpu[name]["command"] or name == "encoder"
+    (built,) = [name for name in cpu if "build" in cpu[name]]
+    assert cpu[built]["build"]["dockerfile"] == "docker/epd-cpu.Dockerfile"
+    gpu_mounts = {v["target"] for v in gpu["triton"]["volumes"]}
+    assert gpu_mounts <= {v["target"] for v in cpu["triton"]["volumes"]}

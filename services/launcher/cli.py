@@ -509,6 +509,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format)
     for chatty in ("httpx", "matplotlib"):  # a line per request / per font otherwise
         logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
+    if env.SHM_RECLAIM.get():
+        from services.transfer.shared_memory import remove_segments
+
+        if removed := remove_segments(env.SHM_PREFIX.get()):
+            logging.getLogger(__name__).info("removed %d segments left behind", len(removed))
     if args.command in TRACED:
         from services.runtime import tracing
 

@@ -81,6 +81,13 @@ SHM_PREFIX = EnvVar(
     lambda: "epd_",
     "names of the POSIX shared-memory segments this process creates start with it",
 )
+SHM_RECLAIM = EnvVar(
+    "EPD_SHM_RECLAIM",
+    lambda value: value.lower() in ("1", "true", "yes"),
+    lambda: False,
+    "EPD_SHM_PREFIX is this service's alone: at start, remove the segments a killed "
+    "predecessor left under it (a container that restarts)",
+)
 
 
 def parse_cpus(value: str) -> tuple[int, ...]:
@@ -149,6 +156,7 @@ ALL = (
     KERNEL_MARCH,
     DTYPE,
     SHM_PREFIX,
+    SHM_RECLAIM,
     CPUS,
     NICE,
     CLUSTER_TOKEN,
