@@ -3,8 +3,9 @@ shares: InstanceConfig (where it listens, how peers reach it, who it is, which
 broker, which transports), and InstanceServer, the one lifecycle both run:
 
     start: serve gRPC -> on_serving -> attach to the broker -> run the periodic tasks
-    stop:  the tasks -> gRPC (EPD_SHUTDOWN_GRACE for requests in flight) -> the
-           transfer driver -> the broker link
+    stop:  "unavailable" to the broker -> what it routed before it heard
+           (ROUTED_GRACE_S) -> refuse new requests -> the tasks -> gRPC
+           (EPD_SHUTDOWN_GRACE for requests in flight) -> the transfer driver -> the broker link
            -> whatever the instance holds (release)
 """
 
@@ -104,6 +105,12 @@ class TransferDriver(Protocol):
     async def close(self) -> None: ...
 
 
+# How long a stopping instance still takes requests once it told the broker it
+# takes none: those the broker routed here before it heard, which the gateway
+# sends right after routing (its Encode and Generate go out together).
+ROUTED_GRACE_S = 0.3
+
+
 class InstanceServer(abc.ABC):
     """The lifecycle of an instance attached to the broker. A subclass builds
     its gRPC server and transfer driver, says how it registers and what load it
@@ -158,17 +165,25 @@ class InstanceServer(abc.ABC):
         tasks = [(EXPIRE_INTERVAL_S, self.driver.expire), *self.periodic()]
         self._tasks = [asyncio.create_task(_every(s, work)) for s, work in tasks]
 
+    def refuse_new(self) -> None:  # noqa: B027 - a hook: the gRPC server's stop suffices for most
+        """From now on new requests are refused (their callers fail them over);
+        those in flight go on. The gRPC server's stop does it for new calls; a
+        language instance also refuses new requests on its open streams."""
+
     def _heartbeat(self) -> Heartbeat:
         load = self.load()
         return replace(load, unavailable=True) if self.draining else load
 
     async def stop(self) -> None:
         """Drains: the broker hears at once that this instance takes nothing new
-        (so a stop the planner asked for fails no request), then what is in
-        flight gets the shutdown grace."""
+        (so a stop the planner asked for fails no request); what it routed here
+        before it heard is still taken for ROUTED_GRACE_S; then new requests are
+        refused (refuse_new) and what is in flight gets the shutdown grace."""
         self.draining = True
         if self.link is not None and self.link.attached.is_set():
             self.link.send(self._heartbeat())
+            await asyncio.sleep(ROUTED_GRACE_S)
+        self.refuse_new()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

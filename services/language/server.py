@@ -221,9 +221,8 @@ class LanguageServer(InstanceServer):
         for end in self.ends.values():
             end.start(busy=lambda: bool(polling))
 
-    async def stop(self) -> None:
+    def refuse_new(self) -> None:
         self.servicer.drain()  # the gateways' streams end once their requests have
-        await super().stop()
 
     async def release(self) -> None:
         await self.engine.stop()

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from services.broker import instance
 from services.broker.server import BrokerServer
 from services.gateway.streams import GenerateStreams, StreamedCall
 from services.language.engine.config import EngineConfig
@@ -199,6 +200,33 @@ async def test_a_call_past_its_deadline_ends_deadline_exceeded_and_is_freed(
     assert time.monotonic() - started < 2
     await until(lambda: freed(language) and not language.receiver.transfers)
     await streams.close()
+
+
+async def test_a_stopping_instance_serves_what_the_broker_routed_before_it_heard(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop first tells the broker; a request the broker routed here before it
+    heard still arrives for a moment (ROUTED_GRACE_S, held longer here than the
+    test's steps take), and is served, not refused."""
+    monkeypatch.setattr(instance, "ROUTED_GRACE_S", 3.0)
+    broker = await start_broker()
+    language = await start(tiny_checkpoint, broker)
+    streams = GenerateStreams()
+    stopping = None
+    try:
+        await responses(call(streams, language, request("opens-the-stream", "Hi", 2)))
+        stopping = asyncio.ensure_future(language.stop())
+        (session,) = broker.broker.registry.sessions()
+        await until(lambda: session.load.unavailable)  # the broker heard: it routes here no more
+        routed_before = await responses(call(streams, language, request("routed", "Hi", 3)))
+        assert isinstance(done := routed_before[-1].kind, GenerateComplete)
+        assert done.completion_tokens == 3
+        await stopping
+    finally:
+        await streams.close()
+        if stopping is None:
+            await language.stop()
+        await broker.stop()
 
 
 async def test_a_stopping_instance_refuses_new_calls_and_ends_the_stream_once_idle(
