@@ -275,9 +275,10 @@ async def _serving(client: AsyncOpenAI, deadline: float) -> None:
 
 @pytest.mark.parametrize("service", ["language", "encoder", "triton", "broker"])
 async def test_a_killed_container_comes_back_and_serves(stack: Stack, service: str) -> None:
-    """kill -9 of the container's main process under load: requests in flight end
-    within a bound, the container restarts (its policy), its instance attaches
-    again, and requests succeed again."""
+    """kill -9 of the container's main process under load (a crash: `docker kill`
+    would be a manual stop, which moby's restart policy leaves stopped): requests
+    in flight end within a bound, the container restarts (its policy), its
+    instance attaches again, and requests succeed again."""
     client = stack.client()
     before = stack.container(service)
     load = asyncio.ensure_future(_load(client, time.monotonic() + 20))
