@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +51,16 @@ class Network:
         return self.prefix + ".1"
 
 
+def _forwarding(bridge: str, action: str) -> None:
+    """Traffic between the bridge's hosts let through the root namespace's
+    firewall (`action`: -I to add the rule, -D to remove it). Where Docker runs,
+    bridged frames go through iptables (br_netfilter) and its FORWARD policy is
+    DROP: the hosts could not reach one another."""
+    if shutil.which("iptables") is not None:
+        rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
+        subprocess.run(["iptables", action, *rule], capture_output=True, timeout=30)
+
+
 def make_network(num_hosts: int) -> Network:
     tag = secrets.token_hex(2)
     prefix = f"10.{random.randint(100, 199)}.{random.randint(1, 250)}"
@@ -57,6 +68,7 @@ def make_network(num_hosts: int) -> Network:
     ip("link", "add", network.bridge, "type", "bridge")
     ip("addr", "add", f"{network.gateway}/24", "dev", network.bridge)
     ip("link", "set", network.bridge, "up")
+    _forwarding(network.bridge, "-I")
     for i in range(num_hosts):
         host = Host(f"epd{tag}h{i}", f"{prefix}.{10 + i}")
         network.hosts.append(host)
@@ -82,3 +94,4 @@ def remove_network(network: Network) -> None:
     for host in network.hosts:
         subprocess.run(["ip", "netns", "del", host.name], capture_output=True, timeout=30)
     subprocess.run(["ip", "link", "del", network.bridge], capture_output=True, timeout=30)
+    _forwarding(network.bridge, "-D")
