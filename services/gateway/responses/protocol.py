@@ -4,7 +4,6 @@ background mode, reasoning, files) is refused by name, never ignored."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -13,13 +12,17 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from services.gateway.protocol import UINT32_MAX, JsonObjectFormat, Text, TextFormat
-from services.gateway.tool_calls import schema_error
+from services.gateway.protocol import (
+    UINT32_MAX,
+    FunctionDefinition,
+    JsonObjectFormat,
+    Text,
+    TextFormat,
+)
 
 
 class _Strict(BaseModel):
@@ -131,21 +134,10 @@ Item = Annotated[
 ]
 
 
-class FunctionTool(_Strict):
-    """A function tool: the chat API's definition, flattened."""
+class FunctionTool(FunctionDefinition):
+    """A function tool: the chat API's definition, flattened beside its type."""
 
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _usable_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and (why := schema_error(json.dumps(value, sort_keys=True))):
-            raise ValueError(f"a schema the grammar compiler refuses: {why}")
-        return value
 
 
 def _tool(value: Any) -> str:
