@@ -236,20 +236,24 @@ def test_the_images_run_as_a_user_and_hold_no_test_tools(stack: Stack) -> None:
     print(f"image {config['Image']}: {size / 2**30:.2f} GiB", flush=True)
 
 
+async def _ask(client: AsyncOpenAI, text: str, max_tokens: int) -> None:
+    """A request with a new image (so Triton, not the encoder's cache, answers it)."""
+    content = [_image()[1], {"type": "text", "text": text}]
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],  # type: ignore[list-item,misc]
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+
+
 async def _load(client: AsyncOpenAI, until: float) -> list[tuple[bool, float]]:
     """Requests one after another until `until`: each one's success and duration."""
     done = []
     while time.monotonic() < until:
         started = time.monotonic()
         try:
-            await client.chat.completions.create(
-                model=MODEL,
-                messages=[
-                    {"role": "user", "content": [_image()[1], {"type": "text", "text": "Hi"}]}
-                ],  # type: ignore[list-item,misc]
-                max_tokens=24,
-                temperature=0,
-            )
+            await _ask(client, "Hi", 24)
             done.append((True, time.monotonic() - started))
         except Exception:  # a failure is what is counted here
             done.append((False, time.monotonic() - started))
@@ -260,13 +264,7 @@ async def _load(client: AsyncOpenAI, until: float) -> list[tuple[bool, float]]:
 async def _serving(client: AsyncOpenAI, deadline: float) -> None:
     while True:
         try:
-            await client.chat.completions.create(
-                model=MODEL,
-                messages=[
-                    {"role": "user", "content": [_image()[1], {"type": "text", "text": "Ok?"}]}
-                ],  # type: ignore[list-item,misc]
-                max_tokens=2,
-            )
+            await _ask(client, "Ok?", 2)
             return
         except Exception:  # not yet: the container is coming back
             assert time.monotonic() < deadline, "not serving again in time"

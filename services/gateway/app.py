@@ -289,7 +289,7 @@ def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
         history = stored(previous, "previous_response_id").conversation if previous else []
         chat, conversation = chat_request(body, history)
         call = await chat_call(gateway.backend, gateway.media, gateway.metrics, chat, record)
-        output = ResponseOutput(record.request_id, body, call.tool_calls)
+        output = ResponseOutput(record.request_id, body, call.tool_calls, body.stream)
 
         def keep(done: ResponseOutput) -> None:
             if body.store:

@@ -34,11 +34,14 @@ def _item_id(prefix: str) -> str:
 
 
 class ResponseOutput:
-    """One response's items, built from its text; `events` holds the SSE lines
-    of each step not yet sent."""
+    """One response's items, built from its text; when `streamed`, `events` holds
+    the SSE lines of each step not yet sent (a whole response makes none)."""
 
-    def __init__(self, response_id: str, body: ResponsesRequest, tool_calls: bool) -> None:
+    def __init__(
+        self, response_id: str, body: ResponsesRequest, tool_calls: bool, streamed: bool = True
+    ) -> None:
         self.response = response_object(response_id, body, time.time())
+        self.streamed = streamed
         self.events: list[str] = []
         self._calls = ToolCallStream() if tool_calls else None
         self._open: dict[str, Any] | None = None  # the item being written
@@ -165,6 +168,8 @@ class ResponseOutput:
 
     def _emit(self, kind: str, **fields: Any) -> None:
         """An event, serialized now (the items it shows change later)."""
+        if not self.streamed:
+            return
         body = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         self.events.append(f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n")

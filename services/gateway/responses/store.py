@@ -4,7 +4,6 @@ In memory, bounded by bytes and by age; the oldest go first."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], conversation: Messages) -> bool:
         """Stores a response; False where it alone is over the size limit."""
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        size = _size(response) + _size(conversation)
         if size > self.max_bytes:
             return False
         self._drop(response["id"])
@@ -63,3 +62,15 @@ class ResponseStore:
         if stored is not None:
             self.bytes -= stored.size
         return stored is not None
+
+
+def _size(value: Any) -> int:
+    """About the bytes a value holds: its strings' lengths (a conversation's are
+    mostly its images' data URLs), without serializing it on the event loop."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _size(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_size(v) for v in value)
+    return 8
