@@ -8,12 +8,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from services.language.engine.engine import FirstToken, LLMEngine, RequestOutput, StepStats
 from services.language.engine.interface import (
     AbortRequest,
+    AddMedia,
     AddRequest,
     Encoding,
     EngineHost,
@@ -72,6 +75,7 @@ class _FreePages:
 
 _Message = (
     AddRequest
+    | AddMedia
     | _AddPrefilled
     | AbortRequest
     | Encoding
@@ -184,6 +188,9 @@ class AsyncEngine(EngineHost):
                         replies.append((request.request_id, exc))
                     else:
                         replies += [(request.request_id, output) for output in outputs]
+                case AddMedia(request_id, start, embeds, deepstack):
+                    outputs = self.engine.add_media(request_id, start, embeds, deepstack)
+                    replies += [(request_id, output) for output in outputs]
                 case AbortRequest(request_id):
                     outputs = self.engine.abort_request(request_id)
                     replies += [(request_id, output) for output in outputs]
@@ -206,7 +213,7 @@ class AsyncEngine(EngineHost):
 
     async def generate(
         self, request: Request, firsts: Sequence[FirstToken] = ()
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request, its choices interleaved, until every choice
         finishes (or, hold_kv, is prefilled: then `release` its pages); leaving
         early aborts it. With `firsts`, a request another instance prefilled
@@ -267,6 +274,12 @@ class AsyncEngine(EngineHost):
         if pages:
             self._inbox.put(_FreePages(tuple(pages)))
             self._wake.set()
+
+    def add_media(
+        self, request_id: str, start: int, embeds: torch.Tensor, deepstack: torch.Tensor | None
+    ) -> None:
+        self._inbox.put(AddMedia(request_id, start, embeds, deepstack))
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(AbortRequest(request_id))

@@ -338,6 +338,29 @@ class LLMEngine:
                 return [self._fail(choice, str(exc))]
         return outputs
 
+    def add_media(
+        self,
+        request_id: str,
+        start: int,
+        embeds: torch.Tensor,
+        deepstack: torch.Tensor | None = None,
+    ) -> list[RequestOutput]:
+        """Streamed embeddings (and deepstack features) of a request's media tokens
+        from `start` on, for every choice; a part that does not follow those
+        already there fails the request. A request that has ended takes nothing."""
+        choices = self.requests.get(request_id)
+        if not choices or choices[0].is_finished:
+            return []
+        first = choices[0]
+        try:
+            first.add_media(start, embeds, deepstack)
+        except ValueError as exc:
+            return [self._fail(first, str(exc))]
+        for choice in choices[1:]:
+            choice.media_embeds, choice.deepstack = first.media_embeds, first.deepstack
+            choice.num_media_ready = first.num_media_ready
+        return []
+
     def release(self, request_id: str) -> None:
         """Frees the pages of a request's PREFILLED choices."""
         for choice in self.held.pop(request_id, []):

@@ -10,6 +10,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import (
     EngineLoad,
@@ -30,6 +32,16 @@ from services.wire.request import SamplingParams
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class AddMedia:
+    """Streamed embeddings of a request's media tokens from `start` on (LLMEngine.add_media)."""
+
+    request_id: str
+    start: int
+    embeds: torch.Tensor
+    deepstack: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +101,14 @@ class Engine(Protocol):
 
     def generate(
         self, request: Request, firsts: Sequence[FirstToken] = ()
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def has_request(self, request_id: str) -> bool: ...
+
+    def add_media(
+        self, request_id: str, start: int, embeds: torch.Tensor, deepstack: torch.Tensor | None
+    ) -> None:
+        """Embeddings of a streamed request's media tokens from `start` on."""
 
     def abort(self, request_id: str) -> None: ...
 

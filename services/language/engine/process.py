@@ -33,12 +33,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from subprocess import DEVNULL
 from typing import Any
+
+import torch
 
 from services.language.engine.config import EngineConfig
 from services.language.engine.engine import (
@@ -52,6 +54,7 @@ from services.language.engine.engine import (
 from services.language.engine.grammar import Grammars
 from services.language.engine.interface import (
     AbortRequest,
+    AddMedia,
     AddRequest,
     Encoding,
     EngineHost,
@@ -240,6 +243,10 @@ class _EngineLoop:
                         items.append((request.request_id, exc, None))
                     else:
                         self.requests[request.request_id] = request
+                case AddMedia(request_id, start, embeds, deepstack):
+                    items += self._items(
+                        self.engine.add_media(request_id, start, embeds, deepstack)
+                    )
                 case AbortRequest(request_id):
                     items += self._items(self.engine.abort_request(request_id))
                 case Encoding(busy):
@@ -379,7 +386,7 @@ class EngineProcess(EngineHost):
 
     async def generate(
         self, request: Request, firsts: Sequence[FirstToken] = ()
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request, its choices interleaved, until every choice
         finishes; leaving early aborts it. Its timing is noted on `request` before
         its last output comes (as the engine notes it in process)."""
@@ -396,13 +403,18 @@ class EngineProcess(EngineHost):
         finally:
             del self._requests[request.request_id]
 
+    def add_media(
+        self, request_id: str, start: int, embeds: torch.Tensor, deepstack: torch.Tensor | None
+    ) -> None:
+        self._tell(AddMedia(request_id, start, embeds, deepstack))
+
     def abort(self, request_id: str) -> None:
         self._tell(AbortRequest(request_id))
 
     def set_encoding(self, busy: bool) -> None:
         self._tell(Encoding(busy))
 
-    def _tell(self, message: AbortRequest | Encoding) -> None:
+    def _tell(self, message: AddMedia | AbortRequest | Encoding) -> None:
         """A message that matters only to a running child (none is sent otherwise)."""
         if not self._lost and self._conn is not None:
             _put(self._conn, message)

@@ -62,6 +62,10 @@ class Request:
     # prompt order: the prefix cache knows their tokens' KV by them.
     media_keys: tuple[str, ...] = ()
     media_sizes: tuple[int, ...] = ()
+    # Media streamed in while the request runs (the frontend's prefill while the
+    # images arrive): how many media tokens, in prompt order, have their
+    # embeddings (add_media); None: all of them came with the request.
+    num_media_ready: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -114,6 +118,7 @@ class Request:
             media_grids=self.media_grids,
             media_keys=self.media_keys,
             media_sizes=self.media_sizes,
+            num_media_ready=self.num_media_ready,
             arrival_time=self.arrival_time,
             grammar=self.grammar,
             index=index,
@@ -124,6 +129,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_media_tokens(self) -> int:
+        return 0 if self.media_positions is None else self.media_positions.numel()
 
     @property
     def num_output_tokens(self) -> int:
@@ -140,6 +149,48 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def num_ready_tokens(self) -> int:
+        """How far the request can be computed now: every known token, or while
+        its media stream in, up to the first uncomputed media token whose
+        embedding has not arrived (a prefix-cache hit may have covered some)."""
+        if self.num_media_ready is None:
+            return self.num_tokens
+        assert self.media_positions is not None
+        first_uncomputed = int(torch.searchsorted(self.media_positions, self.num_computed_tokens))
+        missing = max(self.num_media_ready, first_uncomputed)
+        if missing >= self.media_positions.numel():
+            return self.num_tokens
+        return int(self.media_positions[missing])
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        return max(0, self.num_ready_tokens - self.num_computed_tokens)
+
+    def add_media(self, start: int, embeds: torch.Tensor, deepstack: torch.Tensor | None) -> None:
+        """The embeddings (and deepstack features) of media tokens [start, start
+        + len) in prompt order, streamed in: they follow those already here.
+        ValueError for a part that does not."""
+        assert self.media_positions is not None
+        total = self.media_positions.numel()
+        if self.num_media_ready is None or start != self.num_media_ready:
+            raise ValueError(f"media tokens from {start} arrived, expected {self.num_media_ready}")
+        end = start + embeds.shape[0]
+        if end > total:
+            raise ValueError(f"media tokens [{start}, {end}) exceed the prompt's {total}")
+        if deepstack is not None and deepstack.shape[0] != embeds.shape[0]:
+            raise ValueError(
+                f"deepstack features for {deepstack.shape[0]} of {embeds.shape[0]} media tokens"
+            )
+        if self.media_embeds is None:
+            self.media_embeds = embeds.new_empty(total, embeds.shape[1])
+        self.media_embeds[start:end] = embeds
+        if deepstack is not None:
+            if self.deepstack is None:
+                self.deepstack = deepstack.new_empty(total, deepstack.shape[1])
+            self.deepstack[start:end] = deepstack
+        self.num_media_ready = end
 
     def token_ids(self, start: int, end: int) -> list[int]:
         prompt = self.num_prompt_tokens
@@ -159,6 +210,7 @@ def new_request(
     grammar: Any = None,
     deepstack: torch.Tensor | None = None,
     media_keys: Sequence[str] = (),
+    streamed: bool = False,
 ) -> Request:
     """A request with its M-RoPE positions and image placeholder positions computed
     (the placeholder tokens, merge size and video time scale are the model's).
@@ -167,7 +219,9 @@ def new_request(
     either encoded (media_embeds, and with deepstack its features) or, for an
     engine with its own vision tower, as pixel_values it encodes before the
     request runs. `media_keys`: their content hashes, by which the prefix cache
-    shares their tokens' KV (none, or "": not from that item on)."""
+    shares their tokens' KV (none, or "": not from that item on). `streamed`:
+    the embeddings come later, part by part (Request.add_media), and the request
+    computes what precedes the first one missing meanwhile."""
     image_token_id = spec.image_token_id
     # without videos, the video pad is a token like any other
     video_token_id = spec.video_token_id if any(g.is_video for g in grids) else None
@@ -184,7 +238,7 @@ def new_request(
         pads = [image_token_id] if video_token_id is None else [image_token_id, video_token_id]
         media_positions = torch.isin(torch.tensor(token_ids), torch.tensor(pads))
         media_positions = media_positions.nonzero().flatten()
-        if pixel_values is None:
+        if pixel_values is None and not streamed:
             _check_embeddings(media_positions.numel(), media_embeds, deepstack)
     return Request(
         request_id,
@@ -199,6 +253,7 @@ def new_request(
         media_grids=tuple(grids),
         media_keys=tuple(media_keys),
         media_sizes=tuple(g.num_tokens(spec.vision.spatial_merge_size) for g in grids),
+        num_media_ready=0 if streamed and grids else None,
         grammar=grammar,
     )
 

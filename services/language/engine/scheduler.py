@@ -9,6 +9,10 @@ its pages are freed and it goes back to the front of the queue to be
 recomputed later. Admission checks that every request fits the cache alone,
 so the oldest one always makes progress: no deadlock however small the pool.
 
+A request whose images stream in (Request.num_media_ready) computes its
+tokens up to the first one whose embedding has not arrived, and is passed
+over, pages kept, while it waits for the next; the others go on.
+
 An n > 1 request holds n of the max_num_seqs seats from its admission on: its
 other choices join the running batch when its prompt is prefilled.
 
@@ -66,7 +70,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step would compute anything (else the engine waits for news)."""
+        return any(r.num_schedulable_tokens for r in (*self.running, *self.waiting))
 
     def _preempt(self, request: Request) -> None:
         if not request.recomputable:
@@ -88,7 +93,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = min(request.num_schedulable_tokens, budget)
+            if not num_tokens:  # its next image has not arrived
+                index += 1
+                continue
             while not self.blocks.allocate_slots(request, num_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -104,27 +112,30 @@ class Scheduler:
         # Newly freed pages go to the preempted first, so nothing new is admitted
         # in a step that had to preempt.
         seats = sum(1 + len(r.forks) for r in self.running)
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and seats + 1 + len(self.waiting[0].forks) <= self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
+        for request in list(self.waiting) if not preempted else []:
+            if budget <= 0 or seats + 1 + len(request.forks) > self.config.max_num_seqs:
+                break
             self.blocks.reuse_prefix(request)
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = min(request.num_schedulable_tokens, budget)
+            if not num_tokens:  # it waits for its first image: those behind it go first
+                self._unadmit(request)
+                continue
             if not self.blocks.allocate_slots(request, num_tokens):
-                self.blocks.free(request)  # the cached pages it took, until it fits
-                request.num_computed_tokens = 0
+                self._unadmit(request)  # until it fits
                 break
             self.blocks.count_hit(request)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(Scheduled.of(request, num_tokens))
             budget -= num_tokens
             seats += 1 + len(request.forks)
         return scheduled
+
+    def _unadmit(self, request: Request) -> None:
+        """Gives back the cached pages a waiting request took (reuse_prefix)."""
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
 
     def join(self, parent: Request, choice: Request, num_tokens: int) -> None:
         """Another choice of an n > 1 request joins the running batch in the step
