@@ -8,7 +8,9 @@ injected clock: tests drive it through any interleaving.
     allocated        -> Prealloc (first part) / Resume (later ones)          WAITING_FOR_INPUT
     the meta         -> remember it (EmbeddingMeta: the grids; KvMeta: the prompt)
     gRPC chunk       -> count it into the current part                      TRANSFERRING
-    TransferDone     -> Confirm: the part is in memory (NIXL: its notification)
+    TransferDone     -> Confirm: the part is in memory (NIXL: its notification);
+                        a part may end short of its blocks (the sender had
+                        no more ready: an encoder sends each image as it is encoded)
     arrived(sent < total)  -> Stage the part, Free its blocks, Allocate the rest
     arrived(sent == total) -> Succeed(meta)                                  SUCCESS
     take()           -> Stage the last part, Free its blocks
@@ -275,7 +277,7 @@ class Receiver:
             self.polling.discard(request_id)
             inbound.state = TransferState.SUCCESS
             return [Succeed(request_id, inbound.meta)]
-        count = inbound.part_tokens
+        count = sent_tokens - inbound.part_start
         blocks, inbound.blocks = tuple(inbound.blocks), []
         inbound.part_start = sent_tokens
         inbound.state = TransferState.TRANSFERRING  # between parts: waiting for blocks
@@ -323,16 +325,23 @@ class Receiver:
             return self._unquarantine(done.request_id)
         if inbound.meta is None or inbound.state.is_finished or inbound.confirming:
             return self.release(done.request_id, "a part finished that was not being sent")
-        expected = inbound.part_start + inbound.part_tokens
-        if done.sent_tokens != expected or done.total_tokens != inbound.meta.total_tokens:
+        end = inbound.part_start + inbound.part_tokens
+        if (
+            not inbound.part_start < done.sent_tokens <= end
+            or done.total_tokens != inbound.meta.total_tokens
+        ):
             return self.release(
                 done.request_id,
-                f"part ends at {done.sent_tokens}/{done.total_tokens}, expected {expected}",
+                f"part ends at {done.sent_tokens}/{done.total_tokens}, expected "
+                f"({inbound.part_start}, {end}]",
             )
-        if done.transport is Transport.GRPC and inbound.received_in_part != inbound.part_tokens:
+        sent_in_part = done.sent_tokens - inbound.part_start
+        if self.keeps_blocks and sent_in_part != inbound.part_tokens:
+            return self.release(done.request_id, "a KV part ended short of its pages")
+        if done.transport is Transport.GRPC and inbound.received_in_part != sent_in_part:
             return self.release(
                 done.request_id,
-                f"{inbound.received_in_part} of {inbound.part_tokens} tokens arrived over gRPC",
+                f"{inbound.received_in_part} of {sent_in_part} tokens arrived over gRPC",
             )
         inbound.confirming = True
         inbound.updated = self._clock()

@@ -16,7 +16,7 @@ engine hands out, all of a part or none.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -124,6 +124,9 @@ class ReceiverDriver(MachineDriver):
         self._on_finished = on_finished
         self._done: dict[str, asyncio.Future[TransferMeta]] = {}
         self._staged: dict[str, list[Planes]] = {}
+        # requests whose parts the caller takes as they arrive (`parts`), and each
+        # part staged for it (None: the transfer ended)
+        self._watched: dict[str, asyncio.Queue[Planes | None]] = {}
         # blocks staged out of a GPU pool, and the event of their copy (EmbeddingPool.stage)
         self._copying: dict[tuple[int, ...], torch.cuda.Event] = {}
         self._kept: dict[str, list[int]] = {}
@@ -169,11 +172,40 @@ class ReceiverDriver(MachineDriver):
         """A finished request's tokens per plane, by the plane's name (the
         embeddings; with deepstack, its features), copied out of the pool; its
         blocks are free again when this returns."""
+        self._watched.pop(request_id, None)
         self._run(self.machine.take(request_id))
         self._done.pop(request_id, None)
         parts = self._staged.pop(request_id)
         # one part is already a copy: no second one
         planes = parts[0] if len(parts) == 1 else [torch.cat(p) for p in zip(*parts, strict=True)]
+        return self._named(planes)
+
+    async def parts(
+        self, request_id: str
+    ) -> AsyncIterator[tuple[TransferMeta, dict[str, torch.Tensor]]]:
+        """A request's tokens as they arrive, a part at a time in token order, as
+        `take` gives them (each part's blocks are free again once it is out), with
+        the transfer's metadata; the last part once every token is here.
+        TransferFailedError when the transfer fails."""
+        if request_id not in self._done:
+            raise TransferFailedError(f"request {request_id!r} is not receiving")
+        arrivals = self._watched[request_id] = asyncio.Queue()
+        for part in self._staged.pop(request_id, []):
+            arrivals.put_nowait(part)
+        try:
+            while True:
+                arrived = await arrivals.get()
+                if arrived is None:
+                    break
+                meta = self.transfers[request_id].meta
+                assert meta is not None
+                yield meta, self._named(arrived)
+            meta = await self.wait(request_id)
+            yield meta, await self.take(request_id)
+        finally:
+            self._watched.pop(request_id, None)
+
+    def _named(self, planes: Planes) -> dict[str, torch.Tensor]:
         return {
             plane.name: tensor
             for plane, tensor in zip(self.pool.layout.planes, planes, strict=True)
@@ -259,7 +291,10 @@ class ReceiverDriver(MachineDriver):
                     parent = tracing.context_for(request_id)
                     with tracing.span("transfer.stage", parent, tokens=num_tokens):
                         part, copying = self.pool.stage(list(blocks), 0, num_tokens)
-                    self._staged.setdefault(request_id, []).append(part)
+                    if request_id in self._watched:
+                        self._watched[request_id].put_nowait(part)
+                    else:
+                        self._staged.setdefault(request_id, []).append(part)
                     if copying is not None:  # the Free that follows waits for it
                         self._copying[blocks] = copying
                 case Keep(request_id, blocks):
@@ -289,6 +324,8 @@ class ReceiverDriver(MachineDriver):
                 self._run(self.machine.broker_unavailable(action.message.request_id))
 
     def _resolve(self, request_id: str, outcome: TransferMeta | TransferFailedError) -> None:
+        if request_id in self._watched:
+            self._watched[request_id].put_nowait(None)
         done = self._done.get(request_id)
         if done is None or done.done():
             return

@@ -5,11 +5,17 @@ come in as method calls; each returns the actions for the driver
 tests drive it through any interleaving.
 
     start(meta)                -> send the meta (EmbeddingMeta, KvMeta)    WAITING_FOR_INPUT
-    Prealloc / Resume(blocks)  -> Write min(remaining, allocated) tokens   TRANSFERRING
+    Prealloc / Resume(blocks)  -> Write min(ready, allocated) tokens       TRANSFERRING
+                                  (none ready yet: keep the blocks until `ready`)
     written                    -> send TransferDone(sent, total)
         sent == total          -> Succeed, Free the send buffer            SUCCESS
         otherwise              -> wait for the next Resume                 WAITING_FOR_INPUT
     Abort / PeerLost / timeout / write error / abort() -> Fail             FAILED
+
+A transfer may start before all its data is in the send buffer (an encoder
+sends each image as soon as it is encoded): `ready` says how many tokens,
+from the first, are there; a part ends where they do, and the receiver uses
+it while the rest is still being made.
 
 A transfer that fails while its write is in flight is ended at once (its
 caller hears), but its send buffer is freed, and the language side told
@@ -96,6 +102,8 @@ class Outbound:
     sent_tokens: int = 0
     had_blocks: bool = False  # the language side gave blocks: a write may land in them
     writing: int = 0  # tokens of the write in flight (0: none)
+    ready_tokens: int = 0  # tokens in the send buffer, from the first
+    parked: tuple[tuple[int, ...], int] | None = None  # blocks given before data was ready
 
 
 class Sender:
@@ -110,18 +118,48 @@ class Sender:
 
     # -- the caller's events -------------------------------------------------
 
-    def start(self, meta: TransferMeta) -> list[Action]:
-        """Announces a request's data (already where the writes read it)."""
+    def start(self, meta: TransferMeta, ready_tokens: int | None = None) -> list[Action]:
+        """Announces a request's data, of which `ready_tokens` (default: all) are
+        already where the writes read them."""
         request_id = meta.request_id
         if request_id in self.transfers or request_id in self.closing:
             raise ValueError(f"request {request_id!r} is already being sent")
+        ready = meta.total_tokens if ready_tokens is None else ready_tokens
         self.transfers[request_id] = Outbound(
-            request_id, meta.target_id, meta.transport, meta.total_tokens, self._clock()
+            request_id,
+            meta.target_id,
+            meta.transport,
+            meta.total_tokens,
+            self._clock(),
+            ready_tokens=ready,
         )
         return [Send(meta)]
 
+    def ready(self, request_id: str, tokens: int) -> list[Action]:
+        """The first `tokens` of the request's data are in the send buffer; blocks
+        given before they were get written now."""
+        outbound = self.transfers.get(request_id)
+        if outbound is None:
+            return []
+        outbound.ready_tokens = max(outbound.ready_tokens, min(tokens, outbound.total_tokens))
+        if outbound.parked is None or outbound.ready_tokens == outbound.sent_tokens:
+            return []
+        (blocks, allocated), outbound.parked = outbound.parked, None
+        return [self._write(outbound, blocks, allocated)]
+
     def abort(self, request_id: str, reason: str) -> list[Action]:
         return self._fail(request_id, Failure.ABORTED, reason, notify=True)
+
+    def withdraw(self, request_id: str, reason: str) -> list[Action]:
+        """This sender cannot make the rest of the data. Nothing has landed yet:
+        it lets go without a word, and the receiver, still waiting, can be given
+        another sender (the broker's failover); else the transfer is aborted."""
+        outbound = self.transfers.get(request_id)
+        if outbound is None:
+            return []
+        if outbound.sent_tokens or outbound.writing:
+            return self.abort(request_id, reason)
+        return self._fail(request_id, Failure.UNAVAILABLE, reason, notify=False)
 
     def written(self, request_id: str) -> list[Action]:
         """The write in flight is in the receiver's memory."""
@@ -245,11 +283,16 @@ class Sender:
             return self._fail(request_id, Failure.ABORTED, reason, notify=True)
         outbound.state = TransferState.TRANSFERRING
         outbound.updated = self._clock()
-        outbound.writing = min(outbound.total_tokens - outbound.sent_tokens, allocated)
-        write = Write(
-            request_id, outbound.transport, outbound.sent_tokens, outbound.writing, tuple(blocks)
+        if outbound.ready_tokens == outbound.sent_tokens:  # written when `ready` says
+            outbound.parked = (tuple(blocks), allocated)
+            return []
+        return [self._write(outbound, tuple(blocks), allocated)]
+
+    def _write(self, outbound: Outbound, blocks: tuple[int, ...], allocated: int) -> Write:
+        outbound.writing = min(outbound.ready_tokens - outbound.sent_tokens, allocated)
+        return Write(
+            outbound.request_id, outbound.transport, outbound.sent_tokens, outbound.writing, blocks
         )
-        return [write]
 
     def _fail(self, request_id: str, failure: Failure, reason: str, notify: bool) -> list[Action]:
         outbound = self.transfers.get(request_id)

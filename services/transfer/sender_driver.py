@@ -145,21 +145,32 @@ class SenderDriver(MachineDriver):
 
     # -- the servicer's calls ----------------------------------------------------
 
-    def start(self, peer: Register, meta: TransferMeta) -> asyncio.Future[None]:
+    def start(
+        self, peer: Register, meta: TransferMeta, ready_tokens: int | None = None
+    ) -> asyncio.Future[None]:
         """Announces the request's data held in the source (which this transfer
         lets go), over the best transport to the peer (filled into the meta); the
-        future resolves when the data landed, or fails with TransferError."""
+        future resolves when the data landed, or fails with TransferError.
+        `ready_tokens`: how much of it is there yet (default: all; `ready` says more)."""
         transport = self.transport_to(peer)
         if transport is None:
             raise UnknownPeerError(f"no transport in common with {peer.instance_id}")
-        actions = self.machine.start(replace(meta, transport=transport))
+        actions = self.machine.start(replace(meta, transport=transport), ready_tokens)
         done = self._done[meta.request_id] = asyncio.get_running_loop().create_future()
         self._targets[meta.request_id] = peer
         self._run(actions)
         return done
 
+    def ready(self, request_id: str, tokens: int) -> None:
+        """The first `tokens` of the request's data are in the source."""
+        self._run(self.machine.ready(request_id, tokens))
+
     def abort(self, request_id: str, reason: str) -> None:
         self._run(self.machine.abort(request_id, reason))
+
+    def withdraw(self, request_id: str, reason: str) -> None:
+        """Gives up on making the rest of the data (Sender.withdraw)."""
+        self._run(self.machine.withdraw(request_id, reason))
 
     # -- the broker's messages, time, shutdown --------------------------------------
 

@@ -151,7 +151,9 @@ async def _send(
     peer = await sender.peer(language.instance_id, wait_s=10)
     broker.broker.rendezvous.route(request_id, encoder_id, language.instance_id)
     await language.receiver.expect(request_id, 0)
-    held = await sender.buffer.hold(request_id, [ImageEmbedding(planes, grid)], 5)
+    image = ImageEmbedding(planes, grid)
+    held = await sender.buffer.hold(request_id, image.num_tokens, 5)
+    sender.buffer.write(request_id, 0, image)
     await sender.start(peer, sender.buffer.meta(held, peer.instance_id, [grid]))
     return await language.receiver.wait(request_id)
 
