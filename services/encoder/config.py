@@ -42,6 +42,9 @@ class EncoderConfig:
     write_timeout_s: float = 10.0
     triton_check_s: float = 1.0  # how often Triton's readiness is probed
     cache_report_s: float = 0.1  # how often the broker hears what entered and left the cache
+    # Each item of a request to Triton on its own and to the language instance as
+    # soon as it is encoded (which prefills meanwhile); else all in one batch, sent once.
+    items_one_by_one: bool = True
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:

@@ -3,8 +3,12 @@
 Cached items (by content hash) skip everything; an item another request is
 encoding right now waits for that encode (one encode per item at a time; if
 that one fails, this request encodes the item itself); the rest are decoded
-and preprocessed in the worker pool, then sent to Triton as one request (a
-video's temporal patches go in the same forward as the images).
+and preprocessed in the worker pool, then sent to Triton: as one request (a
+video's temporal patches in the same forward as the images), or, `one_by_one`,
+each item on its own, in prompt order, and a video in parts of VIDEO_PART
+temporal patches (the tower attends within a temporal patch: the parts equal
+the whole, bit for bit), so that a `Sink` has the first embeddings while the
+next are encoded (the language instance prefills them meanwhile).
 """
 
 from __future__ import annotations
@@ -12,15 +16,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence, Set
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence, Set
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from services.encoder.cache import EmbeddingCache, ImageEmbedding
 from services.encoder.metrics import EncoderMetrics
-from services.encoder.preprocess import Preprocessor
+from services.encoder.preprocess import PreprocessedImage, Preprocessor
 from services.encoder.triton_client import VitClient
 from services.media.decode import check_count
 from services.media.limits import ImageLimits
@@ -28,6 +33,7 @@ from services.runtime import tracing
 from services.wire.messages import MediaGrid
 
 RECENT_S = 10.0  # the window of the recent encode time the broker hears
+VIDEO_PART = 2  # temporal patches (four frames) a video's part has, one_by_one
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,23 @@ class Encoded:
         return [torch.cat(parts) for parts in zip(*(i.planes for i in self.images), strict=True)]
 
 
+class Sink(Protocol):
+    """Where an encode's items go as they are ready (the servicer's transfer)."""
+
+    async def grids(self, grids: Sequence[MediaGrid]) -> None:
+        """Every item's grid, once all are known, before any item."""
+
+    def item(self, index: int, embedding: ImageEmbedding, start: int = 0) -> None:
+        """Tokens [start, start + embedding.num_tokens) of item `index` (all of an
+        image; a video comes in parts), the moment they exist (in no set order)."""
+
+
+def _joined(parts: list[ImageEmbedding], grid: MediaGrid) -> ImageEmbedding:
+    """A video's parts as the one item they are."""
+    planes = tuple(torch.cat(plane) for plane in zip(*(p.planes for p in parts), strict=True))
+    return ImageEmbedding(planes, grid)
+
+
 class EncodePipeline:
     def __init__(
         self,
@@ -57,12 +80,14 @@ class EncodePipeline:
         cache: EmbeddingCache,
         limits: ImageLimits,
         metrics: EncoderMetrics,
+        one_by_one: bool = False,
     ) -> None:
         self.preprocessor = preprocessor
         self.vit = vit
         self.cache = cache
         self.limits = limits
         self.metrics = metrics
+        self.one_by_one = one_by_one  # a Triton request per item, not per request
         self.merge_size = preprocessor.rule.merge_size
         # Items being encoded, by content hash: the encode's result, for others to share.
         self._pending: dict[str, asyncio.Future[ImageEmbedding]] = {}
@@ -71,12 +96,15 @@ class EncodePipeline:
         self.num_lookups = self.num_hits = self.num_encoding = 0
         self._recent: deque[tuple[float, float]] = deque()
 
-    async def encode(self, images: Sequence[bytes], videos: Set[int] = frozenset()) -> Encoded:
-        """`images`: the request's images and videos in order; `videos`: which are videos."""
+    async def encode(
+        self, images: Sequence[bytes], videos: Set[int] = frozenset(), sink: Sink | None = None
+    ) -> Encoded:
+        """`images`: the request's images and videos in order; `videos`: which are
+        videos; `sink`: told the grids, then each item as it is ready."""
         self.num_encoding += 1
         started = time.monotonic()
         try:
-            return await self._encode(images, videos)
+            return await self._encode(images, videos, sink)
         finally:
             self.num_encoding -= 1
             ended = time.monotonic()
@@ -89,7 +117,9 @@ class EncodePipeline:
             self._recent.popleft()
         return sum(s for _, s in self._recent) / len(self._recent) if self._recent else 0.0
 
-    async def _encode(self, images: Sequence[bytes], videos: Set[int]) -> Encoded:
+    async def _encode(
+        self, images: Sequence[bytes], videos: Set[int], sink: Sink | None = None
+    ) -> Encoded:
         if not images:
             raise ValueError("no images to encode")
         check_count(len(images), self.limits)
@@ -116,57 +146,143 @@ class EncodePipeline:
         self.metrics.cache_hits.inc(len(found))
         self.metrics.cache_misses.inc(len(mine))
         self.metrics.shared_encodes.inc(len(theirs))
-        if mine:
-            found.update(await self._encode_mine(images, videos, keys, mine))
-        retry = []
-        for index, future in theirs.items():
-            try:
-                found[index] = await asyncio.shield(future)
-            except Exception:  # that encode failed (or its request left): this one tries
-                retry.append(index)
-        if retry:
-            again = await self._encode(
-                [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
-            )
-            found.update(zip(retry, again.images, strict=True))
-        encoded = Encoded([found[i] for i in range(len(images))], len(images) - len(mine))
-        self.metrics.images.inc(len(images))
-        self.metrics.tokens.inc(encoded.num_tokens)
-        return encoded
+        # The items this request encodes, cached and given to the requests waiting
+        # for them as Triton returns them; if this fails, those hear it (and encode
+        # the item themselves). A sink hears of an item once it has every grid.
+        futures = {index: self._pending[keys[index]] for index in mine}
+        announced = False
+        early: list[tuple[int, ImageEmbedding, int]] = []  # landed before the grids went
 
-    async def _encode_mine(
-        self, images: Sequence[bytes], videos: Set[int], keys: list[str], mine: list[int]
-    ) -> dict[int, ImageEmbedding]:
-        """Preprocesses and encodes the items this request took on, caches them and
-        gives each result to the requests waiting for it (or this one's failure:
-        they then encode the item themselves)."""
-        futures = [self._pending[keys[i]] for i in mine]
+        def landed(index: int, part: ImageEmbedding, start: int = 0) -> None:
+            if announced and sink is not None:
+                sink.item(index, part, start)
+            else:
+                early.append((index, part, start))
+
+        for index, entry in found.items():
+            landed(index, entry)
         try:
-            started = time.perf_counter()
-            with tracing.span("encoder.preprocess", items=len(mine)):
-                pre = await self.preprocessor.preprocess([(i, images[i]) for i in mine], videos)
-            self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
-            started = time.perf_counter()
-            pixels = np.concatenate([p.pixel_values for p in pre])
-            with tracing.span("encoder.triton_infer", items=len(pre), patches=len(pixels)):
-                out = await self.vit.infer(
-                    pixels, np.array([[p.grid.t, p.grid.h, p.grid.w] for p in pre], dtype=np.int64)
-                )
-            self.metrics.triton_seconds.observe(time.perf_counter() - started)
+            pre = await self._preprocess(images, videos, mine) if mine else []
+            encoding = asyncio.ensure_future(
+                self._encode_mine(pre, mine, keys, futures, found, landed)
+            )
+            try:
+                # the items another request encodes: their grids come with their embeddings
+                retry = []
+                for index, future in theirs.items():
+                    try:
+                        found[index] = await asyncio.shield(future)
+                    except Exception:  # that encode failed (or its request left): this one tries
+                        retry.append(index)
+                        continue
+                    landed(index, found[index])
+                if retry:
+                    again = await self._encode(
+                        [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
+                    )
+                    for index, entry in zip(retry, again.images, strict=True):
+                        found[index] = entry
+                        landed(index, entry)
+                if sink is not None:
+                    grids = {i: e.grid for i, e in found.items() if i not in mine} | {
+                        i: p.grid for i, p in zip(mine, pre, strict=True)
+                    }
+                    await sink.grids([grids[i] for i in range(len(images))])
+                    announced = True
+                    for index, part, start in early:
+                        sink.item(index, part, start)
+                await encoding
+            finally:
+                if not encoding.done():
+                    encoding.cancel()
+                    await asyncio.wait([encoding])
         except BaseException as exc:
-            for future in futures:
+            for future in futures.values():
                 future.set_exception(RuntimeError(f"the encode this waited for failed: {exc!r}"))
                 future.exception()  # retrieved: a waiter may not exist
             raise
         finally:
             for i in mine:
                 self._pending.pop(keys[i], None)
-        sizes = [p.grid.num_tokens(self.merge_size) for p in pre]
-        per_image = zip(*(torch.split(plane, sizes) for plane in out.planes), strict=True)
-        done: dict[int, ImageEmbedding] = {}
-        for index, p, planes, future in zip(mine, pre, per_image, futures, strict=True):
-            entry = done[index] = ImageEmbedding(tuple(t.clone() for t in planes), p.grid)
+            self.metrics.cache_bytes.set(self.cache.bytes_used)
+        encoded = Encoded([found[i] for i in range(len(images))], len(images) - len(mine))
+        self.metrics.images.inc(len(images))
+        self.metrics.tokens.inc(encoded.num_tokens)
+        return encoded
+
+    async def _encode_mine(
+        self,
+        pre: list[PreprocessedImage],
+        mine: list[int],
+        keys: list[str],
+        futures: dict[int, asyncio.Future[ImageEmbedding]],
+        found: dict[int, ImageEmbedding],
+        landed: Callable[[int, ImageEmbedding, int], None],
+    ) -> None:
+        """Triton for the preprocessed items: all in one request, or one by one in
+        prompt order (a video in parts, each `landed` as it comes); each item
+        cached, given to its waiters and put in `found`."""
+
+        def finished(index: int, entry: ImageEmbedding) -> None:
             self.cache.put(keys[index], entry)
-            future.set_result(entry)
-        self.metrics.cache_bytes.set(self.cache.bytes_used)
-        return done
+            futures.pop(index).set_result(entry)
+            found[index] = entry
+
+        if not pre:
+            return
+        if not self.one_by_one:
+            for index, entry in zip(mine, await self._infer(pre), strict=True):
+                landed(index, entry, 0)
+                finished(index, entry)
+            return
+        for index, item in zip(mine, pre, strict=True):
+            parts: list[ImageEmbedding] = []
+            for part in self._parts(item):
+                (encoded,) = await self._infer([part])
+                landed(index, encoded, sum(p.num_tokens for p in parts))
+                parts.append(encoded)
+            finished(index, parts[0] if len(parts) == 1 else _joined(parts, item.grid))
+
+    @staticmethod
+    def _parts(item: PreprocessedImage) -> list[PreprocessedImage]:
+        """An image whole; a video in parts of VIDEO_PART temporal patches."""
+        grid = item.grid
+        if grid.t <= VIDEO_PART:
+            return [item]
+        rows = VIDEO_PART * grid.h * grid.w
+        return [
+            PreprocessedImage(
+                item.pixel_values[first * grid.h * grid.w : first * grid.h * grid.w + rows],
+                replace(
+                    grid,
+                    t=min(VIDEO_PART, grid.t - first),
+                    frame_seconds=grid.frame_seconds[first : first + VIDEO_PART],
+                ),
+            )
+            for first in range(0, grid.t, VIDEO_PART)
+        ]
+
+    async def _preprocess(
+        self, images: Sequence[bytes], videos: Set[int], indices: list[int]
+    ) -> list[PreprocessedImage]:
+        started = time.perf_counter()
+        with tracing.span("encoder.preprocess", items=len(indices)):
+            pre = await self.preprocessor.preprocess([(i, images[i]) for i in indices], videos)
+        self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
+        return pre
+
+    async def _infer(self, pre: Sequence[PreprocessedImage]) -> list[ImageEmbedding]:
+        """One Triton request for these preprocessed items: their embeddings, in order."""
+        started = time.perf_counter()
+        pixels = np.concatenate([p.pixel_values for p in pre])
+        with tracing.span("encoder.triton_infer", items=len(pre), patches=len(pixels)):
+            out = await self.vit.infer(
+                pixels, np.array([[p.grid.t, p.grid.h, p.grid.w] for p in pre], dtype=np.int64)
+            )
+        self.metrics.triton_seconds.observe(time.perf_counter() - started)
+        sizes = [p.grid.num_tokens(self.merge_size) for p in pre]
+        per_item = zip(*(torch.split(plane, sizes) for plane in out.planes), strict=True)
+        return [
+            ImageEmbedding(tuple(t.clone() for t in planes), p.grid)
+            for p, planes in zip(pre, per_item, strict=True)
+        ]

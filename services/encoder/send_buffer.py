@@ -42,9 +42,8 @@ class SendBuffer:
     def __len__(self) -> int:
         return len(self._held)
 
-    async def hold(self, request_id: str, images: Sequence[ImageEmbedding], wait_s: float) -> Held:
-        """Copies the images' embeddings, in order, into blocks of the buffer."""
-        num_tokens = sum(image.num_tokens for image in images)
+    async def hold(self, request_id: str, num_tokens: int, wait_s: float) -> Held:
+        """Blocks of the buffer for a request's num_tokens embeddings (`write` fills them)."""
         if num_tokens > self.capacity_tokens:
             raise SendBufferFullError(
                 f"{num_tokens} embedding tokens exceed the whole send buffer "
@@ -58,12 +57,13 @@ class SendBuffer:
             raise SendBufferFullError(
                 f"send buffer full: no room for {num_tokens} tokens within {wait_s:.0f}s"
             ) from None
-        start = 0
-        for image in images:  # straight from each image's tensor: no concatenated copy
-            self.pool.write(blocks, start, image.planes)
-            start += image.num_tokens
         held = self._held[request_id] = Held(request_id, blocks, num_tokens)
         return held
+
+    def write(self, request_id: str, start: int, image: ImageEmbedding) -> None:
+        """An image's embeddings into the request's blocks, from token `start`
+        (straight from its tensors: no concatenated copy)."""
+        self.pool.write(self._held[request_id].blocks, start, image.planes)
 
     def meta(self, held: Held, language_id: str, grids: Sequence[MediaGrid]) -> EmbeddingMeta:
         """What the transfer of the held embeddings announces (its transport is the

@@ -67,6 +67,7 @@ class EncoderServer(InstanceServer):
             EmbeddingCache(config.cache_bytes),
             config.limits,
             self.metrics,
+            config.items_one_by_one,
         )
         self.buffer = _send_buffer(config, spec)
         buffer = self.buffer

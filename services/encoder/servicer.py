@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 
 from services.broker.client import BrokerUnavailableError
+from services.encoder.cache import ImageEmbedding
 from services.encoder.metrics import EncoderMetrics
 from services.encoder.pipeline import Encoded, EncodePipeline
 from services.encoder.send_buffer import SendBuffer, SendBufferFullError
@@ -19,9 +21,60 @@ from services.transfer.embedding_pool import tensor_bytes
 from services.transfer.sender import Failure
 from services.transfer.sender_driver import SenderDriver, TransferError, UnknownPeerError
 from services.wire.convert import dtype_to_proto, from_proto, to_proto
+from services.wire.messages import EmbeddingMeta, MediaGrid, Register
 from services.wire.request import EncodeRequest
 
 logger = logging.getLogger(__name__)
+
+
+class _Sending:
+    """An encode's embeddings on their way to a language instance (the pipeline's
+    Sink): the send buffer held once every grid is known, each item (a video's
+    each part) written into it as it is encoded, the transfer started with the
+    first and told how far, from the first token, they are all there (the rest
+    may still be in Triton)."""
+
+    def __init__(self, servicer: EncoderServicer, request_id: str, peer: Register) -> None:
+        self.buffer = servicer.buffer
+        self.sender = servicer.sender
+        self.wait_s = servicer.buffer_wait_s
+        self.merge_size = servicer.pipeline.merge_size
+        self.request_id = request_id
+        self.peer = peer
+        self.starts: list[int] = []  # each item's first token in the request's
+        self.meta: EmbeddingMeta | None = None
+        self.written: dict[int, int] = {}  # runs written past `ready`: first token -> end
+        self.ready = 0  # tokens written, from the first
+        self.done: asyncio.Future[None] | None = None  # the transfer, once started
+
+    async def grids(self, grids: Sequence[MediaGrid]) -> None:
+        sizes = [g.num_tokens(self.merge_size) for g in grids]
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        held = await self.buffer.hold(self.request_id, sum(sizes), self.wait_s)
+        self.meta = self.buffer.meta(held, self.peer.instance_id, grids)
+
+    def item(self, index: int, embedding: ImageEmbedding, start: int = 0) -> None:
+        assert self.meta is not None
+        first = self.starts[index] + start
+        self.buffer.write(self.request_id, first, embedding)
+        self.written[first] = first + embedding.num_tokens
+        before = self.ready
+        while self.ready in self.written:
+            self.ready = self.written.pop(self.ready)
+        if self.ready == before:
+            return
+        if self.done is None:
+            self.done = self.sender.start(self.peer, self.meta, self.ready)
+        else:
+            self.sender.ready(self.request_id, self.ready)
+
+    def give_up(self, reason: str) -> None:
+        """The encode failed: a transfer that landed nothing lets go quietly (the
+        request may move to another encoder), else it is aborted."""
+        if self.done is not None:
+            self.sender.withdraw(self.request_id, reason)
+        else:
+            self.buffer.release(self.request_id)
 
 
 class EncoderBusyError(RuntimeError):
@@ -112,25 +165,26 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         target = request.language_instance_id
         if target and not request.request_id:
             raise ValueError("request_id is required to send embeddings to a language instance")
-        peer = await self.sender.peer(target) if target else None
-        encoded = await self.pipeline.encode(list(request.images), set(request.video_indices))
-        reply = self._reply(request.request_id, encoded)
-        if peer is None:
+        images, videos = list(request.images), set(request.video_indices)
+        if not target:
+            encoded = await self.pipeline.encode(images, videos)
+            reply = self._reply(request.request_id, encoded)
             dtype = self.buffer.pool.layout.dtype
             reply.data.extend(tensor_bytes(plane.to(dtype)) for plane in encoded.planes)
             return reply
-        held = await self.buffer.hold(request.request_id, encoded.images, self.buffer_wait_s)
+        sending = _Sending(self, request.request_id, await self.sender.peer(target))
         try:
-            done = self.sender.start(peer, self.buffer.meta(held, peer.instance_id, encoded.grids))
-        except BaseException:
-            self.buffer.release(request.request_id)
+            encoded = await self.pipeline.encode(images, videos, sending)
+        except BaseException as exc:
+            sending.give_up(f"the encode failed: {exc}")
             raise
+        assert sending.done is not None  # every item is ready: the transfer started
         try:
-            await asyncio.shield(done)  # the embeddings have landed
+            await asyncio.shield(sending.done)  # the embeddings have landed
         except asyncio.CancelledError:
             self.sender.abort(request.request_id, "the encode caller went away")
             raise
-        return reply
+        return self._reply(request.request_id, encoded)
 
     def _reply(self, request_id: str, encoded: Encoded) -> encoder_pb2.EncodeReply:
         layout = self.buffer.pool.layout

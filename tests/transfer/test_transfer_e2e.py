@@ -20,9 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.broker.server import BrokerServer
+from services.encoder.pipeline import VIDEO_PART
 from services.encoder.server import EncoderServer
 from services.language.server import LanguageServer
-from services.loadgen.synthetic import encode_image, random_image
+from services.layers.vision_tower import fuse_vision_tower
+from services.loadgen.synthetic import encode_image, random_image, random_video
+from services.model.checkpoint import load_vision_tower
+from services.model.spec import load_spec
 from services.proto import broker_pb2, encoder_pb2
 from services.transfer.state import TransferFailedError
 from services.triton.launcher import TritonServer
@@ -167,6 +171,68 @@ async def test_both_arrival_orders(
         await language.stop()
 
 
+async def test_each_image_arrives_as_its_own_part_while_the_next_is_encoded(
+    tiny_checkpoint: Path, broker: BrokerServer, encoder: EncoderServer
+) -> None:
+    """The encoder sends each image as soon as Triton has encoded it: the
+    language side takes them part by part, in order, each before the encode of
+    the last has ended, and together they are the tower's embeddings, bit-exact."""
+    language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
+    try:
+        data = images(3, seed=61)
+        request_id = "one-by-one"
+        encode = encode_into(broker, encoder, language, request_id, data)
+        await language.receiver.expect(request_id, 0)
+        parts, early = [], 0
+        async for meta, planes in language.receiver.parts(request_id):
+            assert len(meta.grids) == 3
+            parts.append(planes["embeddings"])
+            early += not encode.done()
+        await encode
+        assert len(parts) == 3  # one a part: each image ends one
+        assert early >= 2  # the first ones arrived while the encode went on
+        assert torch.equal(torch.cat(parts), tower_embeddings(tiny_checkpoint, data))
+        await asyncio.sleep(0.05)
+        assert_pools_full(language, encoder)
+    finally:
+        await language.stop()
+
+
+async def test_a_video_arrives_in_parts_equal_to_the_whole_videos_encode(
+    tiny_checkpoint: Path, broker: BrokerServer, encoder: EncoderServer
+) -> None:
+    """A video goes to Triton a few temporal patches at a time, each part sent as
+    it comes; together they are what the tower makes of the whole clip, bit-exact
+    (it attends within a temporal patch)."""
+    language = await language_with(tiny_checkpoint, broker, (Transport.SHM,))
+    try:
+        video = random_video(num_frames=40, width=112, height=84, fps=10, seed=62)
+        request_id = "video-in-parts"
+        broker.broker.rendezvous.route(request_id, encoder.instance_id, language.instance_id)
+        encode = encoder_stub(encoder).Encode(
+            encoder_pb2.EncodeRequest(
+                request_id=request_id,
+                images=[video],
+                video_indices=[0],
+                language_instance_id=language.instance_id,
+            )
+        )
+        await language.receiver.expect(request_id, 0)
+        parts = [p["embeddings"] async for _, p in language.receiver.parts(request_id)]
+        await encode
+        (pre,) = await encoder.preprocessor.preprocess([(0, video)], {0})
+        assert pre.grid.t > VIDEO_PART and len(parts) == -(-pre.grid.t // VIDEO_PART)
+        spec = load_spec(tiny_checkpoint)
+        with torch.no_grad():
+            tower = load_vision_tower(tiny_checkpoint, spec, dtype=torch.float32)
+            fuse_vision_tower(tower)
+            grid = torch.tensor([[pre.grid.t, pre.grid.h, pre.grid.w]])
+            whole = tower(torch.from_numpy(pre.pixel_values), grid_thw=grid).pooler_output
+        assert torch.equal(torch.cat(parts), whole)
+    finally:
+        await language.stop()
+
+
 @pytest.fixture(scope="module")
 def big_request(tiny_checkpoint: Path) -> tuple[list[bytes], torch.Tensor]:
     """Eight 980x980 images: 8 x 35 x 35 = 9800 embedding tokens, and their embeddings."""
@@ -203,6 +269,8 @@ async def test_large_embedding_completes_through_resume(
         embedding_pool_tokens=pool_tokens,
         default_allocate_tokens=allocate,
     )
+    # parts end where the receiver's blocks run out, not also where an image ends
+    encoder.pipeline.one_by_one = False
     try:
         request_id = f"big-{transport.name}-{pool_tokens}"
         data, expected = big_request
@@ -214,6 +282,7 @@ async def test_large_embedding_completes_through_resume(
         await asyncio.sleep(0.05)
         assert_pools_full(language, encoder)
     finally:
+        encoder.pipeline.one_by_one = True
         await language.stop()
 
 
