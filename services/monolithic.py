@@ -84,7 +84,7 @@ class LocalBackend:
             media = await self._preprocess(call.media)
             rendered = await self.frontend.rebuild(rendered, media.grids)
             request = self.frontend.engine_request(rendered, media)
-            outputs = self.frontend.stream(rendered, request)
+            outputs = self.frontend.stream(self.frontend.outputs(request))
             first = await anext(outputs)  # validation errors surface here
         except (BadImageError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None

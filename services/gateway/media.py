@@ -26,6 +26,7 @@ from services.media.decode import BadImageError, inspect_image, inspect_video
 from services.media.limits import ImageLimits
 from services.model.processor import ImageTokenRule
 from services.model.video import VideoRule
+from services.wire.messages import MediaGrid
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,8 @@ class LoadedMedia:
     data: bytes
     width: int
     height: int
-    token_hint: int  # 0 when no rule is known
+    grid: MediaGrid | None  # the grid the encoder will make of it (None: no rule is known)
+    token_hint: int  # its tokens (0: no rule is known)
 
 
 def _bad(index: int, reason: str, kind: str = "image") -> ApiError:
@@ -91,15 +93,17 @@ class MediaLoader:
             if kind == "video":  # PyAV reads the header: off the event loop
                 info = await asyncio.to_thread(inspect_video, data, index, self.limits)
                 width, height = info.width, info.height
-                hint = self.video_rule.num_tokens(info) if self.video_rule else 0
+                grid = self.video_rule.grid(info) if self.video_rule else None
+                merge = self.video_rule.frame.merge_size if self.video_rule else 1
             else:
                 width, height = inspect_image(data, index, self.limits)
-                hint = self.rule.num_tokens(height, width) if self.rule else 0
+                grid = self.rule.grid(height, width) if self.rule else None
+                merge = self.rule.merge_size if self.rule else 1
         except BadImageError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         except ValueError as exc:  # the resize rule's aspect-ratio check, too few frames
             raise _bad(index, str(exc), kind) from None
-        return LoadedMedia(data, width, height, hint)
+        return LoadedMedia(data, width, height, grid, grid.num_tokens(merge) if grid else 0)
 
     def _decode_data_url(self, url: str, index: int, kind: str, cap: int) -> bytes:
         header, sep, payload = url.partition(",")

@@ -31,7 +31,7 @@ from services.gateway.request_log import RequestRecord
 from services.gateway.tool_calls import structural_tag
 from services.runtime import tracing
 from services.wire import request as wire
-from services.wire.messages import media_key
+from services.wire.messages import MediaGrid, media_key
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -59,7 +59,7 @@ async def chat_call(
     # each item's content hash: the broker places its encode by it, the language
     # instance's prefix cache knows its KV by it (hashed off the loop; text: none)
     keys = await asyncio.to_thread(lambda: [media_key(i.data) for i in loaded]) if loaded else []
-    hints = [item.token_hint for item in loaded]
+    hints = [(item.token_hint, item.grid) for item in loaded]
     messages = _messages(body.messages, hints, keys)
     form = body.response_format
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
@@ -94,20 +94,20 @@ def _forced_calls(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> s
 
 
 def _messages(
-    messages: list[ChatMessage], hints: list[int], keys: list[str]
+    messages: list[ChatMessage], hints: list[tuple[int, MediaGrid | None]], keys: list[str]
 ) -> tuple[wire.ChatMessage, ...]:
     """The chat as the language service takes it: each image and video with its
-    token hint and content hash (in prompt order), an assistant's calls, a tool
-    result's call id."""
+    token and grid hints and content hash (in prompt order), an assistant's
+    calls, a tool result's call id."""
     item = iter(zip(hints, keys, strict=True))
     out = []
     for message in messages:
         parts: list[wire.ContentPart] = []
         for part in message.parts:
-            if isinstance(part, ImagePart):
-                parts.append(wire.ImagePart(*next(item)))
-            elif isinstance(part, VideoPart):
-                parts.append(wire.VideoPart(*next(item)))
+            if isinstance(part, ImagePart | VideoPart):
+                (tokens, grid), key = next(item)
+                kind = wire.ImagePart if isinstance(part, ImagePart) else wire.VideoPart
+                parts.append(kind(tokens, key, grid))
             else:
                 parts.append(part.text)
         calls = tuple(

@@ -43,6 +43,10 @@ class LanguageConfig:
     # Prefill and decode instances hand KV pages over from the engine's own
     # cache, so theirs stays here.
     engine_process: bool = False
+    # A request's prompt prefilled up to its first image whose embeddings are
+    # still missing while they arrive (needs the gateway's grid hints); else
+    # only once all are here.
+    prefill_while_encoding: bool = True
 
     def __post_init__(self) -> None:
         if self.embedding_pool_tokens < self.embedding_block_size:

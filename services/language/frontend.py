@@ -12,6 +12,12 @@
     engine_request  M-RoPE positions, placeholders and the media             (step 8)
     stream          the engine's outputs as GenerateResponse messages        (step 8)
 
+Where the gateway hinted every item's grid, the prompt is final at `render`,
+and the request goes to the engine at once (`prefill_while_encoding`): `feed`
+hands it each part of the embeddings as it lands, and the engine prefills up
+to the first media token still missing meanwhile (steps 6-8 overlap). A grid
+that differs from its hint sends the request back to the path above.
+
 The servicer runs them in that order (`generate`); the monolithic baseline
 runs the same steps with pixels its own engine encodes in place of `receive`.
 In E/P/D a prefill instance runs them up to the first token and hands the KV
@@ -22,6 +28,7 @@ request for its sampling, receives the pages and streams (`decode`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -91,18 +98,30 @@ class Rendered:
     grammar: Any  # the compiled grammar of a guided request, else None
     tools: Tools = ()  # the functions the chat template renders
     media_keys: tuple[str, ...] = ()  # each image's and video's content hash ("": none)
+    # every item's grid, where the caller hinted them all: the prompt is built
+    # from them, and the request may prefill while its embeddings arrive
+    grids: tuple[MediaGrid, ...] | None = None
 
 
-def chat_messages(
-    messages: Sequence[ChatMessage],
-) -> tuple[ChatMessages, tuple[int, ...], tuple[str, ...]]:
-    """The chat template's messages, and the token hint and content hash of each
-    image and video, in order."""
+@dataclass(frozen=True, slots=True)
+class MediaHints:
+    """What a chat says of its images and videos before they are encoded, in
+    prompt order: each one's token hint (0: unknown), content hash ("": none)
+    and grid hint (None: unknown)."""
+
+    tokens: tuple[int, ...] = ()
+    keys: tuple[str, ...] = ()
+    grids: tuple[MediaGrid | None, ...] = ()
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessages, MediaHints]:
+    """The chat template's messages, and what they say of their images and videos."""
     if not messages:
         raise ValueError("messages must not be empty")
     out: list[dict[str, Any]] = []
     hints: list[int] = []
     keys: list[str] = []
+    grids: list[MediaGrid | None] = []
     for message in messages:
         if message.role not in ROLES:
             raise ValueError(f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}")
@@ -114,13 +133,14 @@ def chat_messages(
                 parts.append({"type": "image" if isinstance(part, ImagePart) else "video"})
                 hints.append(part.token_hint)
                 keys.append(part.key)
+                grids.append(part.grid_hint)
         entry: dict[str, Any] = {"role": message.role, "content": parts}
         if message.tool_calls:
             entry["tool_calls"] = [template_call(call) for call in message.tool_calls]
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
-    return out, tuple(hints), tuple(keys)
+    return out, MediaHints(tuple(hints), tuple(keys), tuple(grids))
 
 
 def template_call(call: ToolCall) -> dict[str, Any]:
@@ -147,6 +167,21 @@ def request_tools(request: GenerateRequest) -> Tools:
     ):
         raise ValueError('tools: a list of {"type": "function", "function": {...}}')
     return tuple(tools)
+
+
+def hinted_grids(hints: MediaHints, merge_size: int) -> tuple[MediaGrid, ...] | None:
+    """Every item's grid hint, where each has one that agrees with its token hint."""
+    grids = tuple(g for g in hints.grids if g is not None)
+    if len(grids) != len(hints.tokens) or not grids:
+        return None
+    for grid, tokens in zip(grids, hints.tokens, strict=True):
+        if (
+            grid.h % merge_size
+            or grid.w % merge_size
+            or not 0 < grid.num_tokens(merge_size) == tokens
+        ):
+            return None
+    return grids
 
 
 def check_hints(hints: Sequence[int], max_media_tokens: int | None, max_model_len: int) -> None:
@@ -236,6 +271,7 @@ class Frontend:
         max_media_tokens: int | None = None,
         kv: KVHandoff | None = None,
         on_kv_received: KVObserver = lambda transport, tokens, seconds: None,
+        prefill_while_encoding: bool = True,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -246,18 +282,49 @@ class Frontend:
         self.max_media_tokens = max_media_tokens
         self.kv = kv  # a prefill instance's
         self._on_kv_received = on_kv_received
+        self.prefill_while_encoding = prefill_while_encoding
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._awaiting_media = 0  # requests in `receive`: the engine is told when any are
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """The whole path of a request whose embeddings an encoder sends."""
         rendered = await self.render(request)
-        media = Media()
-        if rendered.hints:
-            media = await self.receive(rendered)
-            rendered = await self.rebuild(rendered, media.grids)
-        async for response in self.stream(rendered, self.engine_request(rendered, media)):
+        async for response in self.stream(self.run(rendered)):
             yield response
+
+    async def run(
+        self, rendered: Rendered, hold_kv: bool = False
+    ) -> AsyncIterator[tuple[Request, RequestOutput]]:
+        """A rendered request through the engine, with the request each output is
+        of: its media received first, or, where its grids were hinted, fed to it
+        while it runs (and received first after all if one differs from its hint)."""
+        media: Media | None = None
+        if rendered.hints and rendered.grids is not None and self.prefill_while_encoding:
+            engine_request = self.engine_request(rendered, Media(rendered.grids), streamed=True)
+            engine_request.hold_kv = hold_kv
+            feeding = asyncio.create_task(self.feed(rendered))
+            try:
+                async with contextlib.aclosing(self.engine.generate(engine_request)) as outputs:
+                    async for output in outputs:
+                        # the feed's error, or the media whose grids differ, ends
+                        # this request (nothing was sampled: the feed aborted it)
+                        media = feeding.result() if feeding.done() else None
+                        if media is not None:
+                            break
+                        yield engine_request, output
+                    else:
+                        return
+            finally:
+                if not feeding.done():
+                    feeding.cancel()
+                    await asyncio.wait([feeding])
+        if media is None:
+            media = await self.receive(rendered) if rendered.hints else Media()
+        rendered = await self.rebuild(rendered, media.grids) if rendered.hints else rendered
+        engine_request = self.engine_request(rendered, media)
+        engine_request.hold_kv = hold_kv
+        async for pair in self.outputs(engine_request):
+            yield pair
 
     async def prefill(self, request: GenerateRequest) -> PrefillReply:
         """E/P/D, on a prefill instance: the path of `generate` up to each choice's
@@ -266,16 +333,11 @@ class Frontend:
         assert self.kv is not None, "a prefill instance's frontend hands KV pages over"
         peer = await self.kv.sender.peer(request.decode_instance_id)
         rendered = await self.render(request)
-        media = Media()
-        if rendered.hints:
-            media = await self.receive(rendered)
-            rendered = await self.rebuild(rendered, media.grids)
-        engine_request = self.engine_request(rendered, media)
-        engine_request.hold_kv = True
         transfer = kv_transfer_id(request.request_id)
         handed_over = False
         try:
-            outputs = [output async for output in self.engine.generate(engine_request)]
+            ran = [pair async for pair in self.run(rendered, hold_kv=True)]
+            engine_request, outputs = ran[-1][0], [output for _, output in ran]
             _trace_engine(engine_request)
             assert outputs[0].prefilled is not None
             prompt = engine_request.num_prompt_tokens
@@ -353,29 +415,80 @@ class Frontend:
             if request.messages:
                 raise ValueError("a request has messages or a prompt, not both")
             chat: ChatMessages = []
-            hints: tuple[int, ...] = ()
-            keys: tuple[str, ...] = ()
+            media = MediaHints()
+            grids = None
             tools: Tools = ()
             known = True
             args = (request.prompt, list(request.prompt_token_ids))
             prompt = await self._tokenize(completion_prompt, *args)
         else:
-            chat, hints, keys = chat_messages(request.messages)
+            chat, media = chat_messages(request.messages)
             tools = request_tools(request)
+            hints = media.tokens
             check_hints(hints, self.max_media_tokens, self.engine.max_model_len)
             known = all(h > 0 for h in hints)  # else the prompt's length waits for the grids
-            items = hints if known else [1] * len(hints)
+            grids = hinted_grids(media, self.spec.vision.spatial_merge_size)
+            items = grids or (hints if known else [1] * len(hints))
             prompt = await self._tokenize(build_prompt, chat, items, tools)
         sampling = _resolved(request.sampling, self.engine.max_model_len - len(prompt.token_ids))
         self.engine.check_sampling(sampling)
         grammar = await self.engine.compile_grammar(sampling)
         if known:
             self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
-        return Rendered(request.request_id, chat, hints, prompt, sampling, grammar, tools, keys)
+        return Rendered(
+            request.request_id,
+            chat,
+            media.tokens,
+            prompt,
+            sampling,
+            grammar,
+            tools,
+            media.keys,
+            grids,
+        )
 
     async def receive(self, rendered: Rendered) -> Media:
         """Preallocates receive blocks for the hinted tokens, waits for the
         embeddings and takes them out of the pool (its blocks are free again)."""
+        async with self._receiving(rendered) as receiver:
+            meta = await receiver.wait(rendered.request_id)
+            planes = await receiver.take(rendered.request_id)
+        assert isinstance(meta, EmbeddingMeta)
+        return Media(meta.grids, planes["embeddings"], planes.get("deepstack"))
+
+    async def feed(self, rendered: Rendered) -> Media | None:
+        """Receives a request the engine already runs (`run`): each part of its
+        embeddings goes to the engine as it lands. None once all have; if the
+        encoder's grids differ from the hinted ones the prompt was built from,
+        the engine request is aborted and the media, received to the end,
+        returned. On failure the engine request is aborted and the error raised."""
+        request_id = rendered.request_id
+        differing: list[tuple[EmbeddingMeta, dict[str, torch.Tensor]]] = []
+        start = 0
+        try:
+            async with self._receiving(rendered) as receiver:
+                async for meta, planes in receiver.parts(request_id):
+                    assert isinstance(meta, EmbeddingMeta)
+                    if meta.grids != rendered.grids:
+                        differing.append((meta, planes))
+                        continue
+                    embeds = planes["embeddings"]
+                    self.engine.add_media(request_id, start, embeds, planes.get("deepstack"))
+                    start += embeds.shape[0]
+        except BaseException:
+            self.engine.abort(request_id)
+            raise
+        if not differing:
+            return None
+        self.engine.abort(request_id)
+        planes = {name: torch.cat([p[name] for _, p in differing]) for name in differing[0][1]}
+        return Media(differing[0][0].grids, planes["embeddings"], planes.get("deepstack"))
+
+    @contextlib.asynccontextmanager
+    async def _receiving(self, rendered: Rendered) -> AsyncIterator[ReceiverDriver]:
+        """Receive blocks preallocated for the request's hinted tokens, its
+        transfer released when the block ends however it ends; meanwhile the
+        engine knows that a request awaits its media."""
         assert self.receiver is not None, "a frontend without a receiver takes pixels"
         request_id = rendered.request_id
         self._awaiting_media += 1
@@ -384,15 +497,12 @@ class Frontend:
         try:
             with tracing.span("language.receive", hinted_tokens=sum(rendered.hints)):
                 await self.receiver.expect(request_id, sum(rendered.hints))
-                meta = await self.receiver.wait(request_id)
-                planes = await self.receiver.take(request_id)
+                yield self.receiver
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
             self._awaiting_media -= 1
             if not self._awaiting_media:
                 self.engine.set_encoding(False)
-        assert isinstance(meta, EmbeddingMeta)
-        return Media(meta.grids, planes["embeddings"], planes.get("deepstack"))
 
     async def rebuild(self, rendered: Rendered, grids: Sequence[MediaGrid]) -> Rendered:
         """The prompt for the real grids, tokenized again only where they differ
@@ -401,6 +511,8 @@ class Frontend:
             raise MediaMismatchError(
                 f"the encoder sent {len(grids)} images, the prompt has {len(rendered.hints)}"
             )
+        if tuple(grids) == rendered.grids:  # the prompt was built from them
+            return rendered
         merge = self.spec.vision.spatial_merge_size
         counts = tuple(g.num_tokens(merge) for g in grids)
         if counts == rendered.hints and not any(g.frame_seconds for g in grids):
@@ -409,7 +521,7 @@ class Frontend:
         self.engine.check_fits(len(prompt.token_ids), rendered.sampling.max_tokens)
         return replace(rendered, prompt=prompt)
 
-    def engine_request(self, rendered: Rendered, media: Media) -> Request:
+    def engine_request(self, rendered: Rendered, media: Media, streamed: bool = False) -> Request:
         return new_request(
             rendered.request_id,
             rendered.prompt.token_ids,
@@ -421,15 +533,25 @@ class Frontend:
             grammar=rendered.grammar,
             deepstack=media.deepstack,
             media_keys=rendered.media_keys,
+            streamed=streamed,
         )
 
-    async def stream(self, rendered: Rendered, request: Request) -> AsyncIterator[GenerateResponse]:
-        media_tokens = rendered.prompt.num_image_tokens
-        async for output in self.engine.generate(request):
+    async def stream(
+        self, outputs: AsyncIterator[tuple[Request, RequestOutput]]
+    ) -> AsyncIterator[GenerateResponse]:
+        """Engine outputs as stream messages; a request's engine spans once its
+        first choice ends."""
+        async for request, output in outputs:
             if output.finished and output.index == 0:
                 _trace_engine(request)
-            for response in responses(output, media_tokens):
+            for response in responses(output, request.num_media_tokens):
                 yield response
+
+    async def outputs(self, request: Request) -> AsyncIterator[tuple[Request, RequestOutput]]:
+        """The engine's outputs of a request, each with it."""
+        async with contextlib.aclosing(self.engine.generate(request)) as outputs:
+            async for output in outputs:
+                yield request, output
 
     async def _tokenize(self, build: Callable[..., Prompt], *args: Any) -> Prompt:
         """Templating and tokenizing, on their own thread: a long prompt never holds

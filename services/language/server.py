@@ -99,6 +99,7 @@ class LanguageServer(InstanceServer):
             ImageTokenRule.from_checkpoint(config.checkpoint).max_tokens,
             kv,
             on_kv_received=partial(self._kv_observed, "received"),
+            prefill_while_encoding=config.prefill_while_encoding,
         )
         self._observe()
         self.servicer = servicer = LanguageServicer(

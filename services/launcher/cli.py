@@ -192,6 +192,7 @@ def _encoder(args: argparse.Namespace) -> int:
         send_buffer_tokens=args.send_buffer_tokens,
         max_pending=args.max_pending,
         buffer_wait_s=args.buffer_wait,
+        items_one_by_one=not args.no_prefill_while_encoding,
         dtype=resolve_dtype(args.dtype, _local_device()),
     )
     return run_until_signalled(lambda: EncoderServer(config))
@@ -218,6 +219,7 @@ def _language(args: argparse.Namespace) -> int:
         engine=engine,
         role=role,
         engine_process=args.engine_process == "on" or (args.engine_process == "auto" and auto),
+        prefill_while_encoding=not args.no_prefill_while_encoding,
     )
     # an instance whose engine process died cannot serve: it leaves, to be restarted
     lost = partial(os.kill, os.getpid(), signal.SIGTERM)
@@ -380,11 +382,19 @@ def stack_config(
             *flags.engine_args(args),
             *(("--chat-template", str(args.chat_template.resolve())) if args.chat_template else ()),
             *(() if args.monolithic else ("--engine-process", args.engine_process)),
+            *(
+                ("--no-prefill-while-encoding",)
+                if args.no_prefill_while_encoding and not args.monolithic
+                else ()
+            ),
             *transports,
         ),
         dtype=dtype,
         gateway_args=("--allow-private-urls",) if args.allow_private_urls else (),
-        encoder_args=("--cache-mb", str(args.encoder_cache_mb)) if args.encoder_cache_mb else (),
+        encoder_args=(
+            *(("--cache-mb", str(args.encoder_cache_mb)) if args.encoder_cache_mb else ()),
+            *(("--no-prefill-while-encoding",) if args.no_prefill_while_encoding else ()),
+        ),
         broker_args=(
             *("--encoder-routing", args.encoder_routing),
             *("--language-routing", args.language_routing),

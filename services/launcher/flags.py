@@ -306,6 +306,16 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     return passed
 
 
+def add_prefill_while_encoding(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-prefill-while-encoding",
+        action="store_true",
+        help="a request's images go to Triton together and to the language instance once all "
+        "are encoded, and it prefills only then (by default each image goes as soon as it is "
+        "encoded, and the prompt is prefilled up to the first image still missing meanwhile)",
+    )
+
+
 def add_responses_store(p: argparse.ArgumentParser) -> None:
     """The bounds of the Responses API's stored responses."""
     from services.gateway.config import GatewayConfig
@@ -516,6 +526,7 @@ def encoder(p: argparse.ArgumentParser) -> None:
         "--buffer-wait",
         help="seconds an encode waits for send-buffer room",
     )
+    add_prefill_while_encoding(p)
     add_security(p)
     add_tracing(p)
 
@@ -537,6 +548,7 @@ def language(p: argparse.ArgumentParser) -> None:
     add_dtype(p, "model dtype (and the embeddings')")
     add_engine_process(p)
     add_threads_while_encoding(p, serve=False)
+    add_prefill_while_encoding(p)
     field_option(p, LanguageConfig, "embedding_pool_tokens")
     field_option(p, LanguageConfig, "default_allocate_tokens")
     field_option(
@@ -625,6 +637,7 @@ def serve(p: argparse.ArgumentParser) -> None:
     add_engine(p)
     add_engine_process(p)
     add_threads_while_encoding(p, serve=True)
+    add_prefill_while_encoding(p)
     add_dtype(p, "dtype of the vision tower, the embeddings and the language model")
     _serve_scale(p)
     _serve_hosts(p)

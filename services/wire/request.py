@@ -15,6 +15,8 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+from services.wire.messages import MediaGrid
+
 # Below this temperature sampling is greedy (as in vLLM): dividing the logits by
 # it would overflow to inf and leave no distribution to draw from.
 SAMPLING_EPS = 1e-5
@@ -106,12 +108,14 @@ class SamplingParams:
 class ImagePart:
     token_hint: int = 0  # expected embedding tokens (0: unknown)
     key: str = ""  # its content hash (media_key): the prefix cache knows its KV by it
+    grid_hint: MediaGrid | None = None  # the grid the encoder will send (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
 class VideoPart:
     token_hint: int = 0  # expected embedding tokens (0: unknown)
     key: str = ""  # its content hash (media_key)
+    grid_hint: MediaGrid | None = None
 
 
 # A ContentPart is its oneof's member: text, an image or a video.

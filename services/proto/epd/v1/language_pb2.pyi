@@ -20,20 +20,24 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class ImagePart(_message.Message):
-    __slots__ = ("token_hint", "key")
+    __slots__ = ("token_hint", "key", "grid_hint")
     TOKEN_HINT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    GRID_HINT_FIELD_NUMBER: _ClassVar[int]
     token_hint: int
     key: str
-    def __init__(self, token_hint: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
+    grid_hint: _common_pb2.MediaGrid
+    def __init__(self, token_hint: _Optional[int] = ..., key: _Optional[str] = ..., grid_hint: _Optional[_Union[_common_pb2.MediaGrid, _Mapping]] = ...) -> None: ...
 
 class VideoPart(_message.Message):
-    __slots__ = ("token_hint", "key")
+    __slots__ = ("token_hint", "key", "grid_hint")
     TOKEN_HINT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    GRID_HINT_FIELD_NUMBER: _ClassVar[int]
     token_hint: int
     key: str
-    def __init__(self, token_hint: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
+    grid_hint: _common_pb2.MediaGrid
+    def __init__(self, token_hint: _Optional[int] = ..., key: _Optional[str] = ..., grid_hint: _Optional[_Union[_common_pb2.MediaGrid, _Mapping]] = ...) -> None: ...
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "image", "video")
