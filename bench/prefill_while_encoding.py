@@ -1,7 +1,7 @@
 """Prefill while the images arrive: EPD with the feature on and off, one stack
 at a time, same machine, same checkpoint, same client, one run.
 
-    .venv/bin/python -m bench.prefill_while_encoding [--size small --repeats 8]
+    .venv/bin/python -m bench.prefill_while_encoding [--size medium --rounds 2]
 
 Each stack runs Triton and the encoder on one core and the language instance on
 another (`--encoder-cpus`, `--language-cpus`), as a GPU host gives the tower
@@ -12,6 +12,9 @@ and the language model devices of their own. Measured on each:
   video (8 s at 2 frames a second, 336x336);
 - at load (`--concurrency` in flight): a mixed workload (half text, half one
   image), its requests/s and TPOT p50.
+
+Off and on alternate for `--rounds` rounds (each stack started anew, each
+request's images its own); every figure is the median over the rounds.
 
 Targets (issue 60): the four-image and video TTFT p50 at most 0.75x with the
 feature off; requests/s and TPOT within noise of off.
@@ -147,14 +150,20 @@ def main() -> None:
     parser.add_argument("--mixed", type=int, default=32, help="requests of the loaded workload")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1, help="off-then-on rounds")
     args = parser.parse_args()
     checkpoint = cached_demo_checkpoint(args.size)
     print(f"{machine()}\ncheckpoint: {checkpoint}", flush=True)
-    rows = {}
-    for on, seed in ((False, 10_000), (True, 20_000)):
-        name = "on" if on else "off"
-        rows[name] = stack(args, checkpoint, on, seed)
-        print(f"  {name}: {rows[name]}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for round_ in range(args.rounds):
+        for on in (False, True):
+            name = "on" if on else "off"
+            runs[name].append(stack(args, checkpoint, on, 10_000 * (1 + 2 * round_ + on)))
+            print(f"  round {round_ + 1}, {name}: {runs[name][-1]}", flush=True)
+    rows = {
+        name: {key: statistics.median(run[key] for run in done) for key in done[0]}
+        for name, done in runs.items()
+    }
     print(
         f"\n{'prefill while encoding':<24} {'4-image TTFT p50':>17} {'video TTFT p50':>15} "
         f"{'req/s':>7} {'TPOT p50':>10} {'failed':>7}"

@@ -247,3 +247,21 @@ def test_deepstack_features_follow_their_image_in_parts(
         outputs += engine.step()[0]
     assert tokens(outputs) == hf_greedy(qwen3_checkpoint, messages, images, 8)
     assert engine.blocks.num_used_pages == 0
+
+
+def test_a_chunk_that_stops_at_a_missing_image_rides_along_with_other_prefill_work(
+    tiny_checkpoint: Path, whole: list[Request]
+) -> None:
+    """Beside a decode it waits (a decode-only step stays one), with another
+    prompt's prefill it goes in the same step."""
+    engine = make_engine(tiny_checkpoint, cuda_graphs=False)
+    engine.add_request(fresh(whole[0], tiny_checkpoint))
+    engine.step()  # r0's prompt: it decodes from now on
+    blocked = streamed(whole[1], tiny_checkpoint)
+    assert blocked.media_positions is not None
+    engine.add_request(blocked)
+    engine.step()
+    assert blocked.num_computed_tokens == 0
+    engine.add_request(fresh(whole[2], tiny_checkpoint))
+    engine.step()
+    assert blocked.num_computed_tokens == int(blocked.media_positions[0])

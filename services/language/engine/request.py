@@ -165,6 +165,11 @@ class Request:
         return int(self.media_positions[missing])
 
     @property
+    def waits_for_media(self) -> bool:
+        """Its computation stops, for now, at a media token whose embedding is missing."""
+        return self.num_ready_tokens < self.num_tokens
+
+    @property
     def num_schedulable_tokens(self) -> int:
         return max(0, self.num_ready_tokens - self.num_computed_tokens)
 

@@ -11,7 +11,11 @@ so the oldest one always makes progress: no deadlock however small the pool.
 
 A request whose images stream in (Request.num_media_ready) computes its
 tokens up to the first one whose embedding has not arrived, and is passed
-over, pages kept, while it waits for the next; the others go on.
+over, pages kept, while it waits for the next; the others go on. Such a
+chunk, one that stops at a missing image, rides along with other prefill
+work, or runs when nothing decodes: alone beside decodes it would turn a
+decode-only step (on CPU one compiled call) into a slower mixed one for
+every running request.
 
 An n > 1 request holds n of the max_num_seqs seats from its admission on: its
 other choices join the running batch when its prompt is prefilled.
@@ -86,15 +90,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _short_chunks_go(self) -> bool:
+        """Whether chunks that stop at a missing image go this step: nothing
+        decodes, or other prefill work runs anyway."""
+        if not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return True
+        return any(
+            r.num_schedulable_tokens > 1 and not r.waits_for_media
+            for r in (*self.running, *self.waiting)
+        )
+
     def schedule(self) -> list[Scheduled]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
+        short_chunks = self._short_chunks_go()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_schedulable_tokens, budget)
-            if not num_tokens:  # its next image has not arrived
+            if not num_tokens or (request.waits_for_media and not short_chunks):
                 index += 1
                 continue
             while not self.blocks.allocate_slots(request, num_tokens):
@@ -115,6 +130,8 @@ class Scheduler:
         for request in list(self.waiting) if not preempted else []:
             if budget <= 0 or seats + 1 + len(request.forks) > self.config.max_num_seqs:
                 break
+            if request.waits_for_media and not short_chunks:
+                continue
             self.blocks.reuse_prefix(request)
             num_tokens = min(request.num_schedulable_tokens, budget)
             if not num_tokens:  # it waits for its first image: those behind it go first
