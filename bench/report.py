@@ -58,6 +58,8 @@ TRACING_START = "<!-- bench/tracing.py: start -->"
 TRACING_END = "<!-- bench/tracing.py: end -->"
 MULTITURN_START = "<!-- bench/multiturn.py: start -->"
 MULTITURN_END = "<!-- bench/multiturn.py: end -->"
+STREAMED_START = "<!-- bench/prefill_while_encoding.py: start -->"
+STREAMED_END = "<!-- bench/prefill_while_encoding.py: end -->"
 
 
 @dataclass(frozen=True)
