@@ -15,7 +15,7 @@ test: setup
 	$(EPD) protos --check
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .
