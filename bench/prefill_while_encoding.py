@@ -117,8 +117,8 @@ async def measure(url: str, model: str, args: argparse.Namespace, seed: int) -> 
 
         async def under_load(i: int, b: dict[str, Any]) -> RequestResult:
             async with gate:
-                kind = "image" if i % 2 else "text"
-                return await send(http, url + "/chat/completions", BenchRequest(i, kind, b), start)
+                request = BenchRequest(i, "image" if i % 2 else "text", b)
+                return await send(http, url + "/chat/completions", request, start)
 
         loaded = await asyncio.gather(*(under_load(i, b) for i, b in enumerate(mixed)))
         elapsed = time.perf_counter() - start

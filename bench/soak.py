@@ -17,6 +17,12 @@ of those that completed (p50/p99), each component's resident memory at the
 start of the load and at its end, and the pools at the end (after the load
 stops and quarantines lapse): KV pages, embedding blocks and send buffers in
 use, requests in flight.
+
+Memory over time: every `--sample-every` seconds each component's resident
+memory is sampled (a restarted one is a new process, its curve starts again);
+for the components never touched it prints the growth from the end of the
+warm-up (`--warm-up` minutes) to the end (the target: under 5 %), and with
+`--plot` writes the curves (PNG, and the samples beside it as CSV).
 """
 
 from __future__ import annotations
@@ -121,6 +127,61 @@ def _metric(port: int, name: str) -> float:
 
 
 @dataclass
+class Memory:
+    """Each component's resident memory over the soak: (seconds since start, MiB)."""
+
+    markers: dict[str, tuple[str, ...]]
+    every_s: float
+    curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, started: float) -> threading.Thread:
+        def sample() -> None:
+            while not self.stop.wait(0 if not self.curves else self.every_s):
+                now = time.monotonic() - started
+                for name, pid in _pids(self.markers).items():
+                    try:
+                        self.curves.setdefault(name, []).append((now, _rss_mib(pid)))
+                    except OSError:  # it died between the two looks
+                        continue
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        return thread
+
+    def growth(self, warm_up_s: float) -> dict[str, tuple[float, float]]:
+        """MiB at the first sample after the warm-up and at the last, per component."""
+        out = {}
+        for name, curve in self.curves.items():
+            after = [mib for t, mib in curve if t >= warm_up_s]
+            if len(after) >= 2:
+                out[name] = (after[0], after[-1])
+        return out
+
+    def write(self, path: Path, faults: list[str]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        with path.with_suffix(".csv").open("w") as out:
+            out.write("component,seconds,rss_mib\n")
+            for name, curve in sorted(self.curves.items()):
+                out.writelines(f"{name},{t:.0f},{mib:.1f}\n" for t, mib in curve)
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for name, curve in sorted(self.curves.items()):
+            style = "-" if name.removesuffix("-stub") not in faults else ":"
+            ax.plot([t / 60 for t, _ in curve], [m for _, m in curve], style, label=name)
+        ax.set_xlabel("minutes")
+        ax.set_ylabel("resident memory (MiB)")
+        ax.set_title("soak: each component's memory (dotted: faulted, restarted)")
+        ax.legend(fontsize=7, ncol=3)
+        fig.tight_layout()
+        fig.savefig(path)
+        print(f"memory curves: {path} ({path.with_suffix('.csv').name} beside it)")
+
+
+@dataclass
 class Load:
     url: str
     workers: int
@@ -178,6 +239,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=6, help="requests kept in flight")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--demo-size", choices=tuple(SIZES), default="tiny")
+    parser.add_argument("--sample-every", type=float, default=30.0, help="seconds")
+    parser.add_argument(
+        "--warm-up", type=float, default=10.0, help="minutes before memory growth counts"
+    )
+    parser.add_argument("--plot", type=Path, help="PNG of every component's memory over time")
     args = parser.parse_args()
 
     ports = Ports()
@@ -213,6 +279,8 @@ def main() -> None:
         time.sleep(10)  # warm: every component has served, caches and pools are in use
         rss_start = {name: _rss_mib(pid) for name, pid in _pids(markers).items()}
         started = time.monotonic()
+        memory = Memory(markers, args.sample_every)
+        memory.start(started)
         end = started + args.minutes * 60
         faults: list[str] = []
         while time.monotonic() < end:
@@ -230,10 +298,17 @@ def main() -> None:
                 faults.append(target)
                 print(f"{time.monotonic() - started:6.0f}s  {action} {target}", flush=True)
         rss_end = {name: _rss_mib(pid) for name, pid in _pids(markers).items()}
+        memory.stop.set()
         load.stop.set()
         for thread in threads:
             thread.join(180)
         _report(load, ports, rss_start, rss_end, faults, time.monotonic() - started)
+        print(f"memory growth after the first {args.warm_up:g} min (never touched; goal: < 5 %):")
+        for name, (first, last) in sorted(memory.growth(args.warm_up * 60).items()):
+            if name.removesuffix("-stub") not in faults:
+                print(f"  {name:<12} {first:8.1f} -> {last:8.1f} MiB  {last / first - 1:+6.1%}")
+        if args.plot:
+            memory.write(args.plot, faults)
     finally:
         process.send_signal(signal.SIGINT)
         try:

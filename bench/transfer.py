@@ -245,7 +245,8 @@ class EncoderSide:
         )
         reading = asyncio.ensure_future(_drain(generate))
         image = ImageEmbedding((torch.randn(tokens, HIDDEN),), grid)
-        held = await self.buffer.hold(request_id, [image], 30)
+        held = await self.buffer.hold(request_id, image.num_tokens, 30)
+        self.buffer.write(request_id, 0, image)
         started = time.perf_counter()
         await self.sender.start(peer, self.buffer.meta(held, peer.instance_id, [grid]))
         elapsed = time.perf_counter() - started
