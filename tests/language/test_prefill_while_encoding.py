@@ -20,16 +20,19 @@ import pytest_asyncio
 from PIL import Image
 
 from services.broker.server import BrokerServer
+from services.encoder.pipeline import VIDEO_PART
 from services.encoder.server import EncoderServer
 from services.encoder.triton_client import VitOutput
 from services.language.engine.async_engine import AsyncEngine
 from services.language.server import LanguageServer
-from services.loadgen.synthetic import encode_image, random_image
+from services.loadgen.synthetic import encode_image, random_image, random_video
 from services.model.processor import ImageTokenRule
+from services.model.video import VideoRule, load_video, probe
 from services.proto import common_pb2, encoder_pb2, language_pb2
 from services.triton.launcher import TritonServer
+from services.wire.convert import to_proto
 from services.wire.transport import Transport
-from tests.reference import chat, hf_greedy
+from tests.reference import HfVideo, chat, hf_greedy, hf_greedy_videos
 from tests.stack import backend, encoder_stub, language_stub, start_language
 from tests.until import until
 
@@ -235,3 +238,56 @@ async def test_a_request_whose_second_image_never_comes_ends_and_frees_what_it_p
     finally:
         gate.set()
         await language.stop()
+
+
+async def test_a_videos_parts_are_prefilled_as_they_come_and_the_tokens_equal_hf(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+    tiny_checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 16-frame clip goes to Triton a part at a time; each part waits until the
+    engine has computed more of the prompt than before (the last part's)."""
+    broker, encoder, language = stack
+    request_id = "video-while-encoding"
+    progress: list[int] = []
+    infer = encoder.pipeline.vit.infer
+
+    async def held(pixels: np.ndarray, grids: np.ndarray) -> VitOutput:
+        last = progress[-1] if progress else 0
+        await until(lambda: computed_tokens(language, request_id) > last, 20)
+        progress.append(computed_tokens(language, request_id))
+        return await infer(pixels, grids)
+
+    monkeypatch.setattr(encoder.pipeline.vit, "infer", held)
+    clip = random_video(num_frames=80, width=84, height=56, fps=10, seed=995)
+    rule = VideoRule.from_checkpoint(tiny_checkpoint)
+    pixels, grid = load_video(clip, rule)
+    hint = rule.grid(probe(clip))
+    assert hint == grid and grid.t >= 3 * VIDEO_PART
+    part = language_pb2.VideoPart(
+        token_hint=grid.num_tokens(rule.frame.merge_size), grid_hint=to_proto(grid)
+    )
+    content = [language_pb2.ContentPart(video=part), language_pb2.ContentPart(text="What?")]
+    broker.broker.rendezvous.route(request_id, encoder.instance_id, language.instance_id)
+    encode = encoder_stub(encoder).Encode(
+        encoder_pb2.EncodeRequest(
+            request_id=request_id,
+            images=[clip],
+            video_indices=[0],
+            language_instance_id=language.instance_id,
+        )
+    )
+    call = language_stub(language).Generate(
+        language_pb2.GenerateRequest(
+            request_id=request_id,
+            messages=[language_pb2.ChatMessage(role="user", content=content)],
+            sampling=common_pb2.SamplingParams(max_tokens=12),
+        )
+    )
+    responses = [r async for r in call]
+    await encode
+    assert len(progress) == -(-grid.t // VIDEO_PART)
+    assert progress == sorted(set(progress))
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]}]
+    expected = hf_greedy_videos(tiny_checkpoint, messages, [], [HfVideo.of(pixels, grid)], 12)
+    assert token_ids(responses) == expected
