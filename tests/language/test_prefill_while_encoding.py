@@ -260,9 +260,10 @@ async def test_a_videos_parts_are_prefilled_as_they_come_and_the_tokens_equal_hf
 
     monkeypatch.setattr(encoder.pipeline.vit, "infer", held)
     # 6 s at 2 frames a second: 6 temporal patches, 3 parts. Frames this large keep
-    # the text after the clip where both EPD and transformers put it: transformers
-    # starts it max(h, w) / merge past the clip's start, EPD (as vLLM) past the clip's
-    # last time position, which differ for a long clip of small frames
+    # the clip's time positions below where the text after it resumes: for a long
+    # clip of small frames, EPD's decode positions (as vLLM's: past the prompt's
+    # largest) and transformers 5's generate() part from the second token on,
+    # streamed or not
     clip = random_video(num_frames=60, width=336, height=308, fps=10, seed=995)
     rule = VideoRule.from_checkpoint(tiny_checkpoint)
     pixels, grid = load_video(clip, rule)
