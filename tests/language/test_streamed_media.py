@@ -45,27 +45,17 @@ def expected(tiny_checkpoint: Path) -> list[list[int]]:
     return [hf_greedy(tiny_checkpoint, *_case(i)) for i in range(len(CASES))]
 
 
-def streamed(request: Request, spec_dir: Path) -> Request:
-    """The same request without its embeddings: they come with add_media."""
+def anew(request: Request, spec_dir: Path, streamed: bool = True) -> Request:
+    """The same request, as new: streamed, without its embeddings (they come
+    with add_media), or with every one."""
     return new_request(
         request.request_id,
         request.prompt_token_ids,
         request.sampling,
         load_spec(spec_dir),
         request.media_grids,
-        streamed=True,
-    )
-
-
-def fresh(request: Request, spec_dir: Path) -> Request:
-    """The same request, with every embedding, as new."""
-    return new_request(
-        request.request_id,
-        request.prompt_token_ids,
-        request.sampling,
-        load_spec(spec_dir),
-        request.media_grids,
-        request.media_embeds,
+        None if streamed else request.media_embeds,
+        streamed=streamed,
     )
 
 
@@ -122,7 +112,7 @@ def test_no_token_is_computed_before_its_embedding_and_the_result_is_the_whole_r
     pending: list[tuple[int, str, int, torch.Tensor]] = []  # (due step, id, start, embeds)
     step_of = 0
     for n, i in enumerate(order):
-        request = streamed(whole[i], tiny_checkpoint)
+        request = anew(whole[i], tiny_checkpoint)
         engine.add_request(request)
         embeds = whole[i].media_embeds
         start, cut = 0, 0
@@ -154,7 +144,7 @@ def test_text_before_the_first_image_is_prefilled_before_it_arrives(
     """With no embedding yet, a step computes the prompt up to the image, then
     nothing more (the engine has no work) until the image comes."""
     engine = make_engine(tiny_checkpoint, cuda_graphs=False)
-    request = streamed(whole[1], tiny_checkpoint)
+    request = anew(whole[1], tiny_checkpoint)
     engine.add_request(request)
     assert request.media_positions is not None
     first_image_token = int(request.media_positions[0])
@@ -173,8 +163,8 @@ def test_a_part_out_of_order_fails_its_request_alone(
     tiny_checkpoint: Path, whole: list[Request], expected: list[list[int]]
 ) -> None:
     engine = make_engine(tiny_checkpoint, cuda_graphs=False)
-    bad = streamed(whole[1], tiny_checkpoint)
-    good = fresh(whole[0], tiny_checkpoint)
+    bad = anew(whole[1], tiny_checkpoint)
+    good = anew(whole[0], tiny_checkpoint, streamed=False)
     engine.add_request(bad)
     engine.add_request(good)
     outputs = engine.step()[0]
@@ -205,7 +195,7 @@ def test_a_waiting_request_without_its_first_image_lets_those_behind_it_in(
         streamed=True,
     )
     engine.add_request(image_first)
-    engine.add_request(fresh(whole[0], tiny_checkpoint))
+    engine.add_request(anew(whole[0], tiny_checkpoint, streamed=False))
     outputs: list[RequestOutput] = []
     while engine.has_work():
         outputs += engine.step()[0]
@@ -235,7 +225,7 @@ def test_deepstack_features_follow_their_image_in_parts(
     assert embeds is not None and deepstack is not None
     engine = make_engine(qwen3_checkpoint, max_num_batched_tokens=budget, cuda_graphs=False)
     guarded(engine)
-    request = streamed(whole_request, qwen3_checkpoint)
+    request = anew(whole_request, qwen3_checkpoint)
     engine.add_request(request)
     cuts = [0, embeds.shape[0] // 3, embeds.shape[0] - 7, embeds.shape[0]]
     outputs: list[RequestOutput] = []
@@ -255,13 +245,13 @@ def test_a_chunk_that_stops_at_a_missing_image_rides_along_with_other_prefill_wo
     """Beside a decode it waits (a decode-only step stays one), with another
     prompt's prefill it goes in the same step."""
     engine = make_engine(tiny_checkpoint, cuda_graphs=False)
-    engine.add_request(fresh(whole[0], tiny_checkpoint))
+    engine.add_request(anew(whole[0], tiny_checkpoint, streamed=False))
     engine.step()  # r0's prompt: it decodes from now on
-    blocked = streamed(whole[1], tiny_checkpoint)
+    blocked = anew(whole[1], tiny_checkpoint)
     assert blocked.media_positions is not None
     engine.add_request(blocked)
     engine.step()
     assert blocked.num_computed_tokens == 0
-    engine.add_request(fresh(whole[2], tiny_checkpoint))
+    engine.add_request(anew(whole[2], tiny_checkpoint, streamed=False))
     engine.step()
     assert blocked.num_computed_tokens == int(blocked.media_positions[0])
