@@ -72,6 +72,33 @@ def _joined(parts: list[ImageEmbedding], grid: MediaGrid) -> ImageEmbedding:
     return ImageEmbedding(planes, grid)
 
 
+class _Report:
+    """Tells a sink (if any) of the items as they land, once it has every grid:
+    what lands before then waits for `announce`."""
+
+    def __init__(self, sink: Sink | None) -> None:
+        self.sink = sink
+        self.early: list[tuple[int, ImageEmbedding, int]] = []
+        self.announced = False
+
+    def landed(self, index: int, part: ImageEmbedding, start: int = 0) -> None:
+        if self.sink is None:
+            return
+        if self.announced:
+            self.sink.item(index, part, start)
+        else:
+            self.early.append((index, part, start))
+
+    async def announce(self, grids: Sequence[MediaGrid]) -> None:
+        if self.sink is None:
+            return
+        await self.sink.grids(grids)
+        self.announced = True
+        for index, part, start in self.early:
+            self.sink.item(index, part, start)
+        self.early = []
+
+
 class EncodePipeline:
     def __init__(
         self,
@@ -128,69 +155,26 @@ class EncodePipeline:
                 f"video indices {sorted(videos)} are not all among the {len(images)} items"
             )
         keys = await self.preprocessor.keys(images)
-        found: dict[int, ImageEmbedding] = {}
-        mine: list[int] = []  # encoded by this request
-        theirs: dict[int, asyncio.Future[ImageEmbedding]] = {}  # being encoded by another
-        loop = asyncio.get_running_loop()
-        for index, key in enumerate(keys):
-            entry = self.cache.get(key)
-            if entry is not None:
-                found[index] = entry
-            elif key in self._pending:
-                theirs[index] = self._pending[key]
-            else:
-                self._pending[key] = loop.create_future()
-                mine.append(index)
-        self.num_lookups += len(keys)
-        self.num_hits += len(found)
-        self.metrics.cache_hits.inc(len(found))
-        self.metrics.cache_misses.inc(len(mine))
-        self.metrics.shared_encodes.inc(len(theirs))
+        found, mine, theirs = self._look_up(keys)
         # The items this request encodes, cached and given to the requests waiting
         # for them as Triton returns them; if this fails, those hear it (and encode
-        # the item themselves). A sink hears of an item once it has every grid.
+        # the item themselves).
         futures = {index: self._pending[keys[index]] for index in mine}
-        announced = False
-        early: list[tuple[int, ImageEmbedding, int]] = []  # landed before the grids went
-
-        def landed(index: int, part: ImageEmbedding, start: int = 0) -> None:
-            if announced and sink is not None:
-                sink.item(index, part, start)
-            else:
-                early.append((index, part, start))
-
+        report = _Report(sink)
         for index, entry in found.items():
-            landed(index, entry)
+            report.landed(index, entry)
         try:
             pre = await self._preprocess(images, videos, mine) if mine else []
             encoding = asyncio.ensure_future(
-                self._encode_mine(pre, mine, keys, futures, found, landed)
+                self._encode_mine(pre, mine, keys, futures, found, report.landed)
             )
             try:
-                # the items another request encodes: their grids come with their embeddings
-                retry = []
-                for index, future in theirs.items():
-                    try:
-                        found[index] = await asyncio.shield(future)
-                    except Exception:  # that encode failed (or its request left): this one tries
-                        retry.append(index)
-                        continue
-                    landed(index, found[index])
-                if retry:
-                    again = await self._encode(
-                        [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
-                    )
-                    for index, entry in zip(retry, again.images, strict=True):
-                        found[index] = entry
-                        landed(index, entry)
-                if sink is not None:
-                    grids = {i: e.grid for i, e in found.items() if i not in mine} | {
-                        i: p.grid for i, p in zip(mine, pre, strict=True)
-                    }
-                    await sink.grids([grids[i] for i in range(len(images))])
-                    announced = True
-                    for index, part, start in early:
-                        sink.item(index, part, start)
+                for index, entry in (await self._shared(images, videos, theirs)).items():
+                    found[index] = entry
+                    report.landed(index, entry)
+                grids = {i: e.grid for i, e in found.items() if i not in mine}
+                grids |= {i: p.grid for i, p in zip(mine, pre, strict=True)}
+                await report.announce([grids[i] for i in range(len(images))])
                 await encoding
             finally:
                 if not encoding.done():
@@ -209,6 +193,53 @@ class EncodePipeline:
         self.metrics.images.inc(len(images))
         self.metrics.tokens.inc(encoded.num_tokens)
         return encoded
+
+    def _look_up(
+        self, keys: list[str]
+    ) -> tuple[dict[int, ImageEmbedding], list[int], dict[int, asyncio.Future[ImageEmbedding]]]:
+        """Each item's place: cached (found), encoded by this request (mine: its
+        encode is pending from now on) or by another one right now (theirs)."""
+        found: dict[int, ImageEmbedding] = {}
+        mine: list[int] = []
+        theirs: dict[int, asyncio.Future[ImageEmbedding]] = {}
+        loop = asyncio.get_running_loop()
+        for index, key in enumerate(keys):
+            entry = self.cache.get(key)
+            if entry is not None:
+                found[index] = entry
+            elif key in self._pending:
+                theirs[index] = self._pending[key]
+            else:
+                self._pending[key] = loop.create_future()
+                mine.append(index)
+        self.num_lookups += len(keys)
+        self.num_hits += len(found)
+        self.metrics.cache_hits.inc(len(found))
+        self.metrics.cache_misses.inc(len(mine))
+        self.metrics.shared_encodes.inc(len(theirs))
+        return found, mine, theirs
+
+    async def _shared(
+        self,
+        images: Sequence[bytes],
+        videos: Set[int],
+        theirs: dict[int, asyncio.Future[ImageEmbedding]],
+    ) -> dict[int, ImageEmbedding]:
+        """The items other requests were encoding, once they are; one whose encode
+        failed (or whose request left) this request encodes itself."""
+        done: dict[int, ImageEmbedding] = {}
+        retry = []
+        for index, future in theirs.items():
+            try:
+                done[index] = await asyncio.shield(future)
+            except Exception:
+                retry.append(index)
+        if retry:
+            again = await self._encode(
+                [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
+            )
+            done.update(zip(retry, again.images, strict=True))
+        return done
 
     async def _encode_mine(
         self,

@@ -91,16 +91,7 @@ class LanguageServer(InstanceServer):
             if self.role is LanguageRole.PREFILL:
                 kv = self._kv_handoff(llm, engine)
         self.driver = LanguageDrivers(self.receiver, kv.sender if kv is not None else None)
-        self.frontend = Frontend(
-            self.engine,
-            self.tokenizer,
-            self.spec,
-            self.receiver,
-            ImageTokenRule.from_checkpoint(config.checkpoint).max_tokens,
-            kv,
-            on_kv_received=partial(self._kv_observed, "received"),
-            prefill_while_encoding=config.prefill_while_encoding,
-        )
+        self.frontend = self._frontend(kv)
         self._observe()
         self.servicer = servicer = LanguageServicer(
             self.frontend, self.receiver, self.metrics, config.max_active_requests, self.role
@@ -109,6 +100,18 @@ class LanguageServer(InstanceServer):
             language_pb2.DESCRIPTOR.services_by_name["Language"].full_name,
             lambda server: add_to_server(servicer, server),
             registry,
+        )
+
+    def _frontend(self, kv: KVHandoff | None) -> Frontend:
+        return Frontend(
+            self.engine,
+            self.tokenizer,
+            self.spec,
+            self.receiver,
+            ImageTokenRule.from_checkpoint(self.config.checkpoint).max_tokens,
+            kv,
+            on_kv_received=partial(self._kv_observed, "received"),
+            prefill_while_encoding=self.config.prefill_while_encoding,
         )
 
     def _embedding_receive_side(self) -> tuple[EmbeddingPool, dict[Transport, ReceiveEnd]]:
