@@ -27,6 +27,7 @@ encoded and prefilled elsewhere) is not preempted but ended: it goes to
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -104,12 +105,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted = False
-        short_chunks = self._short_chunks_go()
+        # A walk over every request, taken once a step and only if one waits for media
+        short_chunks = functools.cache(self._short_chunks_go)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_schedulable_tokens, budget)
-            if not num_tokens or (request.waits_for_media and not short_chunks):
+            if not num_tokens or (request.waits_for_media and not short_chunks()):
                 index += 1
                 continue
             while not self.blocks.allocate_slots(request, num_tokens):
@@ -130,7 +132,7 @@ class Scheduler:
         for request in list(self.waiting) if not preempted else []:
             if budget <= 0 or seats + 1 + len(request.forks) > self.config.max_num_seqs:
                 break
-            if request.waits_for_media and not short_chunks:
+            if request.waits_for_media and not short_chunks():
                 continue
             self.blocks.reuse_prefix(request)
             num_tokens = min(request.num_schedulable_tokens, budget)
