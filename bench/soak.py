@@ -10,11 +10,16 @@ then SIGCONT after `freeze-seconds`: its connections stay up, nothing
 answers), in turn: Triton killed, encoder-1 frozen, encoder-1 killed,
 language-1 frozen, language-1 killed, the broker frozen, the broker killed,
 Triton frozen. encoder-0, language-0 and the gateway are never touched, so
-their memory tells whether anything leaks.
+their memory tells whether anything leaks. The encoders' embedding caches are
+bounded at `--encoder-cache-mb` (32 MiB by default here, filled in the first
+minutes): a cache that fills to its bound is not a leak, but over an hour a
+larger one would hide one.
 
-Prints the requests completed and failed (by status and cause), the latency
-of those that completed (p50/p99), each component's resident memory at the
-start of the load and at its end, and the pools at the end (after the load
+Prints the requests completed and failed, every failure (status and cause)
+under the fault whose window it ended in (from the fault to `freeze-seconds`
+plus RECOVERY_S after it; one outside every window as unattributed), the
+latency of those that completed (p50/p99), each component's resident memory at
+the start of the load and at its end, and the pools at the end (after the load
 stops and quarantines lapse): KV pages, embedding blocks and send buffers in
 use, requests in flight.
 
@@ -59,6 +64,10 @@ FAULTS = (
     ("kill", "broker"),
     ("freeze", "triton"),
 )
+# After a fault (a kill, or a freeze's end), how long requests may still fail
+# for it: a restart's backoff and start (Triton's ~20 s under load), the broker
+# hearing of it, keepalive noticing a frozen peer.
+RECOVERY_S = 40.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,7 @@ class Memory:
                 out[name] = (after[0], after[-1])
         return out
 
-    def write(self, path: Path, faults: list[str]) -> None:
+    def write(self, path: Path, faulted: set[str]) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -170,7 +179,7 @@ class Memory:
                 out.writelines(f"{name},{t:.0f},{mib:.1f}\n" for t, mib in curve)
         fig, ax = plt.subplots(figsize=(9, 4.5))
         for name, curve in sorted(self.curves.items()):
-            style = "-" if name.removesuffix("-stub") not in faults else ":"
+            style = "-" if name.removesuffix("-stub") not in faulted else ":"
             ax.plot([t / 60 for t, _ in curve], [m for _, m in curve], style, label=name)
         ax.set_xlabel("minutes")
         ax.set_ylabel("resident memory (MiB)")
@@ -181,12 +190,40 @@ class Memory:
         print(f"memory curves: {path} ({path.with_suffix('.csv').name} beside it)")
 
 
+@dataclass(frozen=True)
+class Result:
+    kind: str  # text or image
+    started: float  # time.monotonic()
+    seconds: float
+    status: int  # HTTP, or -1 when the client failed
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str  # kill or freeze
+    target: str
+    at: float  # time.monotonic()
+    until: float  # when requests stop failing for it (see RECOVERY_S)
+
+
+def attribute(failures: list[Result], faults: list[Fault]) -> dict[Fault | None, list[Result]]:
+    """Each failure to the latest fault whose window holds its end; None for
+    one outside every window."""
+    out: dict[Fault | None, list[Result]] = {}
+    for r in failures:
+        ended = r.started + r.seconds
+        within = [f for f in faults if f.at <= ended <= f.until]
+        out.setdefault(within[-1] if within else None, []).append(r)
+    return out
+
+
 @dataclass
 class Load:
     url: str
     workers: int
     max_tokens: int
-    results: list[tuple[str, float, int, str]] = field(default_factory=list)
+    results: list[Result] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def _body(self, kind: str, seed: int) -> dict[str, Any]:
@@ -218,7 +255,9 @@ class Load:
                     cause = "" if status == 200 else reply.json()["error"]["message"][:70]
                 except (httpx.HTTPError, ValueError, KeyError) as exc:
                     status, cause = -1, type(exc).__name__
-                self.results.append((kind, time.monotonic() - started, status, cause))
+                self.results.append(
+                    Result(kind, started, time.monotonic() - started, status, cause)
+                )
 
     def start(self) -> list[threading.Thread]:
         threads = [
@@ -239,6 +278,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=6, help="requests kept in flight")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--demo-size", choices=tuple(SIZES), default="tiny")
+    parser.add_argument("--encoder-cache-mb", type=int, default=32)
     parser.add_argument("--sample-every", type=float, default=30.0, help="seconds")
     parser.add_argument(
         "--warm-up", type=float, default=10.0, help="minutes before memory growth counts"
@@ -258,6 +298,7 @@ def main() -> None:
         "--languages", "2", "--encoders", "2",
         # Faults are planned: no crash loop should stop the stack.
         "--max-restarts", "100",
+        "--encoder-cache-mb", str(args.encoder_cache_mb),
     ])
     # fmt: on
     supervisor: list[str] = []
@@ -282,7 +323,7 @@ def main() -> None:
         memory = Memory(markers, args.sample_every)
         memory.start(started)
         end = started + args.minutes * 60
-        faults: list[str] = []
+        faults: list[Fault] = []
         while time.monotonic() < end:
             time.sleep(max(0.0, min(args.fault_every, end - time.monotonic())))
             if time.monotonic() >= end:
@@ -290,25 +331,29 @@ def main() -> None:
             action, target = FAULTS[len(faults) % len(FAULTS)]
             pid = _pids({target: markers[target]}).get(target)
             if pid is not None:
+                at = time.monotonic()
                 if action == "kill":
                     os.kill(pid, signal.SIGKILL)
+                    faults.append(Fault(action, target, at, at + RECOVERY_S))
                 else:
                     os.kill(pid, signal.SIGSTOP)
                     threading.Timer(args.freeze_seconds, os.kill, (pid, signal.SIGCONT)).start()
-                faults.append(target)
-                print(f"{time.monotonic() - started:6.0f}s  {action} {target}", flush=True)
+                    until = at + args.freeze_seconds + RECOVERY_S
+                    faults.append(Fault(action, target, at, until))
+                print(f"{at - started:6.0f}s  {action} {target}", flush=True)
         rss_end = {name: _rss_mib(pid) for name, pid in _pids(markers).items()}
         memory.stop.set()
         load.stop.set()
         for thread in threads:
             thread.join(180)
-        _report(load, ports, rss_start, rss_end, faults, time.monotonic() - started)
+        touched = {f.target for f in faults}
+        _report(load, ports, rss_start, rss_end, faults, started)
         print(f"memory growth after the first {args.warm_up:g} min (never touched; goal: < 5 %):")
         for name, (first, last) in sorted(memory.growth(args.warm_up * 60).items()):
-            if name.removesuffix("-stub") not in faults:
+            if name.removesuffix("-stub") not in touched:
                 print(f"  {name:<12} {first:8.1f} -> {last:8.1f} MiB  {last / first - 1:+6.1%}")
         if args.plot:
-            memory.write(args.plot, faults)
+            memory.write(args.plot, touched)
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -322,25 +367,35 @@ def _report(
     ports: Ports,
     rss_start: dict[str, float],
     rss_end: dict[str, float],
-    faults: list[str],
-    seconds: float,
+    faults: list[Fault],
+    started: float,
 ) -> None:
-    done = [r for r in load.results if r[2] == 200]
-    failed = Counter((status, cause) for _, _, status, cause in load.results if status != 200)
-    print(f"\n{seconds / 60:.1f} min, {len(faults)} faults ({', '.join(faults)})")
-    print(f"requests: {len(done)} completed, {sum(failed.values())} failed")
+    done = [r for r in load.results if r.status == 200]
+    failed = [r for r in load.results if r.status != 200]
+    minutes = (time.monotonic() - started) / 60
+    print(f"\n{minutes:.1f} min, {len(faults)} faults")
+    print(f"requests: {len(done)} completed, {len(failed)} failed")
     for kind in ("text", "image"):
-        ok = sorted(s for k, s, status, _ in load.results if k == kind and status == 200)
+        ok = sorted(r.seconds for r in done if r.kind == kind)
         if ok:
             print(
                 f"  {kind:<6} {len(ok):>6} ok   latency p50 {percentile(ok, 50):.2f} s  "
                 f"p99 {percentile(ok, 99):.2f} s"
             )
-    for (status, cause), count in failed.most_common():
-        print(f"  {count:>6} x {status}  {cause}")
+    print("failures by the fault whose window they ended in:")
+    by_fault = attribute(failed, faults)
+    for fault in [*faults, None]:
+        causes = Counter((r.status, r.cause) for r in by_fault.get(fault, ()))
+        name = "unattributed"
+        if fault:
+            name = f"{fault.at - started:6.0f}s {fault.action} {fault.target}"
+        print(f"  {name:<26} {sum(causes.values()):>5} failed")
+        for (status, cause), count in causes.most_common():
+            print(f"  {count:>10} x {status}  {cause}")
     print("resident memory (MiB), start of the load -> end (restarted ones are new processes):")
+    touched = {f.target for f in faults}
     for name in sorted(rss_start):
-        kept = "" if name.removesuffix("-stub") in faults else "   (never touched)"
+        kept = "" if name.removesuffix("-stub") in touched else "   (never touched)"
         print(f"  {name:<12} {rss_start[name]:8.1f} -> {rss_end.get(name, 0.0):8.1f}{kept}")
     time.sleep(20)  # quarantines lapse, restarted components settle
     print("pools at the end:")
