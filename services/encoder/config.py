@@ -23,6 +23,7 @@ class EncoderConfig:
         default_factory=lambda: InstanceConfig(Role.ENCODER, ENCODER_PORT)
     )
     triton_url: str = TRITON_URL
+    triton_http_url: str = ""  # for traced infers (triton_client.py says why); "": gRPC only
     triton_shared_memory: bool = True
     triton_timeout_s: float = 60.0
     triton_max_in_flight: int = 8

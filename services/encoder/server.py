@@ -57,6 +57,7 @@ class EncoderServer(InstanceServer):
             shared_memory=config.triton_shared_memory,
             timeout_s=config.triton_timeout_s,
             max_in_flight=config.triton_max_in_flight,
+            http_url=config.triton_http_url,
         )
         self.preprocessor = Preprocessor(
             config.checkpoint, config.limits, config.preprocess_workers

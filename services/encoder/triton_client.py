@@ -4,6 +4,13 @@ Tensor names and dtypes follow model_repository/vit/config.pbtxt. With Triton
 on the same host, inputs and outputs travel through system shared memory:
 a few slots, each an input and an output region registered once and grown on
 demand, so concurrent encodes still reach Triton together and get batched.
+
+A traced infer goes over Triton's HTTP endpoint when its address is given
+(tritonclient.http.aio, the same regions): Triton's gRPC server reads a
+request's `traceparent` past its end (GrpcServerCarrier::Get hands the W3C
+propagator a string_ref's data as a C string, through 2.73), so about one
+traced gRPC infer in three started a trace of its own instead of joining the
+encoder's; its HTTP server reads the header whole.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import numpy as np
 import torch
 import tritonclient.grpc.aio as triton_grpc
+import tritonclient.http.aio as triton_http
 import tritonclient.utils.shared_memory as triton_shm
 from tritonclient.utils import InferenceServerException
 
@@ -136,6 +145,7 @@ class VitClient:
         shared_memory: bool = True,
         timeout_s: float = 60.0,
         max_in_flight: int = 8,
+        http_url: str = "",
     ) -> None:
         self.url = url
         self.model_name = model_name
@@ -158,6 +168,12 @@ class VitClient:
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ],
+        )
+        # for traced infers (see the module's docstring); "": every infer over gRPC
+        self._http = (
+            triton_http.InferenceServerClient(http_url, conn_timeout=timeout_s)
+            if http_url
+            else None
         )
         self.shm_prefix = f"{env.SHM_PREFIX.get()}vit_{secrets.token_hex(4)}"
         self._all_slots = [_ShmSlot(self.shm_prefix, i) for i in range(max_in_flight)]
@@ -207,6 +223,9 @@ class VitClient:
             if str(exc.status()) in _TRANSPORT_FAILURES:
                 raise TritonUnavailableError(f"Triton at {self.url}: {exc.message()}") from None
             raise TritonRequestError(f"Triton model {self.model_name}: {exc.message()}") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:  # a traced infer's, over HTTP
+            await slot.reset(self._client)
+            raise TritonUnavailableError(f"Triton at {self.url}: {exc!r}") from None
         except BaseException:
             await slot.reset(self._client)
             raise
@@ -217,23 +236,19 @@ class VitClient:
         # The leading 1 is this request's batch dimension (max_batch_size > 0).
         pixels = pixel_values.astype(np.float32, copy=False)[None]
         grid = grids.astype(np.int64, copy=False)[None]
+        headers = tracing.outgoing()  # Triton joins the trace where it traces
+        api: Any = triton_http if headers and self._http else triton_grpc
         inputs = [
-            triton_grpc.InferInput(PIXELS, list(pixels.shape), "FP32"),
-            triton_grpc.InferInput(GRIDS, list(grid.shape), "INT64"),
+            api.InferInput(PIXELS, list(pixels.shape), "FP32"),
+            api.InferInput(GRIDS, list(grid.shape), "INT64"),
         ]
         names = [EMBEDS] + ([DEEPSTACK] if self.deepstack_levels else [])
         widths = [self.hidden_size, self.deepstack_levels * self.hidden_size]
-        outputs = [triton_grpc.InferRequestedOutput(n) for n in names]
+        outputs = [api.InferRequestedOutput(n) for n in names]
         if not self.shared_memory:
             inputs[0].set_data_from_numpy(pixels)
             inputs[1].set_data_from_numpy(grid)
-            result = await self._client.infer(
-                self.model_name,
-                inputs,
-                outputs=outputs,
-                client_timeout=self.timeout_s,
-                headers=tracing.outgoing() or None,  # Triton joins the trace where it traces
-            )
+            result = await self._call(api, inputs, outputs, headers)
             arrays = [result.as_numpy(n) for n in names]
             tensors = [torch.from_numpy(a.reshape(num_tokens, -1).copy()) for a in arrays]
         else:
@@ -249,13 +264,7 @@ class VitClient:
             offsets = [0, sizes[0]]
             for out, size, offset in zip(outputs, sizes, offsets, strict=False):
                 out.set_shared_memory(region_out.name, size, offset)
-            await self._client.infer(
-                self.model_name,
-                inputs,
-                outputs=outputs,
-                client_timeout=self.timeout_s,
-                headers=tracing.outgoing() or None,  # Triton joins the trace where it traces
-            )
+            await self._call(api, inputs, outputs, headers)
             tensors = [
                 torch.from_numpy(
                     triton_shm.get_contents_as_numpy(
@@ -267,6 +276,20 @@ class VitClient:
             ]
         return VitOutput(tuple(tensors))
 
+    async def _call(
+        self, api: Any, inputs: list[Any], outputs: list[Any], headers: dict[str, str]
+    ) -> Any:
+        if api is triton_http:
+            assert self._http is not None
+            return await self._http.infer(self.model_name, inputs, outputs=outputs, headers=headers)
+        return await self._client.infer(
+            self.model_name,
+            inputs,
+            outputs=outputs,
+            client_timeout=self.timeout_s,
+            headers=headers or None,
+        )
+
     async def statistics(self) -> dict[str, Any]:
         stats = await self._client.get_inference_statistics(self.model_name, as_json=True)
         result: dict[str, Any] = stats["model_stats"][0]
@@ -276,3 +299,5 @@ class VitClient:
         for slot in self._all_slots:
             await slot.reset(self._client)
         await self._client.close()
+        if self._http is not None:
+            await self._http.close()

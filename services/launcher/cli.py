@@ -186,6 +186,7 @@ def _encoder(args: argparse.Namespace) -> int:
         model_name=_model_name(args),
         instance=_instance(args, "encoder"),
         triton_url=args.triton,
+        triton_http_url=args.triton_http,
         triton_shared_memory=not args.no_triton_shm,
         limits=_limits(args),
         cache_bytes=args.cache_mb * flags.MIB,

@@ -509,6 +509,12 @@ def encoder(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--triton", default=env.TRITON_URL.get(), help="Triton gRPC address ($EPD_TRITON_URL)"
     )
+    p.add_argument(
+        "--triton-http",
+        default=env.TRITON_HTTP_URL.get(),
+        help="Triton HTTP address, for the infers of traced requests: Triton's gRPC server "
+        "misreads their traceparent ($EPD_TRITON_HTTP_URL; default: none, all over gRPC)",
+    )
     p.add_argument("--no-triton-shm", action="store_true", help="send tensors to Triton over gRPC")
     add_limits(p)
     field_option(p, EncoderConfig, "cache_bytes", "--cache-mb", scale=MIB)

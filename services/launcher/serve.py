@@ -446,7 +446,9 @@ def _encoders(config: StackConfig) -> list[Component]:
     parts = []
     most = config.planner.max_encoders if config.planner else config.num_encoders
     for i in range(most):
-        extra = ["--triton", f"{LOCAL}:{config.triton_ports[1]}", *config.encoder_args]
+        triton = ("--triton", f"{LOCAL}:{config.triton_ports[1]}")
+        triton_http = ("--triton-http", f"{LOCAL}:{config.triton_ports[0]}")
+        extra = [*triton, *triton_http, *config.encoder_args]
         port = config.encoder_port + i
         encoder = _instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, extra)
         encoder.parked = i >= config.num_encoders  # the planner's to start

@@ -36,6 +36,12 @@ class EnvVar(Generic[T]):
 
 BROKER = EnvVar("EPD_BROKER", str, lambda: f"127.0.0.1:{ports.BROKER_PORT}", "broker gRPC address")
 TRITON_URL = EnvVar("EPD_TRITON_URL", str, lambda: ports.TRITON_URL, "Triton gRPC address")
+TRITON_HTTP_URL = EnvVar(
+    "EPD_TRITON_HTTP_URL",
+    str,
+    lambda: "",
+    "Triton HTTP address for traced infers (Triton's gRPC server misreads their traceparent)",
+)
 CHECKPOINT = EnvVar("EPD_CHECKPOINT", str, lambda: "", "checkpoint folder")
 HOST_ID = EnvVar(
     "EPD_HOST_ID", str, socket.gethostname, "instances with the same host id share memory"
@@ -149,6 +155,7 @@ TRITON_OTLP_ENDPOINT = EnvVar(
 ALL = (
     BROKER,
     TRITON_URL,
+    TRITON_HTTP_URL,
     CHECKPOINT,
     HOST_ID,
     API_KEY,

@@ -9,14 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.encoder.server import EncoderServer
+from services.encoder.triton_client import TritonUnavailableError, VitClient
 from services.loadgen.synthetic import encode_image, random_image
 from services.media.limits import ImageLimits
+from services.model.spec import load_spec
 from services.proto import broker_pb2, common_pb2, encoder_pb2
 from services.runtime.grpc_server import channel
 from services.runtime.ports import free_port
@@ -227,6 +230,61 @@ async def test_triton_down_is_unavailable_within_a_bounded_time(tiny_checkpoint:
         assert time.monotonic() - started < 6.0
     finally:
         await server.stop()
+
+
+TRACEPARENT = {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"}
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["triton-shm", "triton-grpc"])
+async def test_a_traced_infer_goes_over_http_with_the_same_embeddings(
+    tiny_checkpoint: Path, triton: TritonServer, monkeypatch: pytest.MonkeyPatch, shm: bool
+) -> None:
+    """Triton's gRPC server misreads a request's traceparent (triton_client.py's
+    docstring): an infer made under a trace goes to its HTTP endpoint instead,
+    through the same shared-memory regions, with the same embeddings bit for bit."""
+    http_url = f"127.0.0.1:{triton.config.http_port}"
+    vit = VitClient(
+        triton.config.grpc_url,
+        hidden_size=load_spec(tiny_checkpoint).vision.out_hidden_size,
+        shared_memory=shm,
+        http_url=http_url,
+    )
+    assert vit._http is not None
+    over_http = []
+    infer = vit._http.infer
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        over_http.append(kwargs["headers"]["traceparent"])
+        return await infer(*args, **kwargs)
+
+    monkeypatch.setattr(vit._http, "infer", counted)
+    pixels = torch.rand(32, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0)).numpy()
+    grids = np.array([[1, 4, 8]], dtype=np.int64)
+    try:
+        plain = await vit.infer(pixels, grids)
+        assert over_http == []
+        monkeypatch.setattr("services.runtime.tracing.outgoing", lambda: dict(TRACEPARENT))
+        traced = await vit.infer(pixels, grids)
+        assert over_http == [TRACEPARENT["traceparent"]]
+        assert torch.equal(traced.planes[0], plain.planes[0])
+    finally:
+        await vit.close()
+
+
+async def test_a_traced_infer_that_cannot_reach_triton_is_unavailable(
+    tiny_checkpoint: Path, triton: TritonServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vit = VitClient(
+        triton.config.grpc_url,
+        hidden_size=load_spec(tiny_checkpoint).vision.out_hidden_size,
+        http_url=f"127.0.0.1:{free_port()}",
+    )
+    monkeypatch.setattr("services.runtime.tracing.outgoing", lambda: dict(TRACEPARENT))
+    try:
+        with pytest.raises(TritonUnavailableError, match="Triton at"):
+            await vit.infer(np.zeros((16, 3 * 2 * 14 * 14), np.float32), np.array([[1, 4, 4]]))
+    finally:
+        await vit.close()
 
 
 async def test_health_and_metrics(encoder: EncoderServer) -> None:
