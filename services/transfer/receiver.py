@@ -6,6 +6,10 @@ injected clock: tests drive it through any interleaving.
 
     expect(hint)     -> Allocate(hint or default tokens)
     allocated        -> Prealloc (first part) / Resume (later ones)          WAITING_FOR_INPUT
+    expect(hint, skip) -> the same for the tokens after `skip`, which the
+                        Prealloc asks none of (the prefix cache holds their
+                        KV); all skipped: a Prealloc with no blocks, and the
+                        sender's TransferDone of nothing -> Succeed
     the meta         -> remember it (EmbeddingMeta: the grids; KvMeta: the prompt)
     gRPC chunk       -> count it into the current part                      TRANSFERRING
     TransferDone     -> Confirm: the part is in memory (NIXL: its notification);
@@ -145,6 +149,7 @@ class Inbound:
     num_parts: int = 0
     num_failovers: int = 0
     confirming: bool = False  # a TransferDone is being confirmed
+    skip: int = 0  # tokens from the first that are not wanted (part_start starts there)
 
     @property
     def part_tokens(self) -> int:
@@ -197,12 +202,18 @@ class Receiver:
 
     # -- the caller's events -------------------------------------------------
 
-    def expect(self, request_id: str, hint_tokens: int) -> list[Action]:
-        """A request whose embeddings an encoder will send: preallocate for them."""
+    def expect(self, request_id: str, hint_tokens: int, skip_tokens: int = 0) -> list[Action]:
+        """A request whose embeddings an encoder will send: preallocate for them,
+        but for the first `skip_tokens`, which are not wanted."""
         if request_id in self.transfers:
             raise ValueError(f"request {request_id!r} is already receiving")
-        self.transfers[request_id] = Inbound(request_id, self._clock())
-        want = hint_tokens if hint_tokens > 0 else self.default_allocate_tokens
+        now = self._clock()
+        inbound = Inbound(request_id, now, part_start=skip_tokens, skip=skip_tokens)
+        self.transfers[request_id] = inbound
+        if hint_tokens and skip_tokens >= hint_tokens:  # not one token wanted: no blocks
+            inbound.state = TransferState.WAITING_FOR_INPUT
+            return [Send(Prealloc(request_id, (), 0, skip_tokens=skip_tokens))]
+        want = hint_tokens - skip_tokens if hint_tokens > 0 else self.default_allocate_tokens
         return [Allocate(request_id, want)]
 
     def allocated(self, request_id: str, blocks: list[int]) -> list[Action]:
@@ -214,8 +225,11 @@ class Receiver:
         inbound.received_in_part = 0
         inbound.state = TransferState.WAITING_FOR_INPUT
         inbound.updated = self._clock()
-        if inbound.part_start == 0:
-            return [Send(Prealloc(request_id, tuple(blocks), inbound.allocated_tokens))]
+        if inbound.part_start == inbound.skip:
+            prealloc = Prealloc(
+                request_id, tuple(blocks), inbound.allocated_tokens, skip_tokens=inbound.skip
+            )
+            return [Send(prealloc)]
         resume = Resume(request_id, tuple(blocks), inbound.part_start, inbound.allocated_tokens)
         return [Send(resume)]
 
@@ -254,6 +268,8 @@ class Receiver:
         assert inbound.state is TransferState.SUCCESS and inbound.meta is not None
         count = inbound.meta.total_tokens - inbound.part_start
         blocks = tuple(inbound.blocks)
+        if not count:  # every token was skipped
+            return [Free(blocks)] if blocks else []
         if not self.keeps_blocks:
             return [Stage(request_id, blocks, count), Free(blocks)]
         need = -(-count // self.layout.block_size)
@@ -313,6 +329,12 @@ class Receiver:
             )
         if meta.total_tokens <= 0:
             return self.release(meta.request_id, "metadata announces no tokens")
+        if meta.total_tokens < inbound.skip:
+            return self.release(
+                meta.request_id,
+                f"metadata announces {meta.total_tokens} tokens, fewer than the {inbound.skip} "
+                "this instance holds",
+            )
         inbound.meta = meta
         inbound.updated = self._clock()
         if meta.transport in self.polled:
@@ -325,6 +347,10 @@ class Receiver:
             return self._unquarantine(done.request_id)
         if inbound.meta is None or inbound.state.is_finished or inbound.confirming:
             return self.release(done.request_id, "a part finished that was not being sent")
+        if inbound.skip == done.sent_tokens == inbound.meta.total_tokens == done.total_tokens:
+            inbound.state = TransferState.SUCCESS  # all skipped: nothing was written
+            self.polling.discard(done.request_id)
+            return [Succeed(done.request_id, inbound.meta)]
         end = inbound.part_start + inbound.part_tokens
         if (
             not inbound.part_start < done.sent_tokens <= end
@@ -439,7 +465,7 @@ class Receiver:
         inbound = self.transfers.get(request_id)
         if inbound is None or inbound.state.is_finished:
             return []
-        if inbound.num_parts or inbound.part_start or inbound.confirming:
+        if inbound.num_parts or inbound.part_start != inbound.skip or inbound.confirming:
             return self.release(request_id, f"encoder {encoder_id} was lost mid-transfer")
         inbound.meta = None
         inbound.received_in_part = 0

@@ -151,13 +151,17 @@ class ReceiverDriver(MachineDriver):
 
     # -- the servicer's calls ----------------------------------------------------
 
-    async def expect(self, request_id: str, hint_tokens: int) -> None:
-        """Preallocates for a request whose embeddings an encoder will send;
-        PoolExhaustedError if no blocks come free within pool_wait_s."""
-        (allocate,) = self.machine.expect(request_id, hint_tokens)
-        assert isinstance(allocate, Allocate)
+    async def expect(self, request_id: str, hint_tokens: int, skip_tokens: int = 0) -> None:
+        """Preallocates for a request whose embeddings an encoder will send, all
+        but the first `skip_tokens` (Receiver.expect); PoolExhaustedError if no
+        blocks come free within pool_wait_s."""
+        actions = self.machine.expect(request_id, hint_tokens, skip_tokens)
         done = self._done[request_id] = asyncio.get_running_loop().create_future()
-        await self._allocate(allocate)
+        for action in actions:
+            if isinstance(action, Allocate):
+                await self._allocate(action)
+            else:
+                self._run([action])
         if done.done() and done.exception() is not None:
             raise done.exception()  # type: ignore[misc]
 
@@ -175,9 +179,16 @@ class ReceiverDriver(MachineDriver):
         self._watched.pop(request_id, None)
         self._run(self.machine.take(request_id))
         self._done.pop(request_id, None)
-        parts = self._staged.pop(request_id)
-        # one part is already a copy: no second one
-        planes = parts[0] if len(parts) == 1 else [torch.cat(p) for p in zip(*parts, strict=True)]
+        parts = self._staged.pop(request_id, [])
+        if not parts:  # every token was skipped
+            layout = self.pool.layout.planes
+            planes = [
+                t.new_empty((0, p.width)) for t, p in zip(self.pool.tensors, layout, strict=True)
+            ]
+        elif len(parts) == 1:  # already a copy: no second one
+            planes = parts[0]
+        else:
+            planes = [torch.cat(p) for p in zip(*parts, strict=True)]
         return self._named(planes)
 
     async def parts(

@@ -5,6 +5,10 @@ come in as method calls; each returns the actions for the driver
 tests drive it through any interleaving.
 
     start(meta)                -> send the meta (EmbeddingMeta, KvMeta)    WAITING_FOR_INPUT
+    Prealloc                   -> Preallocated(skip): the caller hears which
+                                  tokens are not wanted (the receiver's prefix
+                                  cache holds their KV); sending starts after them
+                                  (all skipped: TransferDone of nothing, Succeed)
     Prealloc / Resume(blocks)  -> Write min(ready, allocated) tokens       TRANSFERRING
                                   (none ready yet: keep the blocks until `ready`)
     written                    -> send TransferDone(sent, total)
@@ -77,6 +81,14 @@ class Free:
 
 
 @dataclass(frozen=True, slots=True)
+class Preallocated:
+    """The first preallocation came: tokens before `skip_tokens` are not wanted."""
+
+    request_id: str
+    skip_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Succeed:
     request_id: str
 
@@ -88,7 +100,7 @@ class Fail:
     reason: str
 
 
-Action = Send | Write | Free | Succeed | Fail
+Action = Send | Write | Free | Preallocated | Succeed | Fail
 
 
 @dataclass(slots=True)
@@ -99,7 +111,8 @@ class Outbound:
     total_tokens: int
     updated: float
     state: TransferState = TransferState.WAITING_FOR_INPUT
-    sent_tokens: int = 0
+    sent_tokens: int = 0  # from the first, those skipped included
+    skipped_tokens: int = 0  # not wanted by the receiver: never written
     had_blocks: bool = False  # the language side gave blocks: a write may land in them
     writing: int = 0  # tokens of the write in flight (0: none)
     ready_tokens: int = 0  # tokens in the send buffer, from the first
@@ -142,7 +155,7 @@ class Sender:
         if outbound is None:
             return []
         outbound.ready_tokens = max(outbound.ready_tokens, min(tokens, outbound.total_tokens))
-        if outbound.parked is None or outbound.ready_tokens == outbound.sent_tokens:
+        if outbound.parked is None or outbound.ready_tokens <= outbound.sent_tokens:
             return []
         (blocks, allocated), outbound.parked = outbound.parked, None
         return [self._write(outbound, blocks, allocated)]
@@ -157,7 +170,7 @@ class Sender:
         outbound = self.transfers.get(request_id)
         if outbound is None:
             return []
-        if outbound.sent_tokens or outbound.writing:
+        if outbound.sent_tokens > outbound.skipped_tokens or outbound.writing:
             return self.abort(request_id, reason)
         return self._fail(request_id, Failure.UNAVAILABLE, reason, notify=False)
 
@@ -207,7 +220,29 @@ class Sender:
             # Ended before its first blocks came: they will never be written,
             # and the language side need not hold them in quarantine.
             return [Send(Released(request_id))]
-        return self._part(request_id, prealloc.block_ids, prealloc.allocated_tokens, 0)
+        skipped = self._skip(request_id, prealloc.skip_tokens)
+        outbound = self.transfers.get(request_id)
+        if outbound is None or outbound.sent_tokens == outbound.total_tokens:
+            return skipped
+        return skipped + self._part(
+            request_id, prealloc.block_ids, prealloc.allocated_tokens, outbound.sent_tokens
+        )
+
+    def _skip(self, request_id: str, skip: int) -> list[Action]:
+        """The receiver wants none of the first `skip` tokens: sending starts
+        after them; if that is all of them, the transfer is done without a write."""
+        outbound = self.transfers.get(request_id)
+        if outbound is None or outbound.state is not TransferState.WAITING_FOR_INPUT:
+            return []
+        if outbound.sent_tokens or skip > outbound.total_tokens:
+            reason = f"bad preallocation: skip {skip} of {outbound.total_tokens} tokens"
+            return self._fail(request_id, Failure.ABORTED, reason, notify=True)
+        outbound.sent_tokens = outbound.skipped_tokens = skip
+        actions: list[Action] = [Preallocated(request_id, skip)]
+        if skip < outbound.total_tokens:
+            return actions
+        done = TransferDone(request_id, skip, skip, outbound.transport)
+        return [*actions, Send(done), *self._end(outbound, TransferState.SUCCESS)]
 
     def on_resume(self, resume: Resume) -> list[Action]:
         return self._part(
@@ -283,7 +318,7 @@ class Sender:
             return self._fail(request_id, Failure.ABORTED, reason, notify=True)
         outbound.state = TransferState.TRANSFERRING
         outbound.updated = self._clock()
-        if outbound.ready_tokens == outbound.sent_tokens:  # written when `ready` says
+        if outbound.ready_tokens <= outbound.sent_tokens:  # written when `ready` says
             outbound.parked = (tuple(blocks), allocated)
             return []
         return [self._write(outbound, tuple(blocks), allocated)]

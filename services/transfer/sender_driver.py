@@ -30,6 +30,7 @@ from services.transfer.sender import (
     Failure,
     Free,
     Outbound,
+    Preallocated,
     Send,
     Sender,
     Succeed,
@@ -106,6 +107,8 @@ class SenderDriver(MachineDriver):
         self.peers: dict[str, Register] = {}
         self._peer_joined = asyncio.Condition()
         self._done: dict[str, asyncio.Future[None]] = {}
+        # each transfer's first preallocation: the tokens the receiver does not want
+        self._preallocated: dict[str, asyncio.Future[int]] = {}
         self._targets: dict[str, Register] = {}  # each transfer's language instance
         self._writes: dict[str, asyncio.Task[None]] = {}
         self._on_finished = on_finished
@@ -156,10 +159,18 @@ class SenderDriver(MachineDriver):
         if transport is None:
             raise UnknownPeerError(f"no transport in common with {peer.instance_id}")
         actions = self.machine.start(replace(meta, transport=transport), ready_tokens)
-        done = self._done[meta.request_id] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done = self._done[meta.request_id] = loop.create_future()
+        self._preallocated[meta.request_id] = loop.create_future()
         self._targets[meta.request_id] = peer
         self._run(actions)
         return done
+
+    def preallocated(self, request_id: str) -> asyncio.Future[int]:
+        """A started transfer's first preallocation: how many tokens, from the
+        first, the receiver does not want (its prefix cache holds their KV); fails
+        with TransferError if the transfer ends before."""
+        return self._preallocated[request_id]
 
     def ready(self, request_id: str, tokens: int) -> None:
         """The first `tokens` of the request's data are in the source."""
@@ -213,6 +224,10 @@ class SenderDriver(MachineDriver):
                 case Free(request_id):
                     self.buffer.release(request_id)
                     self._targets.pop(request_id, None)
+                case Preallocated(request_id, skip_tokens):
+                    heard = self._preallocated.get(request_id)
+                    if heard is not None and not heard.done():
+                        heard.set_result(skip_tokens)
                 case Succeed(request_id):
                     self._resolve(request_id, TransferState.SUCCESS, None)
                 case Fail(request_id, failure, reason):
@@ -230,6 +245,10 @@ class SenderDriver(MachineDriver):
                 self._run(self.machine.broker_unavailable(message.request_id))
 
     def _resolve(self, request_id: str, state: TransferState, error: TransferError | None) -> None:
+        heard = self._preallocated.pop(request_id, None)
+        if heard is not None and not heard.done():
+            heard.set_exception(error or TransferError(Failure.ABORTED, "ended unpreallocated"))
+            heard.exception()  # retrieved here if nobody awaits it
         done = self._done.pop(request_id, None)
         if done is None or done.done():
             return

@@ -288,6 +288,8 @@ class Prealloc:
     block_ids: tuple[int, ...]
     allocated_tokens: int
     language_instance_id: str = ""
+    # tokens from the first that are not wanted (the prefix cache holds their KV)
+    skip_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

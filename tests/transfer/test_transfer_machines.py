@@ -47,9 +47,12 @@ from services.wire.messages import (
 from services.wire.transport import Transport
 
 E, L = "encoder-0", "language-0"
-TOKENS = {"a": 3, "b": 9, "c": 14, "d": 30}  # d needs several parts of the receive pool
+TOKENS = {"a": 3, "b": 9, "c": 14, "d": 30, "e": 10, "f": 12}  # d: several parts of the pool
+# Embedding transfers only: the first tokens the language side does not want (its
+# prefix cache holds their KV): all of e's, the first of f's.
+SKIPS = {"e": 10, "f": 7}
 RECEIVE_BLOCKS, RECEIVE_BLOCK_SIZE = 5, 4  # 20 tokens
-SEND_BLOCKS, SEND_BLOCK_SIZE = 16, 4  # room for all four at once
+SEND_BLOCKS, SEND_BLOCK_SIZE = 22, 4  # room for all at once
 TIMEOUT_S, QUARANTINE_S, WRITE_TIMEOUT_S = 10.0, 15.0, 8.0  # a write gives up before quarantine
 
 
@@ -88,6 +91,9 @@ class World:
     def id(self, request: str) -> str:
         return kv_transfer_id(request) if self.kv else request
 
+    def skip(self, request_id: str) -> int:
+        return 0 if self.kv else SKIPS.get(request_id, 0)
+
     # -- the drivers: carrying out each machine's actions ----------------------------
 
     def on_sender(self, actions: list[tx.Action]) -> None:
@@ -99,6 +105,8 @@ class World:
                 self.writes[action.request_id] = (action, self.now)
             elif isinstance(action, tx.Free):
                 self.send_pool.free(self.send_blocks.pop(action.request_id))
+            elif isinstance(action, tx.Preallocated):
+                assert action.skip_tokens == self.skip(action.request_id)
             else:
                 assert action.request_id not in self.e_outcome, "a request ended twice"
                 self.e_outcome[action.request_id] = isinstance(action, tx.Succeed)
@@ -172,7 +180,7 @@ class World:
         self.broker.route(request_id, E, L)
         self.expected.add(request_id)
         hint = self.tokens[request_id] if exact_hint else 0
-        self.on_receiver(self.receiver.expect(request_id, hint))
+        self.on_receiver(self.receiver.expect(request_id, hint, self.skip(request_id)))
 
     def _fits(self) -> bool:
         """The first waiting request can be given blocks now (KV: all it asks for)."""
@@ -201,6 +209,7 @@ class World:
         if not ok:
             self.on_sender(self.sender.write_failed(request_id, "connection reset"))
             return
+        assert write.start >= self.skip(request_id), "a skipped token was written"
         if self.l_alive:
             for block in write.dst_blocks:
                 assert self.owner.get(block) == request_id, (
@@ -419,6 +428,33 @@ def test_one_request_in_several_parts_arrives_whole() -> None:
     world.settle()
     assert world.e_outcome == {"d": True} and world.l_outcome == {"d": True}
     assert world.broker.describe("d").num_resumes == 1  # type: ignore[union-attr]
+
+
+def test_a_request_whose_tokens_are_all_held_is_done_without_blocks_or_writes() -> None:
+    """e: the language side's prefix cache holds all of it: its preallocation
+    has no blocks, the encoder writes nothing and both sides succeed."""
+    world = World()
+    world.start("e")
+    world.expect("e", exact_hint=True)
+    prealloc = next(m for _, m in world.to_broker if isinstance(m, Prealloc))
+    assert prealloc.block_ids == () and prealloc.skip_tokens == 10
+    world.settle()
+    assert world.e_outcome == {"e": True} and world.l_outcome == {"e": True}
+    assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS
+
+
+def test_held_tokens_are_not_preallocated_and_the_rest_arrive_after_them() -> None:
+    """f: its first 7 tokens are held; the blocks are for the 5 after them,
+    which are written from token 7 (World.land asserts none before it)."""
+    world = World()
+    world.start("f")
+    world.expect("f", exact_hint=True)
+    (allocate,) = world.waiting
+    assert allocate.num_tokens == 5
+    write = _until_writing(world, "f")
+    assert (write.start, write.count) == (7, 5)
+    world.settle()
+    assert world.e_outcome == {"f": True} and world.l_outcome == {"f": True}
 
 
 def _until_writing(world: World, request_id: str) -> tx.Write:

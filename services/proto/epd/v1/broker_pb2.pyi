@@ -121,16 +121,18 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., generator_state: _Optional[bytes] = ...) -> None: ...
 
 class Prealloc(_message.Message):
-    __slots__ = ("request_id", "block_ids", "allocated_tokens", "language_instance_id")
+    __slots__ = ("request_id", "block_ids", "allocated_tokens", "language_instance_id", "skip_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     allocated_tokens: int
     language_instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., allocated_tokens: _Optional[int] = ..., language_instance_id: _Optional[str] = ...) -> None: ...
+    skip_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., allocated_tokens: _Optional[int] = ..., language_instance_id: _Optional[str] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("request_id", "sent_tokens", "total_tokens", "transport")

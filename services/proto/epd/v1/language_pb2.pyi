@@ -72,7 +72,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "prompt", "prompt_token_ids", "decode_instance_id", "prefill_instance_id", "tools")
+    __slots__ = ("request_id", "messages", "sampling", "prompt", "prompt_token_ids", "decode_instance_id", "prefill_instance_id", "tools", "held_items")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GenerateRequest(_message.Message):
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    HELD_ITEMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _common_pb2.SamplingParams
@@ -89,7 +90,8 @@ class GenerateRequest(_message.Message):
     decode_instance_id: str
     prefill_instance_id: str
     tools: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., tools: _Optional[str] = ...) -> None: ...
+    held_items: int
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., tools: _Optional[str] = ..., held_items: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("num_prompt_tokens",)
