@@ -16,7 +16,11 @@ Where the gateway hinted every item's grid, the prompt is final at `render`,
 and the request goes to the engine at once (`prefill_while_encoding`): `feed`
 hands it each part of the embeddings as it lands, and the engine prefills up
 to the first media token still missing meanwhile (steps 6-8 overlap). A grid
-that differs from its hint sends the request back to the path above.
+that differs from its hint sends the request back to the path above. Where the
+gateway says this instance may hold some of the items (`held_items`: the
+broker sent it this chat's prefix before), the engine takes the request's
+cached pages first and says which media tokens they cover; the preallocation
+asks for none of those, and the encoder encodes and sends none of them.
 
 The servicer runs them in that order (`generate`); the monolithic baseline
 runs the same steps with pixels its own engine encodes in place of `receive`.
@@ -101,6 +105,7 @@ class Rendered:
     # every item's grid, where the caller hinted them all: the prompt is built
     # from them, and the request may prefill while its embeddings arrive
     grids: tuple[MediaGrid, ...] | None = None
+    held_items: int = 0  # the leading items the prefix cache may hold (GenerateRequest's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +276,7 @@ class Frontend:
         max_media_tokens: int | None = None,
         kv: KVHandoff | None = None,
         on_kv_received: KVObserver = lambda transport, tokens, seconds: None,
+        on_media_held: Callable[[int], None] = lambda tokens: None,
         prefill_while_encoding: bool = True,
     ) -> None:
         self.engine = engine
@@ -282,6 +288,7 @@ class Frontend:
         self.max_media_tokens = max_media_tokens
         self.kv = kv  # a prefill instance's
         self._on_kv_received = on_kv_received
+        self._on_media_held = on_media_held  # media tokens a preallocation skipped
         self.prefill_while_encoding = prefill_while_encoding
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._awaiting_media = 0  # requests in `receive`: the engine is told when any are
@@ -302,10 +309,15 @@ class Frontend:
         if rendered.hints and rendered.grids is not None and self.prefill_while_encoding:
             engine_request = self.engine_request(rendered, Media(rendered.grids), streamed=True)
             engine_request.hold_kv = hold_kv
-            feeding = asyncio.create_task(self.feed(rendered))
+            held = asyncio.get_running_loop().create_future() if engine_request.pin_prefix else None
+            feeding = asyncio.create_task(self.feed(rendered, held))
             try:
                 async with contextlib.aclosing(self.engine.generate(engine_request)) as outputs:
                     async for output in outputs:
+                        if output.num_media_held is not None:  # the engine's first answer
+                            assert held is not None
+                            held.set_result(output.num_media_held)
+                            continue
                         # the feed's error, or the media whose grids differ, ends
                         # this request (nothing was sampled: the feed aborted it)
                         media = feeding.result() if feeding.done() else None
@@ -445,6 +457,7 @@ class Frontend:
             tools,
             media.keys,
             grids,
+            request.held_items,
         )
 
     async def receive(self, rendered: Rendered) -> Media:
@@ -456,24 +469,32 @@ class Frontend:
         assert isinstance(meta, EmbeddingMeta)
         return Media(meta.grids, planes["embeddings"], planes.get("deepstack"))
 
-    async def feed(self, rendered: Rendered) -> Media | None:
+    async def feed(self, rendered: Rendered, held: asyncio.Future[int] | None) -> Media | None:
         """Receives a request the engine already runs (`run`): each part of its
-        embeddings goes to the engine as it lands. None once all have; if the
-        encoder's grids differ from the hinted ones the prompt was built from,
+        embeddings goes to the engine as it lands (after the media tokens the
+        engine's cached pages cover, `held`, once it says). None once all have; if
+        the encoder's grids differ from the hinted ones the prompt was built from,
         the engine request is aborted and the media, received to the end,
         returned. On failure the engine request is aborted and the error raised."""
         request_id = rendered.request_id
         differing: list[tuple[EmbeddingMeta, dict[str, torch.Tensor]]] = []
-        start = 0
         try:
-            async with self._receiving(rendered) as receiver:
+            start = await held if held is not None else 0
+            self._on_media_held(start)
+            async with self._receiving(rendered, start) as receiver:
                 async for meta, planes in receiver.parts(request_id):
                     assert isinstance(meta, EmbeddingMeta)
                     if meta.grids != rendered.grids:
+                        if held is not None and held.result():
+                            raise MediaMismatchError(
+                                "the encoder's grids differ from the hints the cached pages "
+                                "were found by"
+                            )
                         differing.append((meta, planes))
                         continue
                     embeds = planes["embeddings"]
-                    self.engine.add_media(request_id, start, embeds, planes.get("deepstack"))
+                    if embeds.shape[0]:
+                        self.engine.add_media(request_id, start, embeds, planes.get("deepstack"))
                     start += embeds.shape[0]
         except BaseException:
             self.engine.abort(request_id)
@@ -485,10 +506,10 @@ class Frontend:
         return Media(differing[0][0].grids, planes["embeddings"], planes.get("deepstack"))
 
     @contextlib.asynccontextmanager
-    async def _receiving(self, rendered: Rendered) -> AsyncIterator[ReceiverDriver]:
-        """Receive blocks preallocated for the request's hinted tokens, its
-        transfer released when the block ends however it ends; meanwhile the
-        engine knows that a request awaits its media."""
+    async def _receiving(self, rendered: Rendered, skip: int = 0) -> AsyncIterator[ReceiverDriver]:
+        """Receive blocks preallocated for the request's hinted tokens (but the
+        first `skip`), its transfer released when the block ends however it ends;
+        meanwhile the engine knows that a request awaits its media."""
         assert self.receiver is not None, "a frontend without a receiver takes pixels"
         request_id = rendered.request_id
         self._awaiting_media += 1
@@ -496,7 +517,7 @@ class Frontend:
             self.engine.set_encoding(True)
         try:
             with tracing.span("language.receive", hinted_tokens=sum(rendered.hints)):
-                await self.receiver.expect(request_id, sum(rendered.hints))
+                await self.receiver.expect(request_id, sum(rendered.hints), skip)
                 yield self.receiver
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
@@ -534,6 +555,7 @@ class Frontend:
             deepstack=media.deepstack,
             media_keys=rendered.media_keys,
             streamed=streamed,
+            pin_prefix=streamed and rendered.held_items > 0,
         )
 
     async def stream(

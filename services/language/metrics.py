@@ -57,6 +57,11 @@ class LanguageMetrics:
             ["kind"],
             registry=registry,
         )
+        self.media_tokens_held = Counter(
+            "epd_language_media_tokens_held",
+            "Image and video tokens asked of no encoder: the prefix cache held their KV",
+            registry=registry,
+        )
         self.requests = Counter(
             "epd_language_requests", "Finished requests by reason", ["reason"], registry=registry
         )

@@ -111,6 +111,7 @@ class LanguageServer(InstanceServer):
             ImageTokenRule.from_checkpoint(self.config.checkpoint).max_tokens,
             kv,
             on_kv_received=partial(self._kv_observed, "received"),
+            on_media_held=self.metrics.media_tokens_held.inc,
             prefill_while_encoding=self.config.prefill_while_encoding,
         )
 

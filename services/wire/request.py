@@ -155,6 +155,8 @@ class GenerateRequest:
     decode_instance_id: str = ""
     prefill_instance_id: str = ""
     tools: str = ""  # the functions the model may call: OpenAI's `tools`, JSON text
+    # the leading images and videos the instance may hold in its prefix cache
+    held_items: int = 0
 
     @property
     def is_completion(self) -> bool:
@@ -164,6 +166,10 @@ class GenerateRequest:
     def media(self) -> list[MediaPart]:
         """The images and videos, in prompt order."""
         return [p for m in self.messages for p in m.content if not isinstance(p, str)]
+
+    def media_in(self, num_messages: int) -> int:
+        """How many images and videos the first `num_messages` messages hold."""
+        return sum(not isinstance(p, str) for m in self.messages[:num_messages] for p in m.content)
 
     def prefix_hashes(self) -> tuple[str, ...]:
         """The chat's prefixes, shortest first: the hash of the tools and its first
@@ -187,6 +193,9 @@ class EncodeRequest:
     images: tuple[bytes, ...] = ()
     language_instance_id: str = ""
     video_indices: tuple[int, ...] = ()
+    # the leading items the language instance may hold in its prefix cache: their
+    # preallocation comes before they are encoded, and says which it holds
+    held_items: int = 0
 
 
 @dataclass(frozen=True, slots=True)

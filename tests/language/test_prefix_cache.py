@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from services.language.engine.engine import LLMEngine
+from services.language.engine.engine import LLMEngine, RequestOutput
 from services.language.engine.kv_cache import KVBlockManager, KVCacheConfig, _prefix_hashes
-from services.language.engine.request import Request, new_request
+from services.language.engine.request import Request, RequestStatus, new_request
 from services.loadgen.synthetic import random_image
 from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
@@ -299,3 +299,98 @@ def _bytes(checkpoint: Path, num_tokens: int) -> int:
 
     text = load_spec(checkpoint).text
     return num_tokens * text.num_layers * 2 * text.num_kv_heads * text.head_dim * 4  # fp32
+
+
+def _pinned(request: Request, checkpoint: Path) -> Request:
+    """The same request streamed (its embeddings to come), pinning its prefix."""
+    return new_request(
+        request.request_id,
+        request.prompt_token_ids,
+        request.sampling,
+        load_spec(checkpoint),
+        request.media_grids,
+        media_keys=request.media_keys,
+        streamed=True,
+        pin_prefix=True,
+    )
+
+
+def test_a_turn_that_pins_its_prefix_is_sent_only_the_images_its_cache_lacks(
+    tiny_checkpoint: Path,
+) -> None:
+    """Added with pin_prefix, a request takes its cached pages at once and is told
+    the media tokens they cover: none for turn 1; for turn 2, which resends turn
+    1's picture and adds another, all of the first picture's. Each is given only
+    the embeddings after those (from there on), holds its pages while it waits,
+    and answers as HF does."""
+    engine = make_engine(tiny_checkpoint)
+    first, second = random_image(112, 112, seed=3), random_image(84, 112, seed=4)
+    keys = [media_key(image.tobytes()) for image in (first, second)]
+    turn_1 = _chat("What is in this picture? Say it in a few words, please.", 1)
+    turn_2 = [
+        *turn_1,
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
+    ]
+    expect_held = (0, _image_tokens(tiny_checkpoint, first))
+    for turn, (chat, images, held) in enumerate(
+        [(turn_1, [first], expect_held[0]), (turn_2, [first, second], expect_held[1])]
+    ):
+        whole = make_request(tiny_checkpoint, f"t{turn}", chat, images, GREEDY, media_keys=keys)
+        assert whole.media_embeds is not None
+        request = _pinned(whole, tiny_checkpoint)
+        (told,) = engine.add_request(request)
+        assert told.num_media_held == held and not told.token_ids and not told.finished
+        assert bool(request.block_table) == bool(held)  # pinned while it waits
+        assert engine.add_media(f"t{turn}", held, whole.media_embeds[held:]) == []
+        out = run_to_completion(engine, [])
+        assert tokens(out[f"t{turn}"]) == hf_greedy(tiny_checkpoint, chat, images, 8), turn
+    assert engine.blocks.num_used_pages == 0
+    engine.blocks.allocator.check_integrity()
+
+
+def test_a_preempted_turn_keeps_the_pages_of_the_image_it_was_never_sent(
+    tiny_checkpoint: Path,
+) -> None:
+    """Pages run out while a turn whose image came from the cache runs beside a
+    longer request: preempted, it keeps the pages up to that image (it has no
+    embeddings to compute them again) and recomputes what follows; both answers
+    are HF's and every page comes back."""
+    image = random_image(112, 112, seed=3)
+    key = [media_key(image.tobytes())]
+    turn_1 = _chat("What is in this picture? Say it in a few words, please.", 1)
+    turn_2 = [
+        *turn_1,
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Which colour is it?"}]},
+    ]
+    other = _chat("Tell me a long story about a lighthouse keeper and the sea.")
+    first = make_request(tiny_checkpoint, "t1", turn_1, [image], GREEDY, media_keys=key)
+    whole = make_request(tiny_checkpoint, "t2", turn_2, [image], GREEDY, media_keys=key)
+    long = make_request(tiny_checkpoint, "long", other, [], GREEDY)
+    pages = -(-(whole.num_prompt_tokens + 8) // 16) + 2
+    engine = make_engine(
+        tiny_checkpoint,
+        kv_cache_bytes=_bytes(tiny_checkpoint, pages * 16),
+        max_model_len=pages * 16,
+        max_num_batched_tokens=32,
+    )
+    run_to_completion(engine, [first])
+    engine.add_request(long)
+    request = _pinned(whole, tiny_checkpoint)
+    (told,) = engine.add_request(request)
+    assert told.num_media_held == _image_tokens(tiny_checkpoint, image)
+    assert request.media_positions is not None
+    held_pages = int(request.media_positions[told.num_media_held - 1]) // 16 + 1
+    out: dict[str, list[RequestOutput]] = {}
+    while engine.has_work():
+        for output in engine.step()[0]:
+            out.setdefault(output.request_id, []).append(output)
+        if request.status is RequestStatus.PREEMPTED:  # waiting, with its image's pages
+            assert len(request.block_table) == held_pages
+            assert request.num_computed_tokens == held_pages * 16
+    assert request.num_preemptions > 0  # the turn itself was preempted
+    assert tokens(out["t2"]) == hf_greedy(tiny_checkpoint, turn_2, [image], 8)
+    assert tokens(out["long"]) == hf_greedy(tiny_checkpoint, other, [], 8)
+    assert engine.blocks.num_used_pages == 0
+    engine.blocks.allocator.check_integrity()

@@ -178,9 +178,11 @@ class AsyncEngine(EngineHost):
             match message:
                 case AddRequest(request):
                     try:
-                        self.engine.add_request(request)
+                        outputs = self.engine.add_request(request)
                     except ValueError as exc:
                         replies.append((request.request_id, exc))
+                    else:
+                        replies += [(request.request_id, output) for output in outputs]
                 case _AddPrefilled(request, firsts):
                     try:
                         outputs = self.engine.add_prefilled(request, firsts)

@@ -106,6 +106,9 @@ class RequestOutput:
     index: int = 0  # the choice, for n > 1
     num_cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
     prefilled: Prefilled | None = None  # the last output of a hold_kv request's choice
+    # the answer to a request that pins its prefix, as it is added: the media
+    # tokens its cached pages cover (no token yet)
+    num_media_held: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -291,9 +294,31 @@ class LLMEngine:
         self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
         self.check_sampling(request.sampling)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request) -> list[RequestOutput]:
+        """Queues a request. One that pins its prefix takes its cached pages now
+        and is answered at once with the media tokens they cover, which it will
+        not be sent (RequestOutput.num_media_held)."""
         self._register(request)
         self.scheduler.add(request)
+        if not request.pin_prefix:
+            return []
+        held = self.blocks.pin_prefix(request)
+        for choice in self.requests[request.request_id]:
+            choice.num_media_ready = choice.num_media_held = held
+        cached = request.num_computed_tokens
+        return [
+            RequestOutput(
+                request.request_id,
+                [],
+                "",
+                [],
+                None,
+                request.num_prompt_tokens,
+                0,
+                num_cached_tokens=cached,
+                num_media_held=held,
+            )
+        ]
 
     def _register(self, request: Request) -> None:
         """Its choices, and a detokenizer each."""

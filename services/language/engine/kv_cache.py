@@ -178,6 +178,14 @@ class KVBlockManager:
         request.num_cached_pages = len(request.block_table)
         request.num_computed_tokens = len(request.block_table) * self.page_size
 
+    def pin_prefix(self, request: Request) -> int:
+        """A request takes its cached pages as it comes (reuse_prefix), not when it
+        is admitted, and keeps them while it waits; the media tokens they cover."""
+        self.reuse_prefix(request)
+        if request.media_positions is None:
+            return 0
+        return int((request.media_positions < request.num_computed_tokens).sum())
+
     def count_hit(self, request: Request) -> None:
         """Counts the tokens an admitted request took from the cache."""
         hit = request.num_computed_tokens
@@ -256,9 +264,13 @@ class KVBlockManager:
         self.allocator.free(free)
 
     def free(self, request: Request) -> None:
-        self._release(request.block_table)
-        request.block_table = []
-        request.num_cached_pages = 0
+        self.truncate(request, 0)
+
+    def truncate(self, request: Request, num_pages: int) -> None:
+        """Keeps the request's first `num_pages` pages; the rest go back."""
+        self._release(request.block_table[num_pages:])
+        request.block_table = request.block_table[:num_pages]  # a step's metadata may hold the old
+        request.num_cached_pages = min(request.num_cached_pages, num_pages)
 
 
 def _cache_tokens(request: Request) -> list[object]:

@@ -238,11 +238,12 @@ class _EngineLoop:
                 case AddRequest(request):
                     request = _restored(request, self.engine.grammars)
                     try:
-                        self.engine.add_request(request)
+                        outputs = self.engine.add_request(request)
                     except ValueError as exc:
                         items.append((request.request_id, exc, None))
                     else:
                         self.requests[request.request_id] = request
+                        items += self._items(outputs)
                 case AddMedia(request_id, start, embeds, deepstack):
                     items += self._items(
                         self.engine.add_media(request_id, start, embeds, deepstack)

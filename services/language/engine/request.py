@@ -87,6 +87,12 @@ class Request:
     # one: with images or videos it cannot be recomputed (no embeddings here).
     hold_kv: bool = False
     recomputable: bool = True
+    # Streamed media the prefix cache may hold (the broker routed this chat here
+    # before): the request takes its cached pages when it is added, not when it
+    # is admitted, and keeps them; the media tokens they cover are never sent
+    # (num_media_held), so without those pages it cannot be recomputed.
+    pin_prefix: bool = False
+    num_media_held: int = 0
     # The prefix cache's (kv_cache.py): the prompt's tokens as it knows them, the
     # hash of each full page of those it may share so far, and how many of the
     # request's pages are in the cache.
@@ -216,6 +222,7 @@ def new_request(
     deepstack: torch.Tensor | None = None,
     media_keys: Sequence[str] = (),
     streamed: bool = False,
+    pin_prefix: bool = False,
 ) -> Request:
     """A request with its M-RoPE positions and image placeholder positions computed
     (the placeholder tokens, merge size and video time scale are the model's).
@@ -226,7 +233,8 @@ def new_request(
     request runs. `media_keys`: their content hashes, by which the prefix cache
     shares their tokens' KV (none, or "": not from that item on). `streamed`:
     the embeddings come later, part by part (Request.add_media), and the request
-    computes what precedes the first one missing meanwhile."""
+    computes what precedes the first one missing meanwhile; `pin_prefix`: it
+    takes its cached pages as it is added (Request.pin_prefix)."""
     image_token_id = spec.image_token_id
     # without videos, the video pad is a token like any other
     video_token_id = spec.video_token_id if any(g.is_video for g in grids) else None
@@ -260,6 +268,7 @@ def new_request(
         media_sizes=tuple(g.num_tokens(spec.vision.spatial_merge_size) for g in grids),
         num_media_ready=0 if streamed and grids else None,
         grammar=grammar,
+        pin_prefix=pin_prefix and streamed and bool(grids),
     )
 
 

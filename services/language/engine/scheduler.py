@@ -84,12 +84,21 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ABORTED
             self.lost.append(request)
             return
-        self.blocks.free(request)
-        request.num_computed_tokens = 0
+        # The pages of media it was never sent (pin_prefix) stay: it computes again after them.
+        keep = self._held_pages(request)
+        self.blocks.truncate(request, keep)
+        request.num_computed_tokens = keep * self.blocks.page_size
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _held_pages(self, request: Request) -> int:
+        """The pages up to the last media token it was never sent (0: none)."""
+        if not request.num_media_held:
+            return 0
+        assert request.media_positions is not None
+        return int(request.media_positions[request.num_media_held - 1]) // self.blocks.page_size + 1
 
     def _short_chunks_go(self) -> bool:
         """Whether chunks that stop at a missing image go this step: nothing
@@ -152,7 +161,10 @@ class Scheduler:
         return scheduled
 
     def _unadmit(self, request: Request) -> None:
-        """Gives back the cached pages a waiting request took (reuse_prefix)."""
+        """Gives back the cached pages a waiting request took (reuse_prefix), but
+        those holding media it was never sent (pin_prefix)."""
+        if request.num_media_held:
+            return
         self.blocks.free(request)
         request.num_computed_tokens = 0
 
