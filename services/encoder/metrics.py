@@ -24,7 +24,14 @@ class EncoderMetrics:
             "epd_encoder_cache_hits", "Images served from the embedding cache", registry=registry
         )
         self.cache_misses = Counter(
-            "epd_encoder_cache_misses", "Images sent to Triton", registry=registry
+            "epd_encoder_cache_misses",
+            "Images not in the embedding cache: sent to Triton, or held",
+            registry=registry,
+        )
+        self.held_items = Counter(
+            "epd_encoder_held_items",
+            "Images neither encoded nor sent: the language instance's prefix cache held their KV",
+            registry=registry,
         )
         self.shared_encodes = Counter(
             "epd_encoder_shared_encodes",

@@ -8,7 +8,9 @@ video's temporal patches in the same forward as the images), or, `one_by_one`,
 each item on its own, in prompt order, and a video in parts of VIDEO_PART
 temporal patches (the tower attends within a temporal patch: the parts equal
 the whole, bit for bit), so that a `Sink` has the first embeddings while the
-next are encoded (the language instance prefills them meanwhile).
+next are encoded (the language instance prefills them meanwhile). Items
+the sink says its receiver already holds (`Sink.held`: the language
+instance's prefix cache has their KV) are not encoded at all.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -38,21 +40,18 @@ VIDEO_PART = 2  # temporal patches (four frames) a video's part has, one_by_one
 
 @dataclass(frozen=True, slots=True)
 class Encoded:
-    images: list[ImageEmbedding]
+    images: list[ImageEmbedding | None]  # each item's; None: its receiver held it
+    grids: list[MediaGrid]  # each item's
+    num_tokens: int  # of every item
     num_cached: int
-
-    @property
-    def grids(self) -> list[MediaGrid]:
-        return [i.grid for i in self.images]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.images)
+    num_held: int = 0  # not encoded: the receiver holds them
 
     @property
     def planes(self) -> list[torch.Tensor]:
-        """Per plane, every image's tokens in order."""
-        return [torch.cat(parts) for parts in zip(*(i.planes for i in self.images), strict=True)]
+        """Per plane, every image's tokens in order (of an encode with no receiver)."""
+        images = [i for i in self.images if i is not None]
+        assert len(images) == len(self.images), "the receiver held some items"
+        return [torch.cat(parts) for parts in zip(*(i.planes for i in images), strict=True)]
 
 
 class Sink(Protocol):
@@ -64,6 +63,10 @@ class Sink(Protocol):
     def item(self, index: int, embedding: ImageEmbedding, start: int = 0) -> None:
         """Tokens [start, start + embedding.num_tokens) of item `index` (all of an
         image; a video comes in parts), the moment they exist (in no set order)."""
+
+    async def held(self) -> Set[int]:
+        """The items the receiver holds already, asked once the grids are told and
+        before any item is encoded: those are not."""
 
 
 def _joined(parts: list[ImageEmbedding], grid: MediaGrid) -> ImageEmbedding:
@@ -88,6 +91,9 @@ class _Report:
             self.sink.item(index, part, start)
         else:
             self.early.append((index, part, start))
+
+    async def held(self) -> Set[int]:
+        return await self.sink.held() if self.sink is not None else frozenset()
 
     async def announce(self, grids: Sequence[MediaGrid]) -> None:
         if self.sink is None:
@@ -166,7 +172,7 @@ class EncodePipeline:
         try:
             pre = await self._preprocess(images, videos, mine) if mine else []
             encoding = asyncio.ensure_future(
-                self._encode_mine(pre, mine, keys, futures, found, report.landed)
+                self._encode_mine(pre, mine, keys, futures, found, report)
             )
             try:
                 for index, entry in (await self._shared(images, videos, theirs)).items():
@@ -189,8 +195,17 @@ class EncodePipeline:
             for i in mine:
                 self._pending.pop(keys[i], None)
             self.metrics.cache_bytes.set(self.cache.bytes_used)
-        encoded = Encoded([found[i] for i in range(len(images))], len(images) - len(mine))
-        self.metrics.images.inc(len(images))
+        ordered = [grids[i] for i in range(len(images))]
+        held = sum(i not in found for i in range(len(images)))
+        encoded = Encoded(
+            [found.get(i) for i in range(len(images))],
+            ordered,
+            sum(g.num_tokens(self.merge_size) for g in ordered),
+            len(images) - len(mine),
+            held,
+        )
+        self.metrics.images.inc(len(images) - held)
+        self.metrics.held_items.inc(held)
         self.metrics.tokens.inc(encoded.num_tokens)
         return encoded
 
@@ -238,7 +253,7 @@ class EncodePipeline:
             again = await self._encode(
                 [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
             )
-            done.update(zip(retry, again.images, strict=True))
+            done.update((i, e) for i, e in zip(retry, again.images, strict=True) if e is not None)
         return done
 
     async def _encode_mine(
@@ -248,17 +263,28 @@ class EncodePipeline:
         keys: list[str],
         futures: dict[int, asyncio.Future[ImageEmbedding]],
         found: dict[int, ImageEmbedding],
-        landed: Callable[[int, ImageEmbedding, int], None],
+        report: _Report,
     ) -> None:
-        """Triton for the preprocessed items: all in one request, or one by one in
-        prompt order (a video in parts, each `landed` as it comes); each item
-        cached, given to its waiters and put in `found`."""
+        """Triton for the preprocessed items but those the receiver holds: all in
+        one request, or one by one in prompt order (a video in parts, each
+        `landed` as it comes); each item cached, given to its waiters and put in
+        `found`. The waiters for a held item encode it themselves."""
 
         def finished(index: int, entry: ImageEmbedding) -> None:
             self.cache.put(keys[index], entry)
             futures.pop(index).set_result(entry)
             found[index] = entry
 
+        if not pre:
+            return
+        held = await report.held()
+        for index in held & set(mine):
+            future = futures.pop(index)
+            future.set_exception(RuntimeError("not encoded: its receiver held it"))
+            future.exception()  # retrieved: a waiter may not exist
+        pre = [p for index, p in zip(mine, pre, strict=True) if index not in held]
+        mine = [index for index in mine if index not in held]
+        landed = report.landed
         if not pre:
             return
         if not self.one_by_one:

@@ -26,47 +26,95 @@ from services.wire.request import EncodeRequest
 
 logger = logging.getLogger(__name__)
 
+# How long an encode waits for the language instance's preallocation before it
+# encodes an item the instance may hold; past it, the item is encoded anyway (it
+# is still not sent if the preallocation says the instance holds it).
+HELD_WAIT_S = 1.0
+
 
 class _Sending:
     """An encode's embeddings on their way to a language instance (the pipeline's
     Sink): the send buffer held once every grid is known, each item (a video's
     each part) written into it as it is encoded, the transfer started with the
     first and told how far, from the first token, they are all there (the rest
-    may still be in Triton)."""
+    may still be in Triton). With `held_items` (the language instance may hold
+    the leading items in its prefix cache), the transfer starts as soon as the
+    grids are known, and its preallocation says which items not to encode."""
 
-    def __init__(self, servicer: EncoderServicer, request_id: str, peer: Register) -> None:
+    def __init__(
+        self, servicer: EncoderServicer, request_id: str, peer: Register, held_items: int = 0
+    ) -> None:
         self.buffer = servicer.buffer
         self.sender = servicer.sender
         self.wait_s = servicer.buffer_wait_s
         self.merge_size = servicer.pipeline.merge_size
         self.request_id = request_id
         self.peer = peer
+        self.held_items = held_items
         self.starts: list[int] = []  # each item's first token in the request's
+        self.ends: list[int] = []
         self.meta: EmbeddingMeta | None = None
         self.written: dict[int, int] = {}  # runs written past `ready`: first token -> end
-        self.ready = 0  # tokens written, from the first
+        self.ready = 0  # tokens written (or not wanted), from the first
         self.done: asyncio.Future[None] | None = None  # the transfer, once started
+        self.preallocated: asyncio.Future[int] | None = None  # the tokens not wanted
+        self.announced = asyncio.Event()
 
     async def grids(self, grids: Sequence[MediaGrid]) -> None:
         sizes = [g.num_tokens(self.merge_size) for g in grids]
         self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.ends = [start + size for start, size in zip(self.starts, sizes, strict=True)]
         held = await self.buffer.hold(self.request_id, sum(sizes), self.wait_s)
         self.meta = self.buffer.meta(held, self.peer.instance_id, grids)
+        if self.held_items:  # announced now: the preallocation says what not to encode
+            self._start()
+        self.announced.set()
+
+    async def held(self) -> frozenset[int]:
+        """The items the language instance holds (all their tokens' KV is in its
+        prefix cache): what its preallocation says, waited for at most
+        HELD_WAIT_S, where the route said it may hold some; they count as
+        written, and are neither encoded nor sent."""
+        if not self.held_items:
+            return frozenset()
+        try:
+            async with asyncio.timeout(HELD_WAIT_S):
+                await self.announced.wait()
+                assert self.preallocated is not None
+                skip = await asyncio.shield(self.preallocated)
+        except (TimeoutError, TransferError):
+            return frozenset()  # encoded, then (its transfer may yet skip them)
+        held = frozenset(i for i, end in enumerate(self.ends) if end <= skip)
+        for index in held:
+            self.written[self.starts[index]] = self.ends[index]
+        self._advance()
+        return held
 
     def item(self, index: int, embedding: ImageEmbedding, start: int = 0) -> None:
         assert self.meta is not None
+        if self.done is not None and self.done.done():  # all it wanted was held
+            return
         first = self.starts[index] + start
         self.buffer.write(self.request_id, first, embedding)
         self.written[first] = first + embedding.num_tokens
+        self._advance()
+
+    def _advance(self) -> None:
+        """`ready` past the runs written from it on; the transfer told."""
         before = self.ready
         while self.ready in self.written:
             self.ready = self.written.pop(self.ready)
         if self.ready == before:
             return
         if self.done is None:
-            self.done = self.sender.start(self.peer, self.meta, self.ready)
+            self._start()
         else:
             self.sender.ready(self.request_id, self.ready)
+
+    def _start(self) -> None:
+        assert self.meta is not None
+        self.done = self.sender.start(self.peer, self.meta, self.ready)
+        self.preallocated = self.sender.preallocated(self.request_id)
 
     def give_up(self, reason: str) -> None:
         """The encode failed: a transfer that landed nothing lets go quietly (the
@@ -172,7 +220,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             dtype = self.buffer.pool.layout.dtype
             reply.data.extend(tensor_bytes(plane.to(dtype)) for plane in encoded.planes)
             return reply
-        sending = _Sending(self, request.request_id, await self.sender.peer(target))
+        peer = await self.sender.peer(target)
+        sending = _Sending(self, request.request_id, peer, request.held_items)
         try:
             encoded = await self.pipeline.encode(images, videos, sending)
         except BaseException as exc:

@@ -387,6 +387,8 @@ class Backend:
         _NothingProduced if an instance is unavailable before the first response."""
         call.record.language = route.language_id
         call.record.prefix_depth = route.prefix_depth
+        # the items in the prefix the broker sent L before: its prefix cache may hold them
+        request = replace(request, held_items=request.media_in(route.prefix_depth))
         streaming_id, address = route.language_id, route.language_address
         to_prefill = request
         if route.decode_id:
@@ -401,7 +403,7 @@ class Backend:
             helpers = _Helpers(stream)
             prefilling = helpers.add(self._prefill(to_prefill, route)) if route.decode_id else None
             if call.media:
-                helpers.add(self._encode(call, request.request_id, route, keys))
+                helpers.add(self._encode(call, request, route, keys))
         finished = produced = False
         ends = 0  # choices complete: with every one in, a consumer that stops aborts nothing
         try:
@@ -449,22 +451,24 @@ class Backend:
                 raise error from None
 
     async def _encode(
-        self, call: GenerateCall, request_id: str, route: RouteReply, keys: list[str]
+        self, call: GenerateCall, request: GenerateRequest, route: RouteReply, keys: list[str]
     ) -> None:
         """Encode on the routed encoder, failing over to another while it is gone (_GONE)."""
+        request_id = request.request_id
         encoder_id, address = route.encoder_id, route.encoder_address
         for attempt in range(self.max_failovers + 1):
             call.record.encoder = encoder_id
             encoder = encoder_pb2_grpc.EncoderStub(await self._channel(address))
             try:
                 with tracing.span("gateway.encode", kind=CLIENT, encoder=encoder_id):
-                    request = EncodeRequest(
+                    encode = EncodeRequest(
                         request_id,
                         tuple(m.data for m in call.media),
                         route.language_id,
                         tuple(i for i, m in enumerate(call.media) if m.is_video),
+                        request.held_items,
                     )
-                    await encoder.Encode(to_proto(request), timeout=self.encode_timeout_s)
+                    await encoder.Encode(to_proto(encode), timeout=self.encode_timeout_s)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _GONE or attempt == self.max_failovers:

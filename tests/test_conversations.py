@@ -1,0 +1,133 @@
+"""A conversation about an image through the whole stack (a real Triton, broker,
+encoder, language instance and gateway, the official openai client): turn 2
+resends turn 1's image, and the language instance's prefix cache, which holds
+its KV, answers the preallocation with "not needed": no Triton inference, no
+embedding transfer, and the answer still equals HF generate()'s. The encoder's
+embedding cache is off, so nothing but the language instance's word keeps the
+image from Triton."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from openai import AsyncOpenAI
+from prometheus_client.metrics import MetricWrapperBase
+
+from services.encoder.server import EncoderServer
+from services.gateway.server import GatewayConfig, GatewayServer
+from services.language.engine.config import EngineConfig
+from services.language.server import LanguageServer
+from services.loadgen.synthetic import encode_image, random_image
+from services.model.tokenizer import load_tokenizer
+from services.triton.launcher import TritonServer
+from services.wire.transport import Transport
+from tests.reference import hf_greedy
+from tests.stack import MODEL, start_broker, start_encoder, start_language
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+QUESTION = "Describe the picture in a few words, please, and say what colours it has."
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def stack(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> AsyncIterator[tuple[GatewayServer, EncoderServer, LanguageServer]]:
+    broker = await start_broker()
+    encoder = await start_encoder(tiny_checkpoint, triton, broker, cache_bytes=0)
+    language = await start_language(
+        tiny_checkpoint,
+        broker,
+        transports=(Transport.SHM,),
+        engine=EngineConfig(max_model_len=1024, kv_cache_bytes=32 << 20),
+    )
+    gateway = GatewayServer(
+        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0, api_key="")
+    )
+    await gateway.start()
+    yield gateway, encoder, language
+    await gateway.stop()
+    for server in (language, encoder, broker):
+        await server.stop()
+
+
+def total(metric: MetricWrapperBase, suffix: str = "_total") -> float:
+    """A metric's samples of that suffix, summed over its labels."""
+    return sum(s.value for m in metric.collect() for s in m.samples if s.name.endswith(suffix))
+
+
+def sent(encoder: EncoderServer, language: LanguageServer) -> dict[str, float]:
+    """What shows an image was encoded or crossed a transport, and what was held."""
+    return {
+        "triton requests": total(encoder.metrics.triton_seconds, "_count"),
+        "bytes written": total(encoder.metrics.write_bytes),
+        "images held": total(encoder.metrics.held_items),
+        "tokens held": total(language.metrics.media_tokens_held),
+    }
+
+
+async def test_turn_two_about_an_image_is_neither_encoded_nor_sent(
+    stack: tuple[GatewayServer, EncoderServer, LanguageServer], tiny_checkpoint: Path
+) -> None:
+    gateway, encoder, language = stack
+    client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
+    picture = random_image(112, 112, seed=7)
+    url = "data:image/png;base64," + base64.b64encode(encode_image(picture)).decode()
+    turn_1: list[dict[str, Any]] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": QUESTION},
+            ],
+        }
+    ]
+    tokenizer = load_tokenizer(tiny_checkpoint)
+
+    async def answer(messages: list[dict[str, Any]]) -> str:
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return reply.choices[0].message.content or ""
+
+    def reference(messages: list[dict[str, Any]]) -> str:
+        hf = [
+            {
+                "role": m["role"],
+                "content": [
+                    {"type": "image"} if p["type"] == "image_url" else p for p in m["content"]
+                ],
+            }
+            for m in messages
+        ]
+        return tokenizer.decode(hf_greedy(tiny_checkpoint, hf, [picture], 8))
+
+    before = sent(encoder, language)
+    first = await answer(turn_1)
+    after_1 = sent(encoder, language)
+    assert after_1["triton requests"] == before["triton requests"] + 1
+    assert after_1["bytes written"] > before["bytes written"]
+    assert after_1["images held"] == before["images held"]
+    assert first == reference(turn_1)
+
+    turn_2 = [
+        *turn_1,
+        {"role": "assistant", "content": [{"type": "text", "text": first}]},
+        {"role": "user", "content": [{"type": "text", "text": "And what is in its corner?"}]},
+    ]
+    second = await answer(turn_2)
+    after_2 = sent(encoder, language)
+    assert after_2["triton requests"] == after_1["triton requests"], "turn 2 ran Triton"
+    assert after_2["bytes written"] == after_1["bytes written"], "turn 2's image was sent"
+    assert after_2["images held"] == after_1["images held"] + 1
+    assert after_2["tokens held"] > after_1["tokens held"]
+    assert second == reference(turn_2)
