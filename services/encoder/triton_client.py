@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,8 +238,7 @@ class VitClient:
         # The leading 1 is this request's batch dimension (max_batch_size > 0).
         pixels = pixel_values.astype(np.float32, copy=False)[None]
         grid = grids.astype(np.int64, copy=False)[None]
-        headers = tracing.outgoing()  # Triton joins the trace where it traces
-        api: Any = triton_http if headers and self._http else triton_grpc
+        api, infer = self._client_for(tracing.outgoing())
         inputs = [
             api.InferInput(PIXELS, list(pixels.shape), "FP32"),
             api.InferInput(GRIDS, list(grid.shape), "INT64"),
@@ -248,7 +249,7 @@ class VitClient:
         if not self.shared_memory:
             inputs[0].set_data_from_numpy(pixels)
             inputs[1].set_data_from_numpy(grid)
-            result = await self._call(api, inputs, outputs, headers)
+            result = await infer(inputs, outputs=outputs)
             arrays = [result.as_numpy(n) for n in names]
             tensors = [torch.from_numpy(a.reshape(num_tokens, -1).copy()) for a in arrays]
         else:
@@ -264,7 +265,7 @@ class VitClient:
             offsets = [0, sizes[0]]
             for out, size, offset in zip(outputs, sizes, offsets, strict=False):
                 out.set_shared_memory(region_out.name, size, offset)
-            await self._call(api, inputs, outputs, headers)
+            await infer(inputs, outputs=outputs)
             tensors = [
                 torch.from_numpy(
                     triton_shm.get_contents_as_numpy(
@@ -276,19 +277,21 @@ class VitClient:
             ]
         return VitOutput(tuple(tensors))
 
-    async def _call(
-        self, api: Any, inputs: list[Any], outputs: list[Any], headers: dict[str, str]
-    ) -> Any:
-        if api is triton_http:
-            assert self._http is not None
-            return await self._http.infer(self.model_name, inputs, outputs=outputs, headers=headers)
-        return await self._client.infer(
+    def _client_for(self, headers: dict[str, str]) -> tuple[Any, Callable[..., Awaitable[Any]]]:
+        """The client module and the infer call for a request whose trace headers
+        these are (Triton joins the trace where it traces): over HTTP when traced
+        and Triton's HTTP endpoint is known (its gRPC server misreads a
+        traceparent), else over gRPC."""
+        if headers and self._http is not None:
+            traced = functools.partial(self._http.infer, self.model_name, headers=headers)
+            return triton_http, traced
+        infer = functools.partial(
+            self._client.infer,
             self.model_name,
-            inputs,
-            outputs=outputs,
             client_timeout=self.timeout_s,
             headers=headers or None,
         )
+        return triton_grpc, infer
 
     async def statistics(self) -> dict[str, Any]:
         stats = await self._client.get_inference_statistics(self.model_name, as_json=True)
