@@ -24,9 +24,7 @@ class EncoderMetrics:
             "epd_encoder_cache_hits", "Images served from the embedding cache", registry=registry
         )
         self.cache_misses = Counter(
-            "epd_encoder_cache_misses",
-            "Images not in the embedding cache: sent to Triton, or held",
-            registry=registry,
+            "epd_encoder_cache_misses", "Images not in the embedding cache", registry=registry
         )
         self.held_items = Counter(
             "epd_encoder_held_items",
