@@ -406,6 +406,7 @@ def stack_config(
         language_cpus=args.language_cpus,
         encoder_nice=args.encoder_nice,
         threads_while_encoding=args.threads_while_encoding,
+        decode_interval_while_encoding_ms=args.decode_interval_while_encoding_ms,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
         shutdown_grace_s=args.shutdown_grace,

@@ -265,6 +265,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=scheduler,
         dtype=resolve_dtype(args.dtype, args.device),
         threads_while_encoding=getattr(args, "threads_while_encoding", 0),
+        decode_interval_while_encoding_ms=getattr(args, "decode_interval_while_encoding_ms", 0),
     )
 
 
@@ -291,6 +292,25 @@ def add_threads_while_encoding(p: argparse.ArgumentParser, serve: bool) -> None:
         default=None if serve else 0,
         help="OpenMP threads of the language engine's steps while its requests await their "
         "embeddings: where the vision tower computes on the same cores, the two split them" + auto,
+    )
+
+
+def add_decode_interval_while_encoding(p: argparse.ArgumentParser, serve: bool) -> None:
+    from services.launcher.serve import DECODE_INTERVAL_WHILE_ENCODING_MS
+
+    auto = (
+        f" (default: {DECODE_INTERVAL_WHILE_ENCODING_MS} where the language instance shares "
+        "its cores with the vision side, as for --threads-while-encoding; else 0)"
+        if serve
+        else " (0: back to back)"
+    )
+    p.add_argument(
+        "--decode-interval-while-encoding-ms",
+        type=int,
+        default=None if serve else 0,
+        help="while the language engine's requests await their embeddings, run a step that "
+        "only decodes at most every this many ms: a vision tower on the same cores computes "
+        "in between (earlier first tokens for images, a longer TPOT meanwhile)" + auto,
     )
 
 
@@ -554,6 +574,7 @@ def language(p: argparse.ArgumentParser) -> None:
     add_dtype(p, "model dtype (and the embeddings')")
     add_engine_process(p)
     add_threads_while_encoding(p, serve=False)
+    add_decode_interval_while_encoding(p, serve=False)
     add_prefill_while_encoding(p)
     field_option(p, LanguageConfig, "embedding_pool_tokens")
     field_option(p, LanguageConfig, "default_allocate_tokens")
@@ -643,6 +664,7 @@ def serve(p: argparse.ArgumentParser) -> None:
     add_engine(p)
     add_engine_process(p)
     add_threads_while_encoding(p, serve=True)
+    add_decode_interval_while_encoding(p, serve=True)
     add_prefill_while_encoding(p)
     add_dtype(p, "dtype of the vision tower, the embeddings and the language model")
     _serve_scale(p)

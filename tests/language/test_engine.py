@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,30 @@ def test_steps_run_on_fewer_threads_while_the_vision_side_encodes(tiny_checkpoin
     finally:
         torch.set_num_threads(threads)
     assert tokens([*first, *second, *rest["t"]]) == tokens(want["t"])
+
+
+def test_decode_steps_wait_their_interval_while_the_vision_side_encodes(
+    tiny_checkpoint: Path,
+) -> None:
+    """decode_interval_while_encoding_ms: while `encoding`, a step that would only
+    decode is held until the interval since the last step has passed; a prompt to
+    compute, or no encoding, holds nothing."""
+    engine = make_engine(tiny_checkpoint)
+    engine.config = dataclasses.replace(engine.config, decode_interval_while_encoding_ms=200)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
+    engine.encoding = True
+    assert engine.step_delay() == 0.0  # its prompt is to compute
+    engine.step()  # the prompt: a decode from now on
+    assert 0.0 < engine.step_delay() <= 0.2
+    engine.encoding = False
+    assert engine.step_delay() == 0.0
+    engine.encoding = True
+    engine.add_request(make_request(tiny_checkpoint, "b", chat("Hi"), [], params))
+    assert engine.step_delay() == 0.0  # b's prompt goes at once
+    time.sleep(0.2)
+    engine.abort_request("b")
+    assert engine.step_delay() == 0.0  # the interval has passed
 
 
 def test_decode_steps_run_on_the_decode_threads_and_prompts_on_all(

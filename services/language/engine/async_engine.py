@@ -150,6 +150,11 @@ class AsyncEngine(EngineHost):
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            delay = self.engine.step_delay()
+            if delay:  # the step once due, or a message comes first
+                self._wake.wait(delay)
+                self._wake.clear()
+                continue
             started = time.perf_counter()
             try:
                 outputs, stats = self.engine.step()

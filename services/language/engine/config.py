@@ -46,6 +46,11 @@ class EngineConfig:
     # (0: all of them). Where the vision tower runs on the same cores (`epd serve` on
     # one host), the two then split the cores instead of contending for all of them.
     threads_while_encoding: int = 0
+    # While requests of this instance await their embeddings, a step that only
+    # decodes runs at most every this many ms (0: back to back): a vision tower on
+    # the same cores has them in between, so first tokens come sooner and the
+    # running requests' tokens later.
+    decode_interval_while_encoding_ms: int = 0
     # OpenMP threads of a step that only decodes (0: all). `epd serve` on a small
     # host may leave a core to the processes that stream the tokens: on the small
     # demo (2 cores) one thread decodes as fast there as two, which stall on every

@@ -231,6 +231,7 @@ class LLMEngine:
         # Set by the loop's owner while requests await their embeddings: steps then
         # run on config.threads_while_encoding threads (read by `step`, on its thread)
         self.encoding = False
+        self._last_step = 0.0  # when the last step started (time.monotonic)
         self._threads = torch.get_num_threads()
         self._decode_threads = min(config.decode_threads or self._threads, self._threads)
 
@@ -403,6 +404,15 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def step_delay(self) -> float:
+        """Seconds to hold the next step: while requests await their embeddings, a
+        step that would only decode waits for config.decode_interval_while_encoding_ms
+        since the last one (a vision tower on these cores computes meanwhile)."""
+        interval = self.config.decode_interval_while_encoding_ms / 1000
+        if not (interval and self.encoding) or self.scheduler.has_prefill_work():
+            return 0.0
+        return max(0.0, self._last_step + interval - time.monotonic())
+
     def warm_up(self) -> None:
         """Two short requests through a prefill-only, a mixed and a decode-only
         step, before serving: kernels (on CUDA, FlashInfer's, compiled on first
@@ -436,6 +446,7 @@ class LLMEngine:
             self._pace_threads()
             self.vision.encode_pending(self.scheduler.waiting)
         hits, media_hits = self.blocks.num_hit_tokens, self.blocks.num_hit_media_tokens
+        self._last_step = time.monotonic()
         batch = ModelRunner.order(self.scheduler.schedule())
         self._pace_threads(batch)
         _mark_started(batch, time.monotonic())

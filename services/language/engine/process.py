@@ -220,6 +220,11 @@ class _EngineLoop:
                 if not self.engine.has_work():
                     self._send(_Outputs(items, self.engine.load()))
                     continue
+                delay = self.engine.step_delay()
+                if delay:  # its outputs now; the step once due (or a message comes)
+                    self._send(_Outputs(items, self.engine.load()))
+                    self.conn.poll(delay)
+                    continue
                 started = time.perf_counter()
                 outputs, stats = self._step()
                 seconds = time.perf_counter() - started

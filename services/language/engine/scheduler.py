@@ -93,6 +93,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def has_prefill_work(self) -> bool:
+        """Whether a prompt has tokens to compute now (a step would not only decode)."""
+        return any(
+            r.num_computed_tokens < r.num_prompt_tokens and r.num_schedulable_tokens
+            for r in (*self.running, *self.waiting)
+        )
+
     def _held_pages(self, request: Request) -> int:
         """The pages up to the last media token it was never sent (0: none)."""
         if not request.num_media_held:
