@@ -228,8 +228,7 @@ class LLMEngine:
         self.detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
         self.vision = vision
-        # Set by the loop's owner while requests await their embeddings: steps then
-        # run on config.threads_while_encoding threads (read by `step`, on its thread)
+        # set by the loop's owner while requests await embeddings: `_pace_threads`, `step_delay`
         self.encoding = False
         self._last_step = 0.0  # when the last step started (time.monotonic)
         self._threads = torch.get_num_threads()
