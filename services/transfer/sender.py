@@ -222,7 +222,7 @@ class Sender:
             return [Send(Released(request_id))]
         skipped = self._skip(request_id, prealloc.skip_tokens)
         outbound = self.transfers.get(request_id)
-        if outbound is None or outbound.sent_tokens == outbound.total_tokens:
+        if outbound is None:  # ended: everything skipped, or a bad skip
             return skipped
         return skipped + self._part(
             request_id, prealloc.block_ids, prealloc.allocated_tokens, outbound.sent_tokens
