@@ -309,8 +309,8 @@ def add_decode_interval_while_encoding(p: argparse.ArgumentParser, serve: bool) 
         type=int,
         default=None if serve else 0,
         help="while the language engine's requests await their embeddings, run a step that "
-        "only decodes at most every this many ms: a vision tower on the same cores computes "
-        "in between (earlier first tokens for images, a longer TPOT meanwhile)" + auto,
+        "only decodes this many ms after the last step ended: a vision tower on the same cores "
+        "computes in between (earlier first tokens for images, a longer TPOT meanwhile)" + auto,
     )
 
 

@@ -63,11 +63,14 @@ ROLES = ("broker", "triton", "encoder", "language", "gateway")
 
 GOMP_DEFAULT_SPIN_COUNT = 300_000  # libgomp's, where OMP_WAIT_POLICY is unset
 
-# Where the vision tower shares the language engine's cores, the engine decodes at most
-# every this many ms while images wait for the tower, which computes in between. Small
-# demo, bench/peer.py's image workload, EPD alone (2 cores, 2026-11-28): image TTFT p50
-# 2.8 s against 4.9 s decoding back to back, 3.1 against 2.8 requests/s, TPOT 33 against
-# 7 ms (20 ms: 3.7 s, 20 ms TPOT; 50-100 ms: 2.5-2.6 s, 37-44 ms TPOT).
+# Where the vision tower shares the language engine's cores, a step that only decodes
+# waits this many ms after the last step while images wait for the tower, which computes
+# in between. Small demo, 48 requests with one 448x448 image, 16 in flight, EPD alone
+# (2 cores, 2026-11-28, two runs): image TTFT p50 1.6-1.7 s against 4.6-4.7 s decoding
+# back to back, 3.65-3.67 against 3.15-3.24 requests/s, TPOT 39-40 against 7 ms. Counted
+# from the step's start instead (a medium decode step is longer than the interval): TTFT
+# 2.3-2.6 s, TPOT 28-30 ms, requests/s 1 % more; medium demo, from the end: 4-6 % earlier
+# first tokens and 1-2.5 % more requests/s than from the start.
 DECODE_INTERVAL_WHILE_ENCODING_MS = 40
 
 STOP_MARGIN_S = 5.0  # past the grace: what has not left by then is killed

@@ -283,16 +283,24 @@ def test_decode_steps_wait_their_interval_while_the_vision_side_encodes(
     tiny_checkpoint: Path,
 ) -> None:
     """decode_interval_while_encoding_ms: while `encoding`, a step that would only
-    decode is held until the interval since the last step has passed; a prompt to
-    compute, or no encoding, holds nothing."""
+    decode is held until the interval has passed since the last step ended (the
+    tower gets that long however long the step took); a prompt to compute, or no
+    encoding, holds nothing."""
     engine = make_engine(tiny_checkpoint)
     engine.config = dataclasses.replace(engine.config, decode_interval_while_encoding_ms=200)
+    execute = engine.runner.execute
+
+    def slow_execute(batch: Any) -> torch.Tensor:  # a step of at least 100 ms
+        time.sleep(0.1)
+        return execute(batch)
+
+    engine.runner.execute = slow_execute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
     engine.encoding = True
     assert engine.step_delay() == 0.0  # its prompt is to compute
     engine.step()  # the prompt: a decode from now on
-    assert 0.0 < engine.step_delay() <= 0.2
+    assert 0.15 < engine.step_delay() <= 0.2  # counted from the step's end, not its start
     engine.encoding = False
     assert engine.step_delay() == 0.0
     engine.encoding = True

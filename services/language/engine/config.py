@@ -47,9 +47,9 @@ class EngineConfig:
     # one host), the two then split the cores instead of contending for all of them.
     threads_while_encoding: int = 0
     # While requests of this instance await their embeddings, a step that only
-    # decodes runs at most every this many ms (0: back to back): a vision tower on
-    # the same cores has them in between, so first tokens come sooner and the
-    # running requests' tokens later.
+    # decodes waits this many ms after the last step ended (0: back to back): a
+    # vision tower on the same cores has them in between, however long a step
+    # takes, so first tokens come sooner and the running requests' tokens later.
     decode_interval_while_encoding_ms: int = 0
     # OpenMP threads of a step that only decodes (0: all). `epd serve` on a small
     # host may leave a core to the processes that stream the tokens: on the small

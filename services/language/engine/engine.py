@@ -230,7 +230,7 @@ class LLMEngine:
         self.vision = vision
         # set by the loop's owner while requests await embeddings: `_pace_threads`, `step_delay`
         self.encoding = False
-        self._last_step = 0.0  # when the last step started (time.monotonic)
+        self._last_step = 0.0  # when the last step ended (time.monotonic)
         self._threads = torch.get_num_threads()
         self._decode_threads = min(config.decode_threads or self._threads, self._threads)
 
@@ -405,8 +405,9 @@ class LLMEngine:
 
     def step_delay(self) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
-        step that would only decode waits for config.decode_interval_while_encoding_ms
-        since the last one (a vision tower on these cores computes meanwhile)."""
+        step that would only decode waits config.decode_interval_while_encoding_ms
+        after the last one ended (a vision tower on these cores computes meanwhile,
+        for that long whatever a step takes: the medium demo's take longer)."""
         interval = self.config.decode_interval_while_encoding_ms / 1000
         if not (interval and self.encoding) or self.scheduler.has_prefill_work():
             return 0.0
@@ -445,7 +446,6 @@ class LLMEngine:
             self._pace_threads()
             self.vision.encode_pending(self.scheduler.waiting)
         hits, media_hits = self.blocks.num_hit_tokens, self.blocks.num_hit_media_tokens
-        self._last_step = time.monotonic()
         batch = ModelRunner.order(self.scheduler.schedule())
         self._pace_threads(batch)
         _mark_started(batch, time.monotonic())
@@ -469,6 +469,7 @@ class LLMEngine:
         else:
             outputs, stats = [], self._stats([], [], [])
         stats = replace(stats, num_cached_tokens=cached, num_cached_media_tokens=cached_media)
+        self._last_step = time.monotonic()
         return lost + outputs, stats
 
     def _pace_threads(self, batch: Sequence[Scheduled] = ()) -> None:
