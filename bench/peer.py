@@ -229,6 +229,7 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
         "image req/s": result["image"]["request_throughput"],
         "image TPOT p50 (ms)": p(result["image"], "tpot", "median"),
         "image TTFT p50 (ms)": p(result["image"], "ttft", "median"),
+        "image TTFT p99 (ms)": p(result["image"], "ttft", "p99"),
         # what a user waits for a whole answer: a request's TPOT counts from its
         # first token, so an early first token puts later encodes and prefills in it
         "image latency p50 (ms)": p(result["image"], "e2e", "median"),
