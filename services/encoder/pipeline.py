@@ -282,17 +282,17 @@ class EncodePipeline:
             future = futures.pop(index)
             future.set_exception(RuntimeError("not encoded: its receiver held it"))
             future.exception()  # retrieved: a waiter may not exist
-        pre = [p for index, p in zip(mine, pre, strict=True) if index not in held]
-        mine = [index for index in mine if index not in held]
+        todo = [(index, p) for index, p in zip(mine, pre, strict=True) if index not in held]
         landed = report.landed
-        if not pre:
+        if not todo:
             return
         if not self.one_by_one:
-            for index, entry in zip(mine, await self._infer(pre), strict=True):
+            entries = await self._infer([p for _, p in todo])
+            for (index, _), entry in zip(todo, entries, strict=True):
                 landed(index, entry, 0)
                 finished(index, entry)
             return
-        for index, item in zip(mine, pre, strict=True):
+        for index, item in todo:
             parts: list[ImageEmbedding] = []
             for part in self._parts(item):
                 (encoded,) = await self._infer([part])
