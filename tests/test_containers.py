@@ -129,8 +129,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ):
             pytest.skip("no mmdebstrap to build the local Debian base image")
         _run("bash", str(REPO_ROOT / "docker/debian-base.sh"), BASE)
-        if not list((REPO_ROOT / "docker/wheels").glob("*.whl")):
-            _run("bash", str(REPO_ROOT / "docker/wheelhouse.sh"))
+        _run("bash", str(REPO_ROOT / "docker/wheelhouse.sh"))  # at once where current
         _grpcurl_image(logs)
         stack = Stack(free_port())
         stack.compose("down", "-v", "--remove-orphans")  # what an interrupted run left
