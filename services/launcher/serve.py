@@ -67,10 +67,7 @@ GOMP_DEFAULT_SPIN_COUNT = 300_000  # libgomp's, where OMP_WAIT_POLICY is unset
 # waits this many ms after the last step while images wait for the tower, which computes
 # in between. Small demo, 48 requests with one 448x448 image, 16 in flight, EPD alone
 # (2 cores, 2026-11-28, two runs): image TTFT p50 1.6-1.7 s against 4.6-4.7 s decoding
-# back to back, 3.65-3.67 against 3.15-3.24 requests/s, TPOT 39-40 against 7 ms. Counted
-# from the step's start instead (a medium decode step is longer than the interval): TTFT
-# 2.3-2.6 s, TPOT 28-30 ms, requests/s 1 % more; medium demo, from the end: 4-6 % earlier
-# first tokens and 1-2.5 % more requests/s than from the start.
+# back to back, 3.65-3.67 against 3.15-3.24 requests/s, TPOT 39-40 against 7 ms.
 DECODE_INTERVAL_WHILE_ENCODING_MS = 40
 
 STOP_MARGIN_S = 5.0  # past the grace: what has not left by then is killed
@@ -255,7 +252,7 @@ class StackConfig:
     # the language engine's threads while its requests await embeddings (None: auto,
     # language_threads_while_encoding)
     threads_while_encoding: int | None = None
-    # and how often it may decode meanwhile (None: auto,
+    # and how long a step that only decodes waits meanwhile (None: auto,
     # language_decode_interval_while_encoding_ms)
     decode_interval_while_encoding_ms: int | None = None
     monolithic: bool = False

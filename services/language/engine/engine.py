@@ -406,8 +406,8 @@ class LLMEngine:
     def step_delay(self) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
         step that would only decode waits config.decode_interval_while_encoding_ms
-        after the last one ended (a vision tower on these cores computes meanwhile,
-        for that long whatever a step takes: the medium demo's take longer)."""
+        after the last one ended: a vision tower on these cores gets that long
+        however long a step takes."""
         interval = self.config.decode_interval_while_encoding_ms / 1000
         if not (interval and self.encoding) or self.scheduler.has_prefill_work():
             return 0.0
