@@ -8,7 +8,9 @@ image from Triton."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.loadgen.synthetic import encode_image, random_image
+from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.triton.launcher import TritonServer
 from services.wire.transport import Transport
@@ -131,3 +134,104 @@ async def test_turn_two_about_an_image_is_neither_encoded_nor_sent(
     assert after_2["images held"] == after_1["images held"] + 1
     assert after_2["tokens held"] > after_1["tokens held"]
     assert second == reference(turn_2)
+
+
+def _words(count: int, seed: int) -> str:
+    rng = random.Random(seed)
+    vocabulary = [
+        "red",
+        "green",
+        "blue",
+        "house",
+        "river",
+        "stone",
+        "cloud",
+        "light",
+        "window",
+        "garden",
+        "road",
+        "tree",
+    ]
+    return " ".join(rng.choice(vocabulary) for _ in range(count))
+
+
+def _gauge(metric: MetricWrapperBase) -> float:
+    return next(s.value for m in metric.collect() for s in m.samples)
+
+
+async def test_follow_ups_whose_pins_would_fill_the_cache_all_answer(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> None:
+    """Three chats about a 448x448 image (256 tokens) each, turn 1 about 700 tokens; a KV cache
+    of twice max_model_len; the three follow-ups come together, each asking for
+    the rest of max_model_len. Their pins alone would leave too little for one of
+    them to finish: at least one is given up (that image is encoded again), each
+    follow-up answers in full, and every page comes back."""
+    max_model_len = 1024
+    text = load_spec(tiny_checkpoint).text
+    token_bytes = text.num_layers * 2 * text.num_kv_heads * text.head_dim * 4  # float32
+    broker = await start_broker()
+    encoder = await start_encoder(tiny_checkpoint, triton, broker, cache_bytes=0)
+    language = await start_language(
+        tiny_checkpoint,
+        broker,
+        transports=(Transport.SHM,),
+        engine=EngineConfig(
+            max_model_len=max_model_len, kv_cache_bytes=2 * max_model_len * token_bytes
+        ),
+    )
+    gateway = GatewayServer(
+        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0, api_key="")
+    )
+    await gateway.start()
+    try:
+        client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
+
+        def chat(seed: int) -> list[dict[str, Any]]:
+            picture = encode_image(random_image(448, 448, seed=seed))
+            url = "data:image/png;base64," + base64.b64encode(picture).decode()
+            return [
+                {
+                    "role": "user",
+                    "content": [  # the image last: its pages, held, are the turn's
+                        {"type": "text", "text": _words(130, seed)},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ]
+
+        async def ask(messages: list[dict[str, Any]], max_tokens: int | None) -> Any:
+            return await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+
+        firsts = [chat(seed) for seed in range(3)]
+        replies = [await ask(messages, 8) for messages in firsts]
+        assert all(540 < r.usage.prompt_tokens < 640 for r in replies), [r.usage for r in replies]
+        follow_ups = [
+            [
+                *messages,
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "Go on."},
+            ]
+            for messages, reply in zip(firsts, replies, strict=True)
+        ]
+        before = sent(encoder, language)
+        answers = await asyncio.wait_for(  # no max_tokens: up to the context length
+            asyncio.gather(*(ask(m, None) for m in follow_ups)), timeout=120
+        )
+        after = sent(encoder, language)
+        for answer in answers:
+            assert answer.choices[0].finish_reason == "length"
+            assert answer.usage.prompt_tokens + answer.usage.completion_tokens == max_model_len
+        assert after["images held"] - before["images held"] >= 1, "no follow-up held its image"
+        assert after["triton requests"] - before["triton requests"] >= 1, "no pin was given up"
+        assert _gauge(language.metrics.kv_pages_used) == 0
+    finally:
+        await gateway.stop()
+        for server in (language, encoder, broker):
+            await server.stop()

@@ -11,6 +11,7 @@ from PIL import Image
 
 from services.language.engine.engine import LLMEngine, RequestOutput
 from services.language.engine.request import Request, SamplingParams, prefilled_request
+from services.model.spec import load_spec
 from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
 
 
@@ -107,3 +108,31 @@ def test_a_first_token_that_stops_ends_the_request_on_the_decode_side(
     sampling = SamplingParams(max_tokens=1)
     got = hand_off(prefill, decode, make_request(tiny_checkpoint, "c", chat("Hi"), [], sampling))
     assert len(tokens(got[0])) == 1 and got[0][-1].finish_reason == "length"
+
+
+def test_an_engine_that_can_admit_nothing_waits_for_news(tiny_checkpoint: Path) -> None:
+    """A prefill instance's held pages fill its cache: the next request cannot be
+    admitted, and after one step that computes nothing the engine says it has no
+    work (its loop sleeps instead of stepping empty batches) until the pages are
+    released; then the request runs to its end."""
+    text = load_spec(tiny_checkpoint).text
+    token_bytes = text.num_layers * 2 * text.num_kv_heads * text.head_dim * 4
+    engine = make_engine(tiny_checkpoint, kv_cache_bytes=64 * token_bytes, max_model_len=64)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    held = make_request(tiny_checkpoint, "held", chat("Count to ten " * 3), [], sampling)
+    held.hold_kv = True
+    engine.add_request(held)
+    while engine.has_work():
+        engine.step()
+    assert len(held.block_table) * 16 > 64 - held.num_prompt_tokens
+    waiting = make_request(tiny_checkpoint, "next", chat("Name five colours " * 3), [], sampling)
+    engine.add_request(waiting)
+    assert engine.has_work()
+    outputs, stats = engine.step()
+    assert not outputs and stats.num_tokens == 0
+    assert not engine.has_work() and engine.scheduler.waiting
+    engine.release("held")
+    assert engine.has_work()
+    finished = run_to_completion(engine, [])
+    assert finished["next"][-1].finish_reason is not None
+    assert engine.blocks.num_used_pages == 0

@@ -364,11 +364,18 @@ def test_a_preempted_turn_keeps_the_pages_of_the_image_it_was_never_sent(
         {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
         {"role": "user", "content": [{"type": "text", "text": "Which colour is it?"}]},
     ]
-    other = _chat("Tell me a long story about a lighthouse keeper and the sea.")
+    other = [  # a system prompt of its own: it shares no page with the turn
+        {"role": "system", "content": [{"type": "text", "text": "You tell stories."}]},
+        {"role": "user", "content": [{"type": "text", "text": "About a lighthouse keeper."}]},
+    ]
     first = make_request(tiny_checkpoint, "t1", turn_1, [image], GREEDY, media_keys=key)
     whole = make_request(tiny_checkpoint, "t2", turn_2, [image], GREEDY, media_keys=key)
-    long = make_request(tiny_checkpoint, "long", other, [], GREEDY)
-    pages = -(-(whole.num_prompt_tokens + 8) // 16) + 2
+    longer = SamplingParams(max_tokens=40, ignore_eos=True)
+    long = make_request(tiny_checkpoint, "long", other, [], longer)
+    # the smallest pool that lets the turn pin turn 1's pages (the bound leaves
+    # the long request room for all it may need), too small for both at once
+    pages = first.num_prompt_tokens // 16 + -(-(long.num_prompt_tokens + 40) // 16)
+    assert pages * 16 < whole.num_prompt_tokens + 8 + long.num_prompt_tokens + 40
     engine = make_engine(
         tiny_checkpoint,
         kv_cache_bytes=_bytes(tiny_checkpoint, pages * 16),
@@ -391,6 +398,6 @@ def test_a_preempted_turn_keeps_the_pages_of_the_image_it_was_never_sent(
             assert request.num_computed_tokens == held_pages * 16
     assert request.num_preemptions > 0  # the turn itself was preempted
     assert tokens(out["t2"]) == hf_greedy(tiny_checkpoint, turn_2, [image], 8)
-    assert tokens(out["long"]) == hf_greedy(tiny_checkpoint, other, [], 8)
+    assert tokens(out["long"]) == hf_greedy(tiny_checkpoint, other, [], 40)
     assert engine.blocks.num_used_pages == 0
     engine.blocks.allocator.check_integrity()

@@ -220,7 +220,7 @@ class LLMEngine:
             config.dtype,
         )
         self.blocks = KVBlockManager(kv_config, config.prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_model_len)
         self.sampler = Sampler(set(spec.eos_token_ids))
         self.grammars = Grammars(tokenizer, spec)
         self.requests: dict[str, list[Request]] = {}  # each request's choices
@@ -231,6 +231,9 @@ class LLMEngine:
         # set by the loop's owner while requests await embeddings: `_pace_threads`, `step_delay`
         self.encoding = False
         self._last_step = 0.0  # when the last step ended (time.monotonic)
+        # The last step computed nothing and nothing came since: stepping again
+        # would compute nothing either (requests that wait for pages or media)
+        self._stalled = False
         self._threads = torch.get_num_threads()
         self._decode_threads = min(config.decode_threads or self._threads, self._threads)
 
@@ -298,12 +301,13 @@ class LLMEngine:
         """Queues a request. One that pins its prefix takes its cached pages now
         and is answered at once with the media tokens they cover, which it will
         not be sent (RequestOutput.num_media_held)."""
+        self._stalled = False
         self._register(request)
         self.scheduler.add(request)
         if not request.pin_prefix:
             return []
-        held = self.blocks.pin_prefix(request)
-        for choice in self.requests[request.request_id]:
+        held = self.scheduler.pin(request)
+        for choice in request.forks:
             choice.num_media_ready = choice.num_media_held = held
         cached = request.num_computed_tokens
         return [
@@ -338,6 +342,7 @@ class LLMEngine:
         tokens go out now (a choice may end with its first); decoding goes on
         from the next step, every choice sharing the prompt's pages. Refused
         (ValueError), its pages are freed."""
+        self._stalled = False
         try:
             self._register(request)
         except ValueError:
@@ -373,6 +378,7 @@ class LLMEngine:
         """Streamed embeddings (and deepstack features) of a request's media tokens
         from `start` on, for every choice; a part that does not follow those
         already there fails the request. A request that has ended takes nothing."""
+        self._stalled = False
         choices = self.requests.get(request_id)
         if not choices or choices[0].is_finished:
             return []
@@ -388,11 +394,13 @@ class LLMEngine:
 
     def release(self, request_id: str) -> None:
         """Frees the pages of a request's PREFILLED choices."""
+        self._stalled = False
         for choice in self.held.pop(request_id, []):
             self.blocks.free(choice)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """The final outputs of the request's choices that were still going."""
+        self._stalled = False
         outputs = []
         for choice in self.requests.get(request_id, []):
             if not choice.is_finished:
@@ -401,7 +409,9 @@ class LLMEngine:
         return outputs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether a step would compute anything: a request has tokens to compute,
+        and the last step did, or news (a request, media, an abort) came since."""
+        return not self._stalled and self.scheduler.has_work()
 
     def step_delay(self) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
@@ -446,6 +456,7 @@ class LLMEngine:
             self._pace_threads()
             self.vision.encode_pending(self.scheduler.waiting)
         hits, media_hits = self.blocks.num_hit_tokens, self.blocks.num_hit_media_tokens
+        preemptions = self.scheduler.num_preemptions
         batch = ModelRunner.order(self.scheduler.schedule())
         self._pace_threads(batch)
         _mark_started(batch, time.monotonic())
@@ -468,6 +479,7 @@ class LLMEngine:
             outputs, stats = self.postprocess(batch, samples)
         else:
             outputs, stats = [], self._stats([], [], [])
+            self._stalled = not lost and preemptions == self.scheduler.num_preemptions
         stats = replace(stats, num_cached_tokens=cached, num_cached_media_tokens=cached_media)
         self._last_step = time.monotonic()
         return lost + outputs, stats

@@ -140,6 +140,10 @@ class KVBlockManager:
         self.num_hit_media_tokens = 0  # of those, images' and videos'
 
     @property
+    def num_pages(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
     def num_used_pages(self) -> int:
         """Pages requests hold (cached pages no one holds are as good as free)."""
         return self.allocator.num_used_blocks - len(self.idle)

@@ -9,6 +9,16 @@ its pages are freed and it goes back to the front of the queue to be
 recomputed later. Admission checks that every request fits the cache alone,
 so the oldest one always makes progress: no deadlock however small the pool.
 
+Pinned pages keep that promise. A request whose images the prefix cache holds
+takes its cached pages as it arrives (`pin`) and keeps them while it waits,
+preempted or not: it was never sent those images' embeddings. A pin is given
+up as it is made (the images are then sent after all) unless, for every live
+request r, the pages pinned by the others plus all that r may need fit the
+pool. Pins only shrink once made, so every pinned request fits beside the
+others' pins to its end. A request that arrived after them and does not is
+not admitted until they are let go (the pinned ones go first); while it
+waits, no new pin is made (the check counts it).
+
 A request whose images stream in (Request.num_media_ready) computes its
 tokens up to the first one whose embedding has not arrived, and is passed
 over, pages kept, while it waits for the next; the others go on. Such a
@@ -62,9 +72,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockManager, max_model_len: int) -> None:
         self.config = config
         self.blocks = blocks
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lost: list[Request] = []  # ended where they would have been preempted
@@ -77,6 +88,49 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether a step would compute anything (else the engine waits for news)."""
         return any(r.num_schedulable_tokens for r in (*self.running, *self.waiting))
+
+    def pin(self, request: Request) -> int:
+        """A just added request takes its cached pages now and keeps them
+        (KVBlockManager.pin_prefix), where the bound above allows; the media
+        tokens they cover, which it is then never sent (0: the pin was given up)."""
+        held = self.blocks.pin_prefix(request)
+        request.num_media_ready = request.num_media_held = held
+        if not held or not self._pins_fit():  # a pin of text alone waits for admission
+            self.blocks.free(request)
+            request.num_computed_tokens = request.num_cached_pages = 0
+            request.num_media_ready = request.num_media_held = 0
+        return request.num_media_held
+
+    def _pins_fit(self) -> bool:
+        """Whether each live request fits the pool beside the others' pins."""
+        pinned = self._pinned_pages_total()
+        return all(self._fits_beside_pins(r, pinned) for r in (*self.running, *self.waiting))
+
+    def _fits_beside_pins(self, request: Request, pinned: int) -> bool:
+        others = pinned - self._pinned_pages(request)
+        return others + self._most_pages(request) <= self.blocks.num_pages
+
+    def _pinned_pages_total(self) -> int:
+        return sum(self._pinned_pages(r) for r in (*self.running, *self.waiting))
+
+    def _pinned_pages(self, request: Request) -> int:
+        """The pages a request keeps whatever the scheduler does to it."""
+        if not request.num_media_held:
+            return 0
+        if request.status is RequestStatus.RUNNING:
+            return self._held_pages(request)
+        return len(request.block_table)
+
+    def _most_pages(self, request: Request) -> int:
+        """The most pages a request may hold: its prompt and every output token,
+        each other choice its own outputs and a copy of the prompt's last page."""
+        blocks = self.blocks.allocator
+        total = self.max_model_len
+        if request.sampling.max_tokens:  # 0: up to the context length
+            total = min(total, request.num_prompt_tokens + request.sampling.max_tokens)
+        outputs = total - request.num_prompt_tokens
+        extra = len(request.forks) * (blocks.blocks_for(outputs) + 1)
+        return blocks.blocks_for(total) + extra
 
     def _preempt(self, request: Request) -> None:
         if not request.recomputable:
@@ -145,11 +199,14 @@ class Scheduler:
         # Newly freed pages go to the preempted first, so nothing new is admitted
         # in a step that had to preempt.
         seats = sum(1 + len(r.forks) for r in self.running)
+        pinned = self._pinned_pages_total()
         for request in list(self.waiting) if not preempted else []:
             if budget <= 0 or seats + 1 + len(request.forks) > self.config.max_num_seqs:
                 break
             if request.waits_for_media and not short_chunks():
                 continue
+            if pinned and not self._fits_beside_pins(request, pinned):
+                continue  # not while others hold their pins: they go first
             self.blocks.reuse_prefix(request)
             num_tokens = min(request.num_schedulable_tokens, budget)
             if not num_tokens:  # it waits for its first image: those behind it go first
