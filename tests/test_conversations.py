@@ -136,6 +136,52 @@ async def test_turn_two_about_an_image_is_neither_encoded_nor_sent(
     assert second == reference(turn_2)
 
 
+async def test_a_cache_salt_scopes_the_cached_pages_and_the_held_images(
+    stack: tuple[GatewayServer, EncoderServer, LanguageServer],
+) -> None:
+    """Through the gateway with the official client: a chat about an image under
+    salt "a", its next turn under "a" (the image held: no Triton request, cached
+    tokens reported), then the same turn under "b" and with no salt: nothing
+    cached is reported and the image is encoded and sent again."""
+    gateway, encoder, language = stack
+    client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
+    picture = encode_image(random_image(112, 112, seed=8))
+    url = "data:image/png;base64," + base64.b64encode(picture).decode()
+    turn_1: list[dict[str, Any]] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": QUESTION},
+            ],
+        }
+    ]
+
+    async def ask(messages: list[dict[str, Any]], salt: str | None) -> Any:
+        return await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True} | ({"cache_salt": salt} if salt else {}),
+        )
+
+    first = await ask(turn_1, "a")
+    turn_2 = [
+        *turn_1,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And its corners?"},
+    ]
+    for salt, held in (("a", True), ("b", False), (None, False)):
+        before = sent(encoder, language)
+        reply = await ask(turn_2, salt)
+        after = sent(encoder, language)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        assert (cached > 0) == held, salt
+        assert after["images held"] - before["images held"] == int(held), salt
+        assert after["triton requests"] - before["triton requests"] == int(not held), salt
+
+
 def _words(count: int, seed: int) -> str:
     rng = random.Random(seed)
     vocabulary = [

@@ -130,14 +130,20 @@ class EncodePipeline:
         self._recent: deque[tuple[float, float]] = deque()
 
     async def encode(
-        self, images: Sequence[bytes], videos: Set[int] = frozenset(), sink: Sink | None = None
+        self,
+        images: Sequence[bytes],
+        videos: Set[int] = frozenset(),
+        sink: Sink | None = None,
+        salt: str = "",
     ) -> Encoded:
         """`images`: the request's images and videos in order; `videos`: which are
-        videos; `sink`: told the grids, then each item as it is ready."""
+        videos; `sink`: told the grids, then each item as it is ready; `salt`: the
+        client's cache scope (media_key): the cache serves only what it encoded
+        under the same."""
         self.num_encoding += 1
         started = time.monotonic()
         try:
-            return await self._encode(images, videos, sink)
+            return await self._encode(images, videos, sink, salt)
         finally:
             self.num_encoding -= 1
             ended = time.monotonic()
@@ -151,7 +157,7 @@ class EncodePipeline:
         return sum(s for _, s in self._recent) / len(self._recent) if self._recent else 0.0
 
     async def _encode(
-        self, images: Sequence[bytes], videos: Set[int], sink: Sink | None = None
+        self, images: Sequence[bytes], videos: Set[int], sink: Sink | None, salt: str
     ) -> Encoded:
         if not images:
             raise ValueError("no images to encode")
@@ -160,7 +166,7 @@ class EncodePipeline:
             raise ValueError(
                 f"video indices {sorted(videos)} are not all among the {len(images)} items"
             )
-        keys = await self.preprocessor.keys(images)
+        keys = await self.preprocessor.keys(images, salt)
         found, mine, theirs = self._look_up(keys)
         # The items this request encodes, cached and given to the requests waiting
         # for them as Triton returns them; if this fails, those hear it (and encode
@@ -175,7 +181,7 @@ class EncodePipeline:
                 self._encode_mine(pre, mine, keys, futures, found, report)
             )
             try:
-                for index, entry in (await self._shared(images, videos, theirs)).items():
+                for index, entry in (await self._shared(images, videos, theirs, salt)).items():
                     found[index] = entry
                     report.landed(index, entry)
                 grids = {i: e.grid for i, e in found.items() if i not in mine}
@@ -239,6 +245,7 @@ class EncodePipeline:
         images: Sequence[bytes],
         videos: Set[int],
         theirs: dict[int, asyncio.Future[ImageEmbedding]],
+        salt: str,
     ) -> dict[int, ImageEmbedding]:
         """The items other requests were encoding, once they are; one whose encode
         failed (or whose request left) this request encodes itself."""
@@ -251,7 +258,10 @@ class EncodePipeline:
                 retry.append(index)
         if retry:
             again = await self._encode(
-                [images[i] for i in retry], {retry.index(i) for i in videos if i in retry}
+                [images[i] for i in retry],
+                {retry.index(i) for i in videos if i in retry},
+                None,
+                salt,
             )
             done.update((i, e) for i, e in zip(retry, again.images, strict=True) if e is not None)
         return done

@@ -56,11 +56,10 @@ class Preprocessor:
             raise BadImageError(index, str(exc), "video") from None
         return PreprocessedImage(pixels.numpy(), grid)
 
-    async def keys(self, images: Sequence[bytes]) -> list[str]:
+    async def keys(self, images: Sequence[bytes], salt: str = "") -> list[str]:
         loop = asyncio.get_running_loop()
-        return list(
-            await asyncio.gather(*(loop.run_in_executor(self._pool, media_key, d) for d in images))
-        )
+        keys = (loop.run_in_executor(self._pool, media_key, d, salt) for d in images)
+        return list(await asyncio.gather(*keys))
 
     async def preprocess(
         self, images: Sequence[tuple[int, bytes]], videos: Set[int] = frozenset()

@@ -215,7 +215,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             raise ValueError("request_id is required to send embeddings to a language instance")
         images, videos = list(request.images), set(request.video_indices)
         if not target:
-            encoded = await self.pipeline.encode(images, videos)
+            encoded = await self.pipeline.encode(images, videos, salt=request.cache_salt)
             reply = self._reply(request.request_id, encoded)
             dtype = self.buffer.pool.layout.dtype
             reply.data.extend(tensor_bytes(plane.to(dtype)) for plane in encoded.planes)
@@ -223,7 +223,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         peer = await self.sender.peer(target)
         sending = _Sending(self, request.request_id, peer, request.held_items)
         try:
-            encoded = await self.pipeline.encode(images, videos, sending)
+            encoded = await self.pipeline.encode(images, videos, sending, request.cache_salt)
         except BaseException as exc:
             sending.give_up(f"the encode failed: {exc}")
             raise

@@ -102,6 +102,7 @@ class GenerateCall:
     tool_calls: bool = False  # the output is split into content and calls (tool_calls.py)
     # filled in by the backend with the instances it used, logged at the end
     record: RequestRecord = field(default_factory=lambda: RequestRecord(""))
+    routing_key: str = ""  # OpenAI's prompt_cache_key: routed with the chat's prefixes
 
     @property
     def request_id(self) -> str:
@@ -337,7 +338,7 @@ class Backend:
         first response a failure ends the request."""
         failed = ""
         keys = [m.key for m in call.media]
-        prefixes = call.request.prefix_hashes()
+        prefixes = call.request.prefix_hashes(call.routing_key)
         for attempt in range(self.max_failovers + 1):
             request = call.request
             if attempt:
@@ -467,6 +468,7 @@ class Backend:
                         route.language_id,
                         tuple(i for i, m in enumerate(call.media) if m.is_video),
                         request.held_items,
+                        request.cache_salt,
                     )
                     await encoder.Encode(to_proto(encode), timeout=self.encode_timeout_s)
                 return

@@ -56,9 +56,13 @@ async def chat_call(
         )
     metrics.images.inc(len(loaded))
     record.media = len(loaded)
-    # each item's content hash: the broker places its encode by it, the language
-    # instance's prefix cache knows its KV by it (hashed off the loop; text: none)
-    keys = await asyncio.to_thread(lambda: [media_key(i.data) for i in loaded]) if loaded else []
+    # each item's content hash, within the client's cache scope: the broker places
+    # its encode by it, the language instance's prefix cache knows its KV by it
+    # (hashed off the loop; text: none)
+    salt = body.cache_salt or ""
+    keys = (
+        await asyncio.to_thread(lambda: [media_key(i.data, salt) for i in loaded]) if loaded else []
+    )
     hints = [(item.token_hint, item.grid) for item in loaded]
     messages = _messages(body.messages, hints, keys)
     form = body.response_format
@@ -75,13 +79,19 @@ async def chat_call(
         structural_tag=_forced_calls(body, tools),
     )
     request = wire.GenerateRequest(
-        record.request_id, messages, sampling, tools=json.dumps(tools) if tools else ""
+        record.request_id,
+        messages,
+        sampling,
+        tools=json.dumps(tools) if tools else "",
+        cache_salt=salt,
     )
     items = tuple(
         MediaData(image.data, isinstance(part, VideoPart), key)
         for image, part, key in zip(loaded, vision, keys, strict=True)
     )
-    return GenerateCall(request, body.model, items, body.calls_tools, record)
+    return GenerateCall(
+        request, body.model, items, body.calls_tools, record, body.prompt_cache_key or ""
+    )
 
 
 def _forced_calls(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> str:
@@ -137,9 +147,11 @@ async def completion_calls(
                 sampling=sampling,
                 prompt=prompt if isinstance(prompt, str) else "",
                 prompt_token_ids=() if isinstance(prompt, str) else tuple(prompt),
+                cache_salt=body.cache_salt or "",
             ),
             body.model,
             record=record,
+            routing_key=body.prompt_cache_key or "",
         )
         for index, prompt in enumerate(prompts)
     ]

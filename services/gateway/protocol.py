@@ -145,6 +145,12 @@ class _GenerationRequest(_Strict):
     min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     user: Text | None = None
+    # vLLM's: the client's cache scope. Requests under other salts share no cached
+    # KV page and no cached image embedding with this one (nor its timing).
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=1024)
+    # OpenAI's: requests with one key and one prefix are routed to one language
+    # instance (with the prefix, it names the instance whose cache serves them)
+    prompt_cache_key: Text | None = Field(default=None, max_length=1024)
 
     @model_validator(mode="before")
     @classmethod

@@ -106,6 +106,7 @@ class Rendered:
     # from them, and the request may prefill while its embeddings arrive
     grids: tuple[MediaGrid, ...] | None = None
     held_items: int = 0  # the leading items the prefix cache may hold (GenerateRequest's)
+    cache_salt: str = ""  # the client's cache scope (GenerateRequest's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +409,7 @@ class Frontend:
             meta.mrope_delta,
             pages,
             rendered.grammar,
+            rendered.cache_salt,
         )
         firsts = [first_token(first) for first in meta.first_tokens]
         pads = {self.spec.image_token_id, self.spec.video_token_id}
@@ -458,6 +460,7 @@ class Frontend:
             media.keys,
             grids,
             request.held_items,
+            request.cache_salt,
         )
 
     async def receive(self, rendered: Rendered) -> Media:
@@ -556,6 +559,7 @@ class Frontend:
             media_keys=rendered.media_keys,
             streamed=streamed,
             pin_prefix=streamed and rendered.held_items > 0,
+            cache_salt=rendered.cache_salt,
         )
 
     async def stream(

@@ -198,10 +198,13 @@ class Heartbeat:
     max_requests: int = 0  # language instances: what they admit at once
 
 
-def media_key(data: bytes) -> str:
-    """An image's or a video's content hash, as the client sent its bytes: the
-    encoders' embedding-cache key, and what the gateway routes by."""
-    return hashlib.blake2b(data, digest_size=20).hexdigest()
+def media_key(data: bytes, salt: str = "") -> str:
+    """An image's or a video's content hash, as the client sent its bytes, within
+    the client's cache scope (`salt`, OpenAI's cache_salt): the encoders'
+    embedding-cache key, what the gateway routes by and what the prefix cache
+    knows the item's KV by. Under another salt the same bytes are another item."""
+    scope = hashlib.sha256(salt.encode()).digest() if salt else b""  # BLAKE2's key
+    return hashlib.blake2b(data, digest_size=20, key=scope).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,6 +157,8 @@ class GenerateRequest:
     tools: str = ""  # the functions the model may call: OpenAI's `tools`, JSON text
     # the leading images and videos the instance may hold in its prefix cache
     held_items: int = 0
+    # the client's cache scope: requests with other salts share no KV page with it
+    cache_salt: str = ""
 
     @property
     def is_completion(self) -> bool:
@@ -171,12 +173,18 @@ class GenerateRequest:
         """How many images and videos the first `num_messages` messages hold."""
         return sum(not isinstance(p, str) for m in self.messages[:num_messages] for p in m.content)
 
-    def prefix_hashes(self) -> tuple[str, ...]:
+    def prefix_hashes(self, routing_key: str = "") -> tuple[str, ...]:
         """The chat's prefixes, shortest first: the hash of the tools and its first
         message, then of those and its second, ... (images and videos by their
-        content hashes): what the broker routes a conversation's turns by."""
+        content hashes): what the broker routes a conversation's turns by. The
+        cache salt and `routing_key` (OpenAI's prompt_cache_key) come first: turns
+        under another salt or key are routed on their own. A completion has one
+        prefix, the key's, where it has one."""
+        digest = hashlib.blake2b(repr((self.cache_salt, routing_key)).encode(), digest_size=16)
+        if self.is_completion:
+            return (digest.hexdigest(),) if routing_key else ()
         hashes = []
-        digest = hashlib.blake2b(self.tools.encode(), digest_size=16)
+        digest.update(self.tools.encode())
         for message in self.messages:
             digest.update(repr(message).encode())
             hashes.append(digest.copy().hexdigest())
@@ -196,6 +204,7 @@ class EncodeRequest:
     # the leading items the language instance may hold in its prefix cache: their
     # preallocation comes before they are encoded, and says which it holds
     held_items: int = 0
+    cache_salt: str = ""  # the client's cache scope: it enters each item's key
 
 
 @dataclass(frozen=True, slots=True)

@@ -509,3 +509,25 @@ async def _until_async(condition: Callable[[], Awaitable[bool]], timeout_s: floa
 async def _is(load: Awaitable[broker_pb2.Heartbeat], **expected: int) -> bool:
     got = await load
     return all(getattr(got, name) == value for name, value in expected.items())
+
+
+async def test_the_cache_serves_an_image_only_under_the_salt_it_was_encoded_with(
+    encoder: EncoderServer,
+) -> None:
+    """One image under salt "a", again under "a" (a hit), under "b" and with no
+    salt (each a miss: another client's cache scope), and the embeddings equal."""
+    pipeline, metrics = encoder.pipeline, encoder.metrics
+    data = images(1, seed=7300)  # seen by no other test: not cached
+    results = []
+    for salt, hit in (("a", False), ("a", True), ("b", False), ("", False)):
+        hits, misses = _count(metrics.cache_hits), _count(metrics.cache_misses)
+        results.append(await pipeline.encode(data, salt=salt))
+        assert (_count(metrics.cache_hits) - hits, _count(metrics.cache_misses) - misses) == (
+            int(hit),
+            int(not hit),
+        ), salt
+    first = results[0].images[0]
+    assert first is not None
+    for result in results[1:]:
+        image = result.images[0]
+        assert image is not None and torch.equal(image.planes[0], first.planes[0])

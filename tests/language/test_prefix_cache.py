@@ -6,6 +6,7 @@ what is shared."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,42 @@ def test_the_cacheable_prefix_stops_before_an_unhashed_image_and_the_last_token(
     other = request(65, [])
     other.prompt_token_ids[0] = 99
     assert not set(_prefix_hashes(other, 16)) & set(first)
+
+
+def test_a_page_is_known_by_a_sha256_chain_that_the_salt_starts() -> None:
+    """Each page's key is SHA-256 over the previous page's key and its tokens (not
+    CPython's 64-bit hash(), which a caller who sets token ids could collide
+    with); a request's cache salt starts the chain, so no page of it equals a
+    page of the same tokens under another salt, or none."""
+    tokens = list(range(48))
+
+    def request(salt: str) -> Request:
+        return Request("r", tokens, GREEDY, torch.zeros(3, 48, dtype=torch.long), cache_salt=salt)
+
+    previous = b""
+    expected = []
+    for start in (0, 16):
+        previous = hashlib.sha256(previous + repr(tokens[start : start + 16]).encode()).digest()
+        expected.append(previous)
+    assert _prefix_hashes(request(""), 16) == expected
+    salted = [_prefix_hashes(request(salt), 16) for salt in ("a", "b")]
+    assert all(len(h) == 2 and len(h[0]) == 32 for h in salted)
+    assert not set(salted[0]) & set(salted[1]) and not set(salted[0]) & set(expected)
+
+
+def test_requests_under_other_salts_share_no_page(tiny_checkpoint: Path) -> None:
+    """One prompt under salt "a", again under "a" (its pages come from the cache),
+    then under "b" and with no salt (computed anew); every answer is HF's."""
+    engine = make_engine(tiny_checkpoint)
+    chat = _chat(QUESTIONS[0])
+    expected = hf_greedy(tiny_checkpoint, chat, (), 8)
+    for i, (salt, hit) in enumerate((("a", False), ("a", True), ("b", False), ("", False))):
+        request = make_request(tiny_checkpoint, f"s{i}", chat, [], GREEDY)
+        request.cache_salt = salt
+        out = run_to_completion(engine, [request])
+        assert tokens(out[f"s{i}"]) == expected
+        assert (out[f"s{i}"][-1].num_cached_tokens > 0) == hit, salt
+    assert engine.blocks.num_used_pages == 0
 
 
 def test_an_idle_cached_page_is_taken_only_when_the_free_list_is_empty() -> None:

@@ -40,6 +40,8 @@ def chat_request(
         "temperature": body.temperature,
         "top_p": body.top_p,
         "parallel_tool_calls": body.parallel_tool_calls,
+        "cache_salt": body.cache_salt,
+        "prompt_cache_key": body.prompt_cache_key,
         "response_format": _response_format(body),
         "tool_choice": _dumped(body.tool_choice),
         "tools": [
@@ -158,6 +160,8 @@ def response_object(response_id: str, body: ResponsesRequest, created_at: float)
         "model": body.model,
         "output": [],
         "parallel_tool_calls": body.parallel_tool_calls,
+        "cache_salt": body.cache_salt,
+        "prompt_cache_key": body.prompt_cache_key,
         "previous_response_id": body.previous_response_id,
         "store": body.store,
         "temperature": 1.0 if body.temperature is None else body.temperature,

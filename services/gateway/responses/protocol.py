@@ -206,7 +206,8 @@ class ResponsesRequest(_Strict):
     )
     user: Text | None = None
     safety_identifier: Text | None = None
-    prompt_cache_key: Text | None = None  # the prefix cache needs no key: it knows content
+    prompt_cache_key: Text | None = Field(default=None, max_length=1024)  # a routing hint
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=1024)  # vLLM's
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping the oldest input): refused
 

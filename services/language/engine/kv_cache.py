@@ -17,12 +17,16 @@ counted). A page is copied on write: before a request writes into a page it
 shares, the page is copied to a fresh one (in practice the prompt's last,
 partly filled page, at each choice's first decode step).
 
-Prefix caching: a full page is known by the hash of its tokens and of every
-token before it, an image's or video's token by its item's content hash (the
-gateway's media key) and its index in the item, so two pictures of one size
-never share a page and the same picture does wherever the tokens before it are
-the same; the M-RoPE positions and Qwen3-VL's deepstack features follow from
-those. Pages of a request's output count too, once full. Once computed a page
+Prefix caching: a full page is known by a SHA-256 digest of its tokens and
+of the previous page's digest (so of every token before it), an image's or
+video's token by its item's content hash (the gateway's media key) and its
+index in the item, so two pictures of one size never share a page and the
+same picture does wherever the tokens before it are the same; the M-RoPE
+positions and Qwen3-VL's deepstack features follow from those. A hit is
+trusted without comparing tokens, so the digest is one no caller can collide
+on purpose (token-id prompts set a page's contents exactly). The request's
+cache salt enters the first page's digest: requests under other salts share
+nothing. Pages of a request's output count too, once full. Once computed a page
 is kept, and a request whose tokens begin with the same pages shares them and
 starts its prefill after them (a system prompt, the tools a chat template
 renders, a conversation's earlier turns, their images and answers included). An
@@ -33,6 +37,7 @@ first, then from the least recently used of those.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,10 +136,10 @@ class KVBlockManager:
         self.allocator = BlockAllocator(config.num_pages, config.page_size)
         self.refs: dict[int, int] = {}  # holders of each shared page (absent: one)
         self.copies: list[tuple[int, int]] = []  # (src, dst) to copy before the next forward
-        # The prefix cache: page of each prefix hash, and back; cached pages no
+        # The prefix cache: page of each prefix digest, and back; cached pages no
         # request holds, least recently used first (allocated, not free).
-        self.cached: dict[int, int] = {}
-        self.hash_of: dict[int, int] = {}
+        self.cached: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()
         self.num_hit_tokens = 0  # tokens served from the cache, ever
         self.num_hit_media_tokens = 0  # of those, images' and videos'
@@ -302,17 +307,18 @@ def _cache_tokens(request: Request) -> list[object]:
     return tokens
 
 
-def _prefix_hashes(request: Request, page_size: int, num_tokens: int | None = None) -> list[int]:
-    """The hash of each full page among the request's first `num_tokens` tokens
+def _prefix_hashes(request: Request, page_size: int, num_tokens: int | None = None) -> list[bytes]:
+    """The digest of each full page among the request's first `num_tokens` tokens
     (prompt, then output; by default all but the last: its logits give the next
     token) that the cache may share; each covers its page's tokens and, through
-    the previous hash, all before them. Kept on the request, extended as it grows."""
+    the previous digest, all before them (the first, the request's cache salt).
+    Kept on the request, extended as it grows."""
     tokens = _cache_tokens(request)
     end = request.num_tokens - 1 if num_tokens is None else num_tokens
     if len(tokens) < request.num_prompt_tokens:  # it stops inside the prompt
         end = min(end, len(tokens))
     hashes = request.prefix_hashes
-    previous = hashes[-1] if hashes else 0
+    previous = hashes[-1] if hashes else _salt_digest(request.cache_salt)
     prompt = request.num_prompt_tokens
     for start in range(len(hashes) * page_size, end - page_size + 1, page_size):
         page = (
@@ -320,6 +326,11 @@ def _prefix_hashes(request: Request, page_size: int, num_tokens: int | None = No
             if start + page_size <= prompt
             else [*tokens[start:prompt], *request.token_ids(max(start, prompt), start + page_size)]
         )
-        previous = hash((previous, *page))
+        previous = hashlib.sha256(previous + repr(page).encode()).digest()
         hashes.append(previous)
     return hashes[: end // page_size]
+
+
+def _salt_digest(salt: str) -> bytes:
+    """What the first page's digest chains from: nothing, or the salt's digest."""
+    return hashlib.sha256(b"cache_salt:" + salt.encode()).digest() if salt else b""

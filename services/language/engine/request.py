@@ -93,11 +93,12 @@ class Request:
     # (num_media_held), so without those pages it cannot be recomputed.
     pin_prefix: bool = False
     num_media_held: int = 0
+    cache_salt: str = ""  # the client's cache scope: it enters the first page's digest
     # The prefix cache's (kv_cache.py): the prompt's tokens as it knows them, the
     # hash of each full page of those it may share so far, and how many of the
     # request's pages are in the cache.
     cache_tokens: list[object] | None = None
-    prefix_hashes: list[int] = field(default_factory=list)
+    prefix_hashes: list[bytes] = field(default_factory=list)
     num_cached_pages: int = 0
     num_cached_tokens: int = 0  # of the prompt's, taken from the cache when admitted
 
@@ -130,6 +131,7 @@ class Request:
             index=index,
             hold_kv=self.hold_kv,
             recomputable=self.recomputable,
+            cache_salt=self.cache_salt,
         )
 
     @property
@@ -223,6 +225,7 @@ def new_request(
     media_keys: Sequence[str] = (),
     streamed: bool = False,
     pin_prefix: bool = False,
+    cache_salt: str = "",
 ) -> Request:
     """A request with its M-RoPE positions and image placeholder positions computed
     (the placeholder tokens, merge size and video time scale are the model's).
@@ -234,7 +237,8 @@ def new_request(
     shares their tokens' KV (none, or "": not from that item on). `streamed`:
     the embeddings come later, part by part (Request.add_media), and the request
     computes what precedes the first one missing meanwhile; `pin_prefix`: it
-    takes its cached pages as it is added (Request.pin_prefix)."""
+    takes its cached pages as it is added (Request.pin_prefix); `cache_salt`: the
+    client's cache scope, in its first page's digest."""
     image_token_id = spec.image_token_id
     # without videos, the video pad is a token like any other
     video_token_id = spec.video_token_id if any(g.is_video for g in grids) else None
@@ -269,6 +273,7 @@ def new_request(
         num_media_ready=0 if streamed and grids else None,
         grammar=grammar,
         pin_prefix=pin_prefix and streamed and bool(grids),
+        cache_salt=cache_salt,
     )
 
 
@@ -296,6 +301,7 @@ def prefilled_request(
     mrope_delta: int,
     pages: Sequence[int],
     grammar: Any = None,
+    cache_salt: str = "",
 ) -> Request:
     """A decode instance's request whose prompt a prefill instance computed: its
     KV is in `pages`, and decode positions follow from the prompt's M-RoPE delta.
@@ -314,6 +320,7 @@ def prefilled_request(
         mrope_delta,
         grammar=grammar,
         recomputable=not media,
+        cache_salt=cache_salt,
     )
     request.block_table = list(pages)
     return request

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "images", "language_instance_id", "video_indices", "held_items")
+    __slots__ = ("request_id", "images", "language_instance_id", "video_indices", "held_items", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     VIDEO_INDICES_FIELD_NUMBER: _ClassVar[int]
     HELD_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
     language_instance_id: str
     video_indices: _containers.RepeatedScalarFieldContainer[int]
     held_items: int
-    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., language_instance_id: _Optional[str] = ..., video_indices: _Optional[_Iterable[int]] = ..., held_items: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., language_instance_id: _Optional[str] = ..., video_indices: _Optional[_Iterable[int]] = ..., held_items: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
     __slots__ = ("request_id", "total_tokens", "grids", "dtype", "cached_images", "planes", "data")
