@@ -10,7 +10,8 @@ temporal patches (the tower attends within a temporal patch: the parts equal
 the whole, bit for bit), so that a `Sink` has the first embeddings while the
 next are encoded (the language instance prefills them meanwhile). Items
 the sink says its receiver already holds (`Sink.held`: the language
-instance's prefix cache has their KV) are not encoded at all.
+instance's prefix cache has their KV) are not encoded at all; only the items
+it may hold wait for its word, the others go to Triton at once.
 """
 
 from __future__ import annotations
@@ -64,9 +65,14 @@ class Sink(Protocol):
         """Tokens [start, start + embedding.num_tokens) of item `index` (all of an
         image; a video comes in parts), the moment they exist (in no set order)."""
 
+    @property
+    def may_hold(self) -> int:
+        """How many of the leading items the receiver may hold (the route says):
+        only those wait for `held` before they are encoded."""
+
     async def held(self) -> Set[int]:
-        """The items the receiver holds already, asked once the grids are told and
-        before any item is encoded: those are not."""
+        """Which of the first `may_hold` items the receiver holds already, asked
+        once the grids are told and before those are encoded: those are not."""
 
 
 def _joined(parts: list[ImageEmbedding], grid: MediaGrid) -> ImageEmbedding:
@@ -91,6 +97,10 @@ class _Report:
             self.sink.item(index, part, start)
         else:
             self.early.append((index, part, start))
+
+    @property
+    def may_hold(self) -> int:
+        return self.sink.may_hold if self.sink is not None else 0
 
     async def held(self) -> Set[int]:
         return await self.sink.held() if self.sink is not None else frozenset()
@@ -275,38 +285,59 @@ class EncodePipeline:
         found: dict[int, ImageEmbedding],
         report: _Report,
     ) -> None:
-        """Triton for the preprocessed items but those the receiver holds: all in
-        one request, or one by one in prompt order (a video in parts, each
-        `landed` as it comes); each item cached, given to its waiters and put in
-        `found`. The waiters for a held item encode it themselves."""
+        """Triton for the preprocessed items but those the receiver holds: the
+        items it cannot hold at once, meanwhile those it may hold (the route's
+        leading ones, `Sink.may_hold`) once it says which it does (`Sink.held`)."""
+        items = list(zip(mine, pre, strict=True))
+        asked = [(index, p) for index, p in items if index < report.may_hold]
+        rest = [(index, p) for index, p in items if index >= report.may_hold]
+        now = asyncio.ensure_future(self._infer_items(rest, keys, futures, found, report))
+        try:
+            if asked:
+                held = await report.held()
+                for index in held & {index for index, _ in asked}:
+                    future = futures.pop(index)
+                    future.set_exception(RuntimeError("not encoded: its receiver held it"))
+                    future.exception()  # retrieved: a waiter may not exist
+                todo = [(index, p) for index, p in asked if index not in held]
+                await self._infer_items(todo, keys, futures, found, report)
+            await now
+        finally:
+            if not now.done():
+                now.cancel()
+                await asyncio.wait([now])
+
+    async def _infer_items(
+        self,
+        todo: list[tuple[int, PreprocessedImage]],
+        keys: list[str],
+        futures: dict[int, asyncio.Future[ImageEmbedding]],
+        found: dict[int, ImageEmbedding],
+        report: _Report,
+    ) -> None:
+        """These items through Triton: all in one request, or one by one in prompt
+        order (a video in parts, each `landed` as it comes); each item cached,
+        given to its waiters and put in `found`. The waiters for an item not
+        encoded here encode it themselves."""
 
         def finished(index: int, entry: ImageEmbedding) -> None:
             self.cache.put(keys[index], entry)
             futures.pop(index).set_result(entry)
             found[index] = entry
 
-        if not pre:
-            return
-        held = await report.held()
-        for index in held & set(mine):
-            future = futures.pop(index)
-            future.set_exception(RuntimeError("not encoded: its receiver held it"))
-            future.exception()  # retrieved: a waiter may not exist
-        todo = [(index, p) for index, p in zip(mine, pre, strict=True) if index not in held]
-        landed = report.landed
         if not todo:
             return
         if not self.one_by_one:
             entries = await self._infer([p for _, p in todo])
             for (index, _), entry in zip(todo, entries, strict=True):
-                landed(index, entry, 0)
+                report.landed(index, entry, 0)
                 finished(index, entry)
             return
         for index, item in todo:
             parts: list[ImageEmbedding] = []
             for part in self._parts(item):
                 (encoded,) = await self._infer([part])
-                landed(index, encoded, sum(p.num_tokens for p in parts))
+                report.landed(index, encoded, sum(p.num_tokens for p in parts))
                 parts.append(encoded)
             finished(index, parts[0] if len(parts) == 1 else _joined(parts, item.grid))
 

@@ -70,6 +70,10 @@ class _Sending:
             self._start()
         self.announced.set()
 
+    @property
+    def may_hold(self) -> int:
+        return self.held_items
+
     async def held(self) -> frozenset[int]:
         """The items the language instance holds (all their tokens' KV is in its
         prefix cache): what its preallocation says, waited for at most

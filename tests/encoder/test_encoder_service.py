@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.encoder.cache import ImageEmbedding
 from services.encoder.server import EncoderServer
 from services.encoder.triton_client import TritonUnavailableError, VitClient
 from services.loadgen.synthetic import encode_image, random_image
@@ -26,7 +27,7 @@ from services.runtime.ports import free_port
 from services.transfer.embedding_pool import tensor_from_bytes
 from services.transfer.shared_memory import SHM_DIR
 from services.triton.launcher import TritonConfig, TritonServer
-from services.wire.messages import media_key
+from services.wire.messages import MediaGrid, media_key
 from tests.bad_images import gif, png_header_only, truncated_png
 from tests.embeddings import tower_embeddings
 from tests.stack import broker_stub, encoder_stub, start_broker, start_encoder
@@ -531,3 +532,48 @@ async def test_the_cache_serves_an_image_only_under_the_salt_it_was_encoded_with
     for result in results[1:]:
         image = result.images[0]
         assert image is not None and torch.equal(image.planes[0], first.planes[0])
+
+
+def _infers(histogram: Any) -> float:
+    """A Prometheus histogram's count: the Triton requests it timed."""
+    (metric,) = histogram.collect()
+    return next(s.value for s in metric.samples if s.name.endswith("_count"))
+
+
+class _AskedSink:
+    """A sink whose receiver answers which items it holds only when told to."""
+
+    def __init__(self, may_hold: int) -> None:
+        self.may_hold = may_hold
+        self.landed: list[int] = []
+        self.answer: asyncio.Future[frozenset[int]] = asyncio.get_running_loop().create_future()
+
+    async def grids(self, grids: Sequence[MediaGrid]) -> None:
+        pass
+
+    def item(self, index: int, embedding: ImageEmbedding, start: int = 0) -> None:
+        self.landed.append(index)
+
+    async def held(self) -> frozenset[int]:
+        return await self.answer
+
+
+@pytest.mark.parametrize("held", [frozenset({0}), frozenset()])
+async def test_an_item_the_receiver_cannot_hold_is_encoded_before_it_answers(
+    encoder: EncoderServer, held: frozenset[int]
+) -> None:
+    """Two images, the route saying the receiver may hold the first: the second
+    goes to Triton and lands while the receiver has not answered; the first is
+    encoded after the answer only if the receiver does not hold it."""
+    data = images(2, seed=7400 + len(held))  # seen by no other test: not cached
+    sink = _AskedSink(may_hold=1)
+    triton = encoder.metrics.triton_seconds
+    before = _infers(triton)
+    encoding = asyncio.create_task(encoder.pipeline.encode(data, sink=sink))
+    await until(lambda: sink.landed == [1], timeout_s=30)
+    assert not encoding.done() and _infers(triton) == before + 1
+    sink.answer.set_result(held)
+    encoded = await asyncio.wait_for(encoding, 30)
+    assert (encoded.images[0] is None) == bool(held)
+    assert sink.landed == [1] if held else sink.landed == [1, 0]
+    assert _infers(triton) == before + 2 - len(held)
