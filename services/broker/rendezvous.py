@@ -14,11 +14,15 @@ prefill instance's KvMeta with the decode instance's Prealloc the same way,
 the prefill instance in the encoder's place and the decode instance in the
 language instance's; it never fails over (no other instance holds its KV).
 
-Failover: while none of a request's embeddings has landed (no TransferDone,
-no Resume), its encoder can be replaced, because it died (on_instance_lost)
-or the gateway asked for another (reroute). The encoder's meta is dropped,
-the language side's preallocation kept, and the language instance hears
-PeerLost for the request: it forgets the old meta and waits for the new one.
+Failover: until a request's embeddings have all landed, its encoder can be
+replaced, because it died (on_instance_lost) or the gateway asked for another
+(reroute). The encoder's meta is dropped, and the language instance hears
+PeerLost for the request: it keeps what landed and the blocks it offered for
+the rest, and waits for the next encoder's meta. The pairing keeps the
+language side's latest offer (its Prealloc, then each Resume as a Prealloc
+that skips the tokens landed before it): the next encoder is paired with it
+once it starts where the landed tokens end (`sent_tokens`; a Resume still on
+its way is waited for), and sends from there. A KV transfer never fails over.
 """
 
 from __future__ import annotations
@@ -91,14 +95,16 @@ class Pairing:
 
     @property
     def can_fail_over(self) -> bool:
-        """No part has landed: another encoder can write the whole request again
-        (a KV transfer: never, its KV is on its prefill instance alone)."""
-        return (
-            not self.phase.is_finished
-            and self.sent_tokens == 0
-            and self.num_resumes == 0
-            and not is_kv_transfer(self.request_id)
-        )
+        """Another encoder can write what has not landed (a KV transfer: never,
+        its KV is on its prefill instance alone)."""
+        return not self.phase.is_finished and not is_kv_transfer(self.request_id)
+
+    @property
+    def offer_is_current(self) -> bool:
+        """The language side's offer starts where the landed tokens end (or
+        nothing has landed): an encoder may be given it."""
+        assert self.prealloc is not None
+        return self.sent_tokens == 0 or self.prealloc.skip_tokens == self.sent_tokens
 
 
 class Rendezvous:
@@ -181,7 +187,7 @@ class Rendezvous:
             )
         if not pairing.can_fail_over:
             reason = f"request {request_id!r} cannot move to another encoder: " + (
-                "it has ended" if pairing.phase.is_finished else "part of it has landed"
+                "it has ended" if pairing.phase.is_finished else "its KV is on its prefill instance"
             )
             if pairing.phase.is_finished:
                 raise FailoverError(reason)
@@ -229,7 +235,7 @@ class Rendezvous:
             )
         pairing.language_id = meta.target_id
         pairing.meta = meta.relayed_from(encoder_id)
-        if pairing.prealloc is None:
+        if pairing.prealloc is None or not pairing.offer_is_current:
             pairing.phase = Phase.WAITING
             return []
         return self._pair(pairing)
@@ -280,13 +286,31 @@ class Rendezvous:
         return [(pairing.language_id, done)]
 
     def on_resume(self, language_id: str, resume: Resume) -> list[Delivery]:
-        pairing = self._transferring(resume.request_id, language_id)
-        if pairing is None:
+        """Relayed to the encoder; kept as the language side's offer, for the next
+        encoder should this one be lost (paired now if its meta waits for it)."""
+        pairing = self._pairings.get(resume.request_id)
+        if (
+            pairing is None
+            or pairing.phase.is_finished
+            or pairing.phase is Phase.ROUTED
+            or pairing.language_id != language_id
+            or pairing.prealloc is None
+        ):
             return [
                 (language_id, Abort(resume.request_id, "no transfer in progress for this request"))
             ]
+        pairing.updated = self._clock()
         pairing.num_resumes += 1
-        return [(pairing.encoder_id, resume)]
+        pairing.prealloc = Prealloc(
+            resume.request_id,
+            resume.block_ids,
+            resume.allocated_tokens,
+            language_id,
+            skip_tokens=resume.sent_tokens,
+        )
+        if pairing.phase is Phase.TRANSFERRING:
+            return [(pairing.encoder_id, resume)]
+        return self._pair(pairing) if pairing.meta is not None and pairing.offer_is_current else []
 
     def on_released(self, encoder_id: str, released: Released) -> list[Delivery]:
         """Relayed even after an abort: that is when the language side waits for it."""

@@ -454,9 +454,12 @@ class Backend:
     async def _encode(
         self, call: GenerateCall, request: GenerateRequest, route: RouteReply, keys: list[str]
     ) -> None:
-        """Encode on the routed encoder, failing over to another while it is gone (_GONE)."""
+        """Encode on the routed encoder, failing over to another while it is gone
+        (_GONE). The next one hears the language instance's preallocation before it
+        encodes any item: it starts at the first item that has not wholly landed."""
         request_id = request.request_id
         encoder_id, address = route.encoder_id, route.encoder_address
+        held_items = request.held_items
         for attempt in range(self.max_failovers + 1):
             call.record.encoder = encoder_id
             encoder = encoder_pb2_grpc.EncoderStub(await self._channel(address))
@@ -467,7 +470,7 @@ class Backend:
                         tuple(m.data for m in call.media),
                         route.language_id,
                         tuple(i for i, m in enumerate(call.media) if m.is_video),
-                        request.held_items,
+                        held_items,
                         request.cache_salt,
                     )
                     await encoder.Encode(to_proto(encode), timeout=self.encode_timeout_s)
@@ -492,6 +495,7 @@ class Backend:
                 )
             )
             encoder_id, address = failover.encoder_id, failover.encoder_address
+            held_items = len(call.media)  # landed ones are held: the preallocation says
 
     async def _abort(self, language: language_pb2_grpc.LanguageStub, request_id: str) -> None:
         """Belt and braces: a cancelled stream already aborts the request on the

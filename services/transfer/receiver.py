@@ -18,8 +18,10 @@ injected clock: tests drive it through any interleaving.
     arrived(sent < total)  -> Stage the part, Free its blocks, Allocate the rest
     arrived(sent == total) -> Succeed(meta)                                  SUCCESS
     take()           -> Stage the last part, Free its blocks
-    PeerLost         -> its encoder is gone before anything landed: forget its meta
-                        and wait, with the same blocks, for the next encoder's
+    PeerLost         -> its encoder is gone: keep what landed and the blocks given
+                        for the rest, wait for the next encoder's meta (which
+                        the broker pairs with the latest Prealloc or Resume:
+                        that encoder writes from where the landed tokens end)
     Abort / timeout / release() -> Fail                                       FAILED
 
 A request only ever holds one part's blocks, so a small pool slows large
@@ -127,12 +129,20 @@ class Fail:
 @dataclass(frozen=True, slots=True)
 class Forget:
     """Drop what the data plane and the driver keep for the request (staged
-    parts, notifications): it ended, or its encoder changed."""
+    parts, notifications): it ended."""
 
     request_id: str
 
 
-Action = Send | Allocate | Free | Stage | Keep | Confirm | Succeed | Fail | Forget
+@dataclass(frozen=True, slots=True)
+class ForgetSender:
+    """Drop what the data plane keeps of the request's sender (notifications):
+    its encoder changed. The parts that landed stay."""
+
+    request_id: str
+
+
+Action = Send | Allocate | Free | Stage | Keep | Confirm | Succeed | Fail | Forget | ForgetSender
 
 
 @dataclass(slots=True)
@@ -335,6 +345,12 @@ class Receiver:
                 f"metadata announces {meta.total_tokens} tokens, fewer than the {inbound.skip} "
                 "this instance holds",
             )
+        if inbound.meta is not None and meta.total_tokens != inbound.meta.total_tokens:
+            return self.release(  # another encoder after a failover: the same tokens
+                meta.request_id,
+                f"metadata announces {meta.total_tokens} tokens, the lost encoder's "
+                f"{inbound.meta.total_tokens}",
+            )
         inbound.meta = meta
         inbound.updated = self._clock()
         if meta.transport in self.polled:
@@ -460,18 +476,22 @@ class Receiver:
         return [Free(tuple(held.blocks))] if held is not None else []
 
     def _rewind(self, request_id: str, encoder_id: str) -> list[Action]:
-        """The request's encoder is gone and nothing of it had landed: forget that
-        encoder's meta, keep the blocks, wait for the next encoder's."""
+        """The request's encoder is gone: keep the parts that landed and the
+        blocks given for the next one (written again from their first token),
+        wait for the next encoder's meta. Nothing landed: its meta is forgotten
+        too. A part being confirmed ends the request (it may not be whole)."""
         inbound = self.transfers.get(request_id)
         if inbound is None or inbound.state.is_finished:
             return []
-        if inbound.num_parts or inbound.part_start != inbound.skip or inbound.confirming:
-            return self.release(request_id, f"encoder {encoder_id} was lost mid-transfer")
-        inbound.meta = None
+        if inbound.confirming:
+            return self.release(request_id, f"encoder {encoder_id} was lost mid-confirmation")
+        landed = inbound.part_start > inbound.skip
+        if not landed:
+            inbound.meta = None  # the next encoder's grids may differ: nothing is kept
         inbound.received_in_part = 0
-        inbound.confirming = False
         inbound.num_failovers += 1
-        inbound.state = TransferState.WAITING_FOR_INPUT
+        if inbound.blocks:  # else between parts: the next part's blocks are on their way
+            inbound.state = TransferState.WAITING_FOR_INPUT
         inbound.updated = self._clock()
         self.polling.discard(request_id)
-        return [Forget(request_id)]
+        return [ForgetSender(request_id) if landed else Forget(request_id)]

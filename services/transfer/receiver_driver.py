@@ -32,6 +32,7 @@ from services.transfer.receiver import (
     Confirm,
     Fail,
     Forget,
+    ForgetSender,
     Free,
     Inbound,
     Keep,
@@ -324,6 +325,9 @@ class ReceiverDriver(MachineDriver):
                     self._resolve(request_id, error)
                 case Forget(request_id):
                     self._staged.pop(request_id, None)
+                    for end in self.ends.values():
+                        end.forget(request_id)
+                case ForgetSender(request_id):
                     for end in self.ends.values():
                         end.forget(request_id)
 

@@ -127,14 +127,34 @@ def test_a_lost_encoder_leaves_its_requests_waiting_for_another() -> None:
     assert {t: type(m) for t, m in out} == {L: EmbeddingMeta, E2: Prealloc}
 
 
-def test_a_lost_encoder_mid_transfer_aborts_the_request() -> None:
+@pytest.mark.parametrize("resume_first", [True, False])
+def test_a_lost_encoder_mid_transfer_is_resumed_by_the_next_from_where_it_stopped(
+    resume_first: bool,
+) -> None:
+    """64 of 100 tokens landed, then the encoder died: the language side hears
+    PeerLost and offers blocks for the rest (its Resume, before or after the next
+    encoder's meta); the next encoder is given them as a preallocation that skips
+    the 64 tokens, and never the stale first one."""
     r = routed()
     r.on_meta(E, meta(total=100))
     r.on_prealloc(L, prealloc(tokens=64))
     r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))
-    out = r.on_instance_lost(E)
-    assert out == [(L, Abort("r", f"instance {E} was lost"))]
-    assert r.describe("r").phase is Phase.ABORTED
+    resume = Resume("r", (5, 6), 64, 64)
+    if not resume_first:
+        r.on_resume(L, resume)
+    assert r.on_instance_lost(E) == [(L, PeerLost(E, ("r",)))]
+    assert r.describe("r").phase is Phase.WAITING
+    r.reroute("r", "", E2, L)
+    if resume_first:
+        assert r.on_meta(E2, meta(total=100)) == []  # the offer still starts at 0
+        out = r.on_resume(L, resume)
+    else:
+        out = r.on_meta(E2, meta(total=100))
+    offered = {t: m for t, m in out}
+    assert isinstance(offered[L], EmbeddingMeta) and offered[L].encoder_instance_id == E2
+    assert offered[E2] == Prealloc("r", (5, 6), 64, L, skip_tokens=64)
+    r.on_transfer_done(E2, TransferDone("r", 100, 100, Transport.SHM))
+    assert r.describe("r").phase is Phase.DONE and r.describe("r").num_failovers == 1
 
 
 def test_a_lost_language_instance_aborts_and_tells_the_encoder() -> None:
@@ -159,15 +179,16 @@ def test_reroute_moves_the_request_and_refuses_the_old_encoders_meta() -> None:
     assert isinstance(relayed, EmbeddingMeta) and relayed.encoder_instance_id == E2
 
 
-def test_reroute_is_refused_once_part_of_the_request_landed() -> None:
-    r = routed()
-    r.on_meta(E, meta(total=100))
-    r.on_prealloc(L, prealloc(tokens=64))
-    r.on_transfer_done(E, TransferDone("r", 64, 100, Transport.SHM))
-    with pytest.raises(FailoverError, match="part of it has landed") as info:
-        r.reroute("r", E, E2, L)
+def test_reroute_is_refused_for_a_kv_transfer() -> None:
+    """A KV transfer's pages are on its prefill instance alone: no failover."""
+    r = Rendezvous()
+    r.route("r/kv", E, L)
+    r.on_meta(E, meta("r/kv"))
+    r.on_prealloc(L, prealloc("r/kv"))
+    with pytest.raises(FailoverError, match="its KV is on its prefill instance") as info:
+        r.reroute("r/kv", E, E2, L)
     assert sorted(t for t, _ in info.value.deliveries) == [E, L]
-    assert r.describe("r").phase is Phase.ABORTED
+    assert r.describe("r/kv").phase is Phase.ABORTED
 
 
 def test_released_reaches_the_language_side_after_an_abort() -> None:
