@@ -52,7 +52,7 @@ Delivery = tuple[str, BrokerMessage]
 
 
 class FailoverError(RuntimeError):
-    """The request cannot move to another encoder (part of it has landed, or it ended);
+    """The request cannot move to another encoder (a KV transfer, or it ended);
     `deliveries` abort it where it was still alive."""
 
     def __init__(self, reason: str, deliveries: list[Delivery] | None = None) -> None:

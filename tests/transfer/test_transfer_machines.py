@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -308,6 +309,16 @@ class World:
         if self.l_alive:
             self.on_receiver(self.receiver.tick())
 
+    def replace_encoder(self) -> None:
+        """A new encoder process under the dead one's name: a fresh sender; what
+        the dead one held in its send buffers went with it."""
+        assert not self.e_alive
+        self.sender = tx.Sender(TIMEOUT_S, lambda: self.now)
+        for blocks in self.send_blocks.values():
+            self.send_pool.free(blocks)
+        self.send_blocks.clear()
+        self.e_alive = True
+
     def kill(self, instance: str) -> None:
         """kill -9: its writes stop where they are, its streams and messages are gone."""
         if instance == E and self.e_alive:
@@ -498,6 +509,56 @@ def test_an_encoder_lost_before_anything_landed_leaves_the_preallocation_waiting
     inbound = world.receiver.transfers["a"]
     assert inbound.meta is None and inbound.blocks == blocks and inbound.num_failovers == 1
     assert "a" not in world.l_outcome
+
+
+@pytest.mark.parametrize("resume_sent", [True, False])
+def test_an_encoder_lost_after_a_part_landed_is_replaced_by_one_that_sends_the_rest(
+    resume_sent: bool,
+) -> None:
+    """d (30 tokens) comes in parts of the 20-token pool. The encoder dies once
+    the first part has landed, before or after the language side's Resume for
+    the rest reached the broker; a new encoder process takes the request (as
+    the gateway's failover routes it): paired with that Resume, it writes from
+    the landed tokens on, never before, and both sides end with every block free."""
+    world = World()
+    world.start("d")
+    world.expect("d", exact_hint=True)
+    inbound = world.receiver.transfers["d"]
+    for _ in range(40):  # the first part lands and is confirmed
+        if inbound.part_start:
+            break
+        for queue in ("to_broker", "to_e", "to_l"):
+            world.deliver(queue, "once")
+        world.allocate()
+        for request_id in list(world.writes):
+            world.land(request_id, ok=True)
+        world.confirm()
+    landed = inbound.part_start
+    assert 0 < landed < world.tokens["d"]
+    world.allocate()  # the rest's blocks: the Resume goes to the broker
+    if resume_sent:
+        while world.to_broker:
+            world.deliver("to_broker", "once")
+    world.kill(E)
+    world.replace_encoder()
+    world.broker.reroute("d", "", E, L)
+    world.start("d")
+    writes: list[tx.Write] = []
+    on_sender = world.on_sender
+
+    def recorded(actions: list[tx.Action]) -> None:
+        skips = [a for a in actions if isinstance(a, tx.Preallocated)]
+        assert all(a.skip_tokens == landed for a in skips), "not told where the landed end"
+        writes.extend(a for a in actions if isinstance(a, tx.Write))
+        on_sender([a for a in actions if not isinstance(a, tx.Preallocated)])
+
+    world.on_sender = recorded  # type: ignore[method-assign]
+    world.settle()
+    assert world.l_outcome == {"d": True} and world.e_outcome == {"d": True}
+    assert writes and writes[0].start == landed
+    assert sum(w.count for w in writes) == world.tokens["d"] - landed
+    assert world.receive_pool.num_free_blocks == RECEIVE_BLOCKS and not world.owner
+    assert world.send_pool.num_free_blocks == SEND_BLOCKS
 
 
 def test_a_failed_write_aborts_both_sides_and_frees_both_pools() -> None:
