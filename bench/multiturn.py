@@ -5,9 +5,11 @@ at a time, same machine, same checkpoint, same client, one run.
         --peer-start '../shared/peers/vllm-cpu.sh serve /work/peer {checkpoint} 8100 bfloat16' \\
         --peer-stop '../shared/peers/vllm-cpu.sh stop /work/peer' [--sessions 16 --turns 3]
 
-A session is a chat of `--turns` turns that starts with its own 448x448 image;
-each turn resends the whole history (the image, every question and the answers
-the server gave), streamed, `--output-len` tokens (ignore_eos); `--concurrency`
+A session is a chat of `--turns` turns that starts with its own 448x448 image
+(`--new-images`: each later turn brings another beside its question, so a turn
+has held images and a new one); each turn resends the whole history (the
+images, every question and the answers the server gave), streamed,
+`--output-len` tokens (ignore_eos); `--concurrency`
 sessions run at once, each turn after the last one's answer. Reported for each
 server: the first turns' TTFT p50 (the image is new), the later turns' (the
 history is what a prefix cache holds) and requests/s over the run. Then EPD with
@@ -56,9 +58,13 @@ QUESTIONS = (
 )
 
 
-def image_url(session: int) -> str:
-    data = encode_image(random_image(448, 448, seed=1000 + session), "JPEG")
+def image_url(session: int, turn: int = 0) -> str:
+    data = encode_image(random_image(448, 448, seed=1000 + session + 100_000 * turn), "JPEG")
     return f"data:image/jpeg;base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(session: int, turn: int) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": image_url(session, turn)}}
 
 
 async def converse(
@@ -69,14 +75,15 @@ async def converse(
     turns: int,
     output_len: int,
     run_start: float,
+    new_images: bool = False,
 ) -> list[tuple[int, RequestResult]]:
     """One session's turns, in order: (turn, its result)."""
     messages: list[dict[str, Any]] = []
-    image = {"type": "image_url", "image_url": {"url": image_url(session)}}
     out = []
     for turn in range(turns):
         question = {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]}
-        messages.append({"role": "user", "content": [image, question] if turn == 0 else [question]})
+        image = [image_part(session, turn)] if turn == 0 or new_images else []
+        messages.append({"role": "user", "content": [*image, question]})
         body = {
             "model": model,
             "messages": messages,
@@ -96,7 +103,13 @@ async def converse(
 
 
 async def conversations(
-    base_url: str, model: str, sessions: int, turns: int, output_len: int, concurrency: int
+    base_url: str,
+    model: str,
+    sessions: int,
+    turns: int,
+    output_len: int,
+    concurrency: int,
+    new_images: bool = False,
 ) -> dict[str, Any]:
     """Every session, `concurrency` at a time; TTFT p50 of first and later turns, req/s."""
     gate = asyncio.Semaphore(concurrency)
@@ -109,7 +122,9 @@ async def conversations(
 
         async def one(session: int) -> list[tuple[int, RequestResult]]:
             async with gate:
-                return await converse(http, base_url, model, session, turns, output_len, start)
+                return await converse(
+                    http, base_url, model, session, turns, output_len, start, new_images
+                )
 
         done = await asyncio.gather(*(one(s) for s in range(sessions)))
         elapsed = time.perf_counter() - start
@@ -151,7 +166,13 @@ def epd(args: argparse.Namespace, checkpoint: Path, languages: int, routing: str
     ):
         result = asyncio.run(
             conversations(
-                url, checkpoint.name, args.sessions, args.turns, args.output_len, args.concurrency
+                url,
+                checkpoint.name,
+                args.sessions,
+                args.turns,
+                args.output_len,
+                args.concurrency,
+                args.new_images,
             )
         )
         metrics = f"http://127.0.0.1:{ports['broker-port'] + METRICS_OFFSET}/metrics"
@@ -174,6 +195,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8, help="sessions at once")
+    parser.add_argument(
+        "--new-images", action="store_true", help="each later turn brings a new image too"
+    )
     parser.add_argument("--doc", action="store_true", help="write docs/performance.md's section")
     args = parser.parse_args()
     checkpoint = cached_demo_checkpoint(args.size)
@@ -192,6 +216,7 @@ def main() -> None:
                     args.turns,
                     args.output_len,
                     args.concurrency,
+                    args.new_images,
                 )
             )
         finally:

@@ -202,13 +202,8 @@ class LLMEngine:
             and isinstance(attention, FlashInferAttention)
             and (spec.text.moe is None or fused_moe)
         )
-        self.runner = ModelRunner(
-            model,
-            KVCache(spec.text, kv_config, device, spare_pages=int(graphs), memory=kv_memory),
-            attention,
-            device,
-            config.dtype,
-        )
+        kv_cache = KVCache(spec.text, kv_config, device, spare_pages=int(graphs), memory=kv_memory)
+        self.runner = ModelRunner(model, kv_cache, attention, device, config.dtype)
         if graphs:
             self.runner.use_graphs(config.scheduler.max_num_seqs, config.max_model_len)
         self.runner.decode = compiled_decode(
@@ -231,9 +226,7 @@ class LLMEngine:
         # set by the loop's owner while requests await embeddings: `_pace_threads`, `step_delay`
         self.encoding = False
         self._last_step = 0.0  # when the last step ended (time.monotonic)
-        # The last step computed nothing and nothing came since: stepping again
-        # would compute nothing either (requests that wait for pages or media)
-        self._stalled = False
+        self._stalled = False  # the last step computed nothing, and no news came since
         self._threads = torch.get_num_threads()
         self._decode_threads = min(config.decode_threads or self._threads, self._threads)
 

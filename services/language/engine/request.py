@@ -250,13 +250,10 @@ def new_request(
         video_token_id,
         spec.vision.tokens_per_second,
     )
-    media_positions = None
-    if grids:
-        pads = [image_token_id] if video_token_id is None else [image_token_id, video_token_id]
-        media_positions = torch.isin(torch.tensor(token_ids), torch.tensor(pads))
-        media_positions = media_positions.nonzero().flatten()
-        if pixel_values is None and not streamed:
-            _check_embeddings(media_positions.numel(), media_embeds, deepstack)
+    pads = [image_token_id] if video_token_id is None else [image_token_id, video_token_id]
+    media_positions = _positions_of(token_ids, pads) if grids else None
+    if media_positions is not None and pixel_values is None and not streamed:
+        _check_embeddings(media_positions.numel(), media_embeds, deepstack)
     return Request(
         request_id,
         list(token_ids),
@@ -275,6 +272,11 @@ def new_request(
         pin_prefix=pin_prefix and streamed and bool(grids),
         cache_salt=cache_salt,
     )
+
+
+def _positions_of(token_ids: list[int], pads: list[int]) -> torch.Tensor:
+    """The prompt indices of the placeholder tokens, in order."""
+    return torch.isin(torch.tensor(token_ids), torch.tensor(pads)).nonzero().flatten()
 
 
 def _check_embeddings(
