@@ -140,6 +140,21 @@ async def conversations(
     }
 
 
+def run(args: argparse.Namespace, base_url: str, model: str) -> dict[str, Any]:
+    """The command line's conversations against one server."""
+    return asyncio.run(
+        conversations(
+            base_url,
+            model,
+            args.sessions,
+            args.turns,
+            args.output_len,
+            args.concurrency,
+            args.new_images,
+        )
+    )
+
+
 def broker_counter(metrics_url: str, name: str) -> dict[str, float]:
     """A counter's values by its one label's value (prometheus_client's parser)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as reply:
@@ -164,17 +179,7 @@ def epd(args: argparse.Namespace, checkpoint: Path, languages: int, routing: str
         tempfile.TemporaryDirectory() as logs,
         serve(setup, Path(logs), max_num_batched_tokens=None, ports=ports) as (url, _),
     ):
-        result = asyncio.run(
-            conversations(
-                url,
-                checkpoint.name,
-                args.sessions,
-                args.turns,
-                args.output_len,
-                args.concurrency,
-                args.new_images,
-            )
-        )
+        result = run(args, url, checkpoint.name)
         metrics = f"http://127.0.0.1:{ports['broker-port'] + METRICS_OFFSET}/metrics"
         routes = broker_counter(metrics, "epd_broker_prefix_routes")
     later = args.sessions * (args.turns - 1)
@@ -208,17 +213,7 @@ def main() -> None:
         if args.peer_start:
             shell(args.peer_start, checkpoint)
         try:
-            rows[args.peer_name] = asyncio.run(
-                conversations(
-                    args.peer_url,
-                    checkpoint.name,
-                    args.sessions,
-                    args.turns,
-                    args.output_len,
-                    args.concurrency,
-                    args.new_images,
-                )
-            )
+            rows[args.peer_name] = run(args, args.peer_url, checkpoint.name)
         finally:
             if args.peer_stop:
                 shell(args.peer_stop, checkpoint)

@@ -13,6 +13,7 @@ import grpc
 from services.broker.instance import InstanceConfig
 from services.broker.server import BrokerConfig, BrokerServer
 from services.encoder.server import EncoderConfig, EncoderServer
+from services.gateway.server import GatewayConfig, GatewayServer
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageConfig, LanguageServer, noop
 from services.proto import broker_pb2_grpc, encoder_pb2_grpc, language_pb2_grpc
@@ -73,6 +74,14 @@ async def start_language(
         **overrides,
     )
     server = LanguageServer(config, on_engine_lost)
+    await server.start()
+    return server
+
+
+async def start_gateway(checkpoint: Path, broker: BrokerServer) -> GatewayServer:
+    """A gateway on a free port, without an API key."""
+    config = GatewayConfig(broker=broker.address, checkpoint=checkpoint, port=0, api_key="")
+    server = GatewayServer(config)
     await server.start()
     return server
 

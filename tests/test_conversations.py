@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from prometheus_client.metrics import MetricWrapperBase
 
 from services.encoder.server import EncoderServer
-from services.gateway.server import GatewayConfig, GatewayServer
+from services.gateway.server import GatewayServer
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.loadgen.synthetic import encode_image, random_image
@@ -30,7 +30,7 @@ from services.model.tokenizer import load_tokenizer
 from services.triton.launcher import TritonServer
 from services.wire.transport import Transport
 from tests.reference import hf_greedy
-from tests.stack import MODEL, start_broker, start_encoder, start_language
+from tests.stack import MODEL, start_broker, start_encoder, start_gateway, start_language
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -49,10 +49,7 @@ async def stack(
         transports=(Transport.SHM,),
         engine=EngineConfig(max_model_len=1024, kv_cache_bytes=32 << 20),
     )
-    gateway = GatewayServer(
-        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0, api_key="")
-    )
-    await gateway.start()
+    gateway = await start_gateway(tiny_checkpoint, broker)
     yield gateway, encoder, language
     await gateway.stop()
     for server in (language, encoder, broker):
@@ -229,10 +226,7 @@ async def test_follow_ups_whose_pins_would_fill_the_cache_all_answer(
             max_model_len=max_model_len, kv_cache_bytes=2 * max_model_len * token_bytes
         ),
     )
-    gateway = GatewayServer(
-        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0, api_key="")
-    )
-    await gateway.start()
+    gateway = await start_gateway(tiny_checkpoint, broker)
     try:
         client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
 

@@ -28,7 +28,7 @@ from services.broker.placement import hrw_weight
 from services.broker.server import BrokerServer
 from services.encoder.pipeline import VIDEO_PART
 from services.encoder.server import EncoderServer
-from services.gateway.server import GatewayConfig, GatewayServer
+from services.gateway.server import GatewayServer
 from services.language.engine.config import EngineConfig
 from services.language.server import LanguageServer
 from services.loadgen.synthetic import encode_image, random_image, random_video
@@ -39,7 +39,7 @@ from services.wire.messages import BrokerMessage, media_key
 from services.wire.transport import Transport
 from tests.processes import epd_process
 from tests.reference import HfVideo, hf_greedy, hf_greedy_videos
-from tests.stack import MODEL, start_broker, start_encoder, start_language
+from tests.stack import MODEL, start_broker, start_encoder, start_gateway, start_language
 from tests.until import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -60,12 +60,9 @@ class Stack:
         self.broker, self.encoder, self.language, self.gateway = broker, encoder, language, gateway
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="module")
-async def stack(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[Stack]:
-    broker = await start_broker()
-    encoder = await start_encoder(tiny_checkpoint, triton, broker, cache_bytes=0)
-    language = await start_language(
-        tiny_checkpoint,
+async def _language(checkpoint: Path, broker: BrokerServer) -> LanguageServer:
+    return await start_language(
+        checkpoint,
         broker,
         transports=(Transport.SHM,),
         engine=EngineConfig(max_model_len=4096, kv_cache_bytes=64 << 20),
@@ -74,10 +71,23 @@ async def stack(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[St
         embedding_pool_tokens=400,
         embedding_block_size=400,
     )
-    gateway = GatewayServer(
-        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0, api_key="")
-    )
-    await gateway.start()
+
+
+def _doomed(checkpoint: Path, broker: BrokerServer, triton: TritonServer) -> list[str]:
+    """`epd encoder` as a process of its own, to be killed, its cache off."""
+    return [
+        "encoder", "--checkpoint", str(checkpoint), "--model-name", MODEL,
+        "--port", "0", "--broker", broker.address, "--triton", triton.config.grpc_url,
+        "--instance-id", DOOMED, "--cache-mb", "0",
+    ]  # fmt: skip
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def stack(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[Stack]:
+    broker = await start_broker()
+    encoder = await start_encoder(tiny_checkpoint, triton, broker, cache_bytes=0)
+    language = await _language(tiny_checkpoint, broker)
+    gateway = await start_gateway(tiny_checkpoint, broker)
     yield Stack(broker, encoder, language, gateway)
     await gateway.stop()
     for server in (language, encoder, broker):
@@ -99,14 +109,14 @@ class Case:
 TEXT = "Compare these."
 
 
-def _on_doomed(survivor: str, make: Callable[[int], list[bytes]]) -> tuple[int, list[bytes]]:
+def _on_doomed(survivor: str, make: Callable[[int], list[bytes]]) -> list[bytes]:
     """Items whose first one the broker places on the doomed encoder (the highest
-    rendezvous weight: neither encoder holds any of them), and their seed."""
+    rendezvous weight: neither encoder holds any of them)."""
     for seed in range(1000):
         items = make(seed)
         key = media_key(items[0])
         if hrw_weight(key, DOOMED) > hrw_weight(key, survivor):
-            return seed, items
+            return items
     raise AssertionError("no seed places the request on the doomed encoder")
 
 
@@ -115,7 +125,7 @@ def _images_case(checkpoint: Path, survivor: str, landed_images: int) -> Case:
         first = 10_000 * landed_images + 100 * seed
         return [encode_image(random_image(SIDE, SIDE, seed=first + i)) for i in range(NUM_IMAGES)]
 
-    _, items = _on_doomed(survivor, make)
+    items = _on_doomed(survivor, make)
     pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in items]
     parts = [{"type": "image_url", "image_url": {"url": _url(d, "image/png")}} for d in items]
     hf = [{"role": "user", "content": [*({"type": "image"} for _ in items), _text()]}]
@@ -129,7 +139,7 @@ def _video_case(checkpoint: Path, survivor: str) -> Case:
     def make(seed: int) -> list[bytes]:
         return [random_video(num_frames=50, width=SIDE, height=SIDE, fps=10, seed=seed)]
 
-    _, items = _on_doomed(survivor, make)
+    items = _on_doomed(survivor, make)
     pixels, grid = load_video(items[0], VideoRule.from_checkpoint(checkpoint))
     parts = [{"type": "video_url", "video_url": {"url": _url(items[0], "video/mp4")}}]
     hf = [{"role": "user", "content": [{"type": "video"}, _text()]}]
@@ -187,11 +197,7 @@ async def test_a_request_whose_encoder_dies_midway_is_finished_by_another(
         c = _images_case(tiny_checkpoint, survivor, int(case[0]))
     messages: list[dict[str, Any]] = [{"role": "user", "content": [*c.parts, _text()]}]
     client = AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key="none", max_retries=0)
-    args = [
-        "encoder", "--checkpoint", str(tiny_checkpoint), "--model-name", MODEL,
-        "--port", "0", "--broker", stack.broker.address, "--triton", triton.config.grpc_url,
-        "--instance-id", DOOMED, "--cache-mb", "0",
-    ]  # fmt: skip
+    args = _doomed(tiny_checkpoint, stack.broker, triton)
     survivor_infers = _infers(stack.encoder)
     with epd_process(args, tmp_path / "encoder.log") as process:
         registry = stack.broker.broker.registry
@@ -242,23 +248,9 @@ async def test_with_no_encoder_left_the_error_names_the_encoders(
     bounded time with a 503 that says no encoder is left (not that the language
     instance is missing), and the language instance gives back every block."""
     broker = await start_broker()
-    language = await start_language(
-        tiny_checkpoint,
-        broker,
-        transports=(Transport.SHM,),
-        engine=EngineConfig(max_model_len=4096, kv_cache_bytes=64 << 20),
-        embedding_pool_tokens=400,
-        embedding_block_size=400,
-    )
-    gateway = GatewayServer(
-        GatewayConfig(broker=broker.address, checkpoint=tiny_checkpoint, port=0, api_key="")
-    )
-    await gateway.start()
-    args = [
-        "encoder", "--checkpoint", str(tiny_checkpoint), "--model-name", MODEL,
-        "--port", "0", "--broker", broker.address, "--triton", triton.config.grpc_url,
-        "--instance-id", DOOMED, "--cache-mb", "0",
-    ]  # fmt: skip
+    language = await _language(tiny_checkpoint, broker)
+    gateway = await start_gateway(tiny_checkpoint, broker)
+    args = _doomed(tiny_checkpoint, broker, triton)
     pictures = [encode_image(random_image(SIDE, SIDE, seed=90_000 + i)) for i in range(3)]
     parts = [{"type": "image_url", "image_url": {"url": _url(p, "image/png")}} for p in pictures]
     client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
