@@ -60,11 +60,13 @@ class Stack:
         self.broker, self.encoder, self.language, self.gateway = broker, encoder, language, gateway
 
 
-async def _language(checkpoint: Path, broker: BrokerServer) -> LanguageServer:
+async def _language(
+    checkpoint: Path, broker: BrokerServer, transport: Transport = Transport.SHM
+) -> LanguageServer:
     return await start_language(
         checkpoint,
         broker,
-        transports=(Transport.SHM,),
+        transports=(transport,),
         engine=EngineConfig(max_model_len=4096, kv_cache_bytes=64 << 20),
         # receive blocks for one image at a time: each image lands as a part of
         # its own, whatever the encoder has ready, and the next waits for a Resume
@@ -82,16 +84,26 @@ def _doomed(checkpoint: Path, broker: BrokerServer, triton: TritonServer) -> lis
     ]  # fmt: skip
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="module")
-async def stack(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[Stack]:
+@contextlib.asynccontextmanager
+async def _stack(
+    checkpoint: Path, triton: TritonServer, transport: Transport
+) -> AsyncIterator[Stack]:
+    """A broker, the surviving encoder, a language instance that receives over
+    `transport` and a gateway."""
     broker = await start_broker()
-    encoder = await start_encoder(tiny_checkpoint, triton, broker, cache_bytes=0)
-    language = await _language(tiny_checkpoint, broker)
-    gateway = await start_gateway(tiny_checkpoint, broker)
+    encoder = await start_encoder(checkpoint, triton, broker, cache_bytes=0)
+    language = await _language(checkpoint, broker, transport)
+    gateway = await start_gateway(checkpoint, broker)
     yield Stack(broker, encoder, language, gateway)
     await gateway.stop()
     for server in (language, encoder, broker):
         await server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def stack(tiny_checkpoint: Path, triton: TritonServer) -> AsyncIterator[Stack]:
+    async with _stack(tiny_checkpoint, triton, Transport.SHM) as built:
+        yield built
 
 
 @dataclass(frozen=True)
@@ -190,6 +202,32 @@ async def test_a_request_whose_encoder_dies_midway_is_finished_by_another(
     monkeypatch: pytest.MonkeyPatch,
     case: str,
 ) -> None:
+    await _killed_midway(stack, tiny_checkpoint, triton, tmp_path, monkeypatch, case)
+
+
+@pytest.mark.parametrize("transport", [Transport.NIXL, Transport.GRPC], ids=lambda t: t.name)
+async def test_the_rest_comes_over_every_transport(
+    tiny_checkpoint: Path,
+    triton: TritonServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    transport: Transport,
+) -> None:
+    """3 of 6 images landed over NIXL or the gRPC stream, then the encoder was
+    killed: as over shared memory, another sends the rest and the answer is HF's."""
+    async with _stack(tiny_checkpoint, triton, transport) as stack:
+        await _killed_midway(stack, tiny_checkpoint, triton, tmp_path, monkeypatch, "3 of 6 images")
+
+
+async def _killed_midway(
+    stack: Stack,
+    tiny_checkpoint: Path,
+    triton: TritonServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    """The request of `case`, its encoder killed once the case's part landed."""
     survivor = stack.encoder.instance_id
     if case == "video":
         c = _video_case(tiny_checkpoint, survivor)
