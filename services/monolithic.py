@@ -20,7 +20,8 @@ from services.gateway.backend import GenerateCall, MediaData, Responses
 from services.gateway.errors import ApiError
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.config import EngineConfig
-from services.language.engine.engine import LLMEngine, RequestFailedError
+from services.language.engine.engine import LLMEngine
+from services.language.engine.outputs import RequestFailedError
 from services.language.engine.vision import VisionTower
 from services.language.frontend import Frontend, Media
 from services.layers.vision_tower import fuse_vision_tower

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from services.language.engine.engine import RequestOutput
 from services.language.engine.interface import Engine
+from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, new_request, prefilled_request
-from services.language.kv_handoff import KVHandoff, KVObserver, first_token, wire_first_tokens
+from services.language.kv_handoff import KVHandoff, KVObserver, wire_first_tokens
 from services.model.spec import ModelSpec
 from services.model.tokenizer import (
     ChatMessages,
@@ -66,9 +66,7 @@ from services.wire.request import (
     ImagePart,
     PrefillReply,
     SamplingParams,
-    TokenLogprob,
     ToolCall,
-    TopLogprob,
 )
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -210,13 +208,7 @@ def responses(output: RequestOutput, media_tokens: int) -> list[GenerateResponse
     """One engine output as stream messages: its chunk, then the completion if it is the last."""
     out = []
     if output.token_ids or output.text:
-        logprobs = tuple(
-            TokenLogprob(
-                lp.token_id, lp.token, lp.logprob, tuple(TopLogprob(*top) for top in lp.top)
-            )
-            for lp in output.logprobs
-        )
-        chunk = GenerateChunk(tuple(output.token_ids), output.text, logprobs)
+        chunk = GenerateChunk(tuple(output.token_ids), output.text, tuple(output.logprobs))
         out.append(GenerateResponse(output.request_id, chunk, output.index))
     if output.finish_reason is not None:
         complete = GenerateComplete(
@@ -411,10 +403,9 @@ class Frontend:
             rendered.grammar,
             rendered.cache_salt,
         )
-        firsts = [first_token(first) for first in meta.first_tokens]
         pads = {self.spec.image_token_id, self.spec.video_token_id}
         media_tokens = sum(token in pads for token in meta.prompt_token_ids)
-        async for output in self.engine.generate(engine_request, firsts):
+        async for output in self.engine.generate(engine_request, meta.first_tokens):
             if output.finished and output.index == 0:
                 _trace_engine(engine_request)
             for response in responses(output, media_tokens):
@@ -445,10 +436,10 @@ class Frontend:
             items = grids or (hints if known else [1] * len(hints))
             prompt = await self._tokenize(build_prompt, chat, items, tools)
         sampling = _resolved(request.sampling, self.engine.max_model_len - len(prompt.token_ids))
-        self.engine.check_sampling(sampling)
+        self.engine.checks.check_sampling(sampling)
         grammar = await self.engine.compile_grammar(sampling)
         if known:
-            self.engine.check_fits(len(prompt.token_ids), sampling.max_tokens)
+            self.engine.checks.check_fits(len(prompt.token_ids), sampling.max_tokens)
         return Rendered(
             request.request_id,
             chat,
@@ -542,7 +533,7 @@ class Frontend:
         if counts == rendered.hints and not any(g.frame_seconds for g in grids):
             return rendered
         prompt = await self._tokenize(build_prompt, rendered.chat, grids, rendered.tools)
-        self.engine.check_fits(len(prompt.token_ids), rendered.sampling.max_tokens)
+        self.engine.checks.check_fits(len(prompt.token_ids), rendered.sampling.max_tokens)
         return replace(rendered, prompt=prompt)
 
     def engine_request(self, rendered: Rendered, media: Media, streamed: bool = False) -> Request:

@@ -20,8 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.language.engine.async_engine import AsyncEngine
-from services.language.engine.engine import FirstToken, RequestOutput
-from services.language.engine.sampler import Sample
+from services.language.engine.outputs import RequestOutput
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.receiver_driver import ReceiverDriver
 from services.transfer.sender_driver import Held, SenderDriver
@@ -81,28 +80,10 @@ class KVSource:
         self.engine.release(request_id.removesuffix(messages.KV_TRANSFER_SUFFIX))
 
 
-def first_token(first: messages.FirstToken) -> FirstToken:
-    """The engine's first token from the wire's."""
-    top = list(zip(first.top_ids, first.top_logprobs, strict=True))
-    return FirstToken(Sample(first.token_id, first.logprob, top), first.generator_state or None)
-
-
 def wire_first_tokens(outputs: Sequence[RequestOutput]) -> tuple[messages.FirstToken, ...]:
     """Each choice's first token, in choice order, from its prefilled output."""
-    firsts = []
-    for output in sorted(outputs, key=lambda o: o.index):
-        assert output.prefilled is not None
-        sample, state = output.prefilled.first.sample, output.prefilled.first.generator_state
-        firsts.append(
-            messages.FirstToken(
-                sample.token_id,
-                sample.logprob,
-                tuple(t for t, _ in sample.top),
-                tuple(lp for _, lp in sample.top),
-                state or b"",
-            )
-        )
-    return tuple(firsts)
+    prefilled = [o.prefilled for o in sorted(outputs, key=lambda o: o.index)]
+    return tuple(p.first for p in prefilled if p is not None)
 
 
 @dataclass(frozen=True, slots=True)

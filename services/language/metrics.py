@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.language.engine.engine import StepStats
+from services.language.engine.outputs import StepStats
 from services.wire.transport import Transport
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

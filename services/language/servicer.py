@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from services.language.engine.engine import EngineLostError, RequestFailedError
+from services.language.engine.outputs import EngineLostError, RequestFailedError
 from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
 from services.proto import language_pb2, language_pb2_grpc

@@ -9,4 +9,5 @@ vision_tower.py    the vision towers Triton serves, with faster modules swapped 
 cpu_kernels.py     EPD's C kernels (csrc/): built on first use, loaded with ctypes
 cpu_decode.py      a decode step's decoder layers in one compiled call
 backends.py        which backend each `auto` choice resolves to on this machine
+build.py           the factory the engine calls: its network on those backends
 """

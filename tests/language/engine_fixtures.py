@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from services.language.engine.config import EngineConfig
-from services.language.engine.engine import LLMEngine, RequestOutput
+from services.language.engine.engine import LLMEngine
+from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.checkpoint import load_language_weights, load_vision_tower
@@ -142,7 +143,7 @@ def count_replays(engine: LLMEngine) -> list[int]:
 def top_tokens(outputs: list[RequestOutput]) -> list[tuple[int, dict[int, float]]]:
     """Per token: it and its top logprobs by id (what assert_close_to_hf compares)."""
     return [
-        (lp.token_id, {t: logprob for t, _, logprob in lp.top})
+        (lp.token_id, {top.token_id: top.logprob for top in lp.top})
         for o in outputs
         for lp in o.logprobs
     ]

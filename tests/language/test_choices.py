@@ -11,8 +11,9 @@ import pytest
 import torch
 import xgrammar
 
-from services.language.engine.engine import LLMEngine, RequestOutput
+from services.language.engine.engine import LLMEngine
 from services.language.engine.kv_cache import KVBlockManager, KVCache, KVCacheConfig
+from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, SamplingParams
 from services.loadgen.synthetic import random_image
 from services.model.spec import load_spec
@@ -186,7 +187,7 @@ def test_one_failed_choice_fails_the_request_and_frees_every_page(
 def test_n_beyond_the_batch_seats_is_refused(tiny_checkpoint: Path) -> None:
     engine = make_engine(tiny_checkpoint, max_num_seqs=4)
     with pytest.raises(ValueError, match="n \\(5\\) exceeds the 4 sequences"):
-        engine.check_sampling(SamplingParams(n=5))
+        engine.checks.check_sampling(SamplingParams(n=5))
 
 
 def test_seats_count_every_choice(tiny_checkpoint: Path) -> None:

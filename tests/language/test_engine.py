@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.language.engine.pacing import Pacing
 from services.language.engine.request import Request, SamplingParams
 from services.loadgen.synthetic import random_image
 from tests.language.engine_fixtures import (
@@ -234,9 +235,9 @@ def test_logprobs(tiny_checkpoint: Path, expected: list[list[int]]) -> None:
     assert [lp.token_id for lp in logprobs] == expected[0][:5]
     for lp in logprobs:
         assert len(lp.top) == 3
-        assert lp.top[0][0] == lp.token_id  # greedy: the sampled token is the most likely
-        assert lp.logprob == pytest.approx(lp.top[0][2])
-        assert all(a[2] >= b[2] for a, b in itertools.pairwise(lp.top))
+        assert lp.top[0].token_id == lp.token_id  # greedy: the sampled token is the most likely
+        assert lp.logprob == pytest.approx(lp.top[0].logprob)
+        assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(lp.top))
 
 
 def test_abort_frees_the_pages(tiny_checkpoint: Path) -> None:
@@ -263,16 +264,16 @@ def test_steps_run_on_fewer_threads_while_the_vision_side_encodes(tiny_checkpoin
     want = run_to_completion(make_engine(tiny_checkpoint), [request()])
     threads = torch.get_num_threads()
     engine = make_engine(tiny_checkpoint)
-    engine.config = dataclasses.replace(engine.config, threads_while_encoding=1)
+    engine.pacing = Pacing(dataclasses.replace(engine.config, threads_while_encoding=1))
     engine.add_request(request())
     try:
-        engine.encoding = True
+        engine.pacing.encoding = True
         first, _ = engine.step()
         assert torch.get_num_threads() == 1
-        engine.encoding = False
+        engine.pacing.encoding = False
         second, _ = engine.step()
         assert torch.get_num_threads() == threads
-        engine.encoding = True
+        engine.pacing.encoding = True
         rest = run_to_completion(engine, [])
     finally:
         torch.set_num_threads(threads)
@@ -287,7 +288,8 @@ def test_decode_steps_wait_their_interval_while_the_vision_side_encodes(
     tower gets that long however long the step took); a prompt to compute, or no
     encoding, holds nothing."""
     engine = make_engine(tiny_checkpoint)
-    engine.config = dataclasses.replace(engine.config, decode_interval_while_encoding_ms=200)
+    config = dataclasses.replace(engine.config, decode_interval_while_encoding_ms=200)
+    engine.pacing = Pacing(config)
     execute = engine.runner.execute
 
     def slow_execute(batch: Any) -> torch.Tensor:  # a step of at least 100 ms
@@ -297,13 +299,13 @@ def test_decode_steps_wait_their_interval_while_the_vision_side_encodes(
     engine.runner.execute = slow_execute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
-    engine.encoding = True
+    engine.pacing.encoding = True
     assert engine.step_delay() == 0.0  # its prompt is to compute
     engine.step()  # the prompt: a decode from now on
     assert 0.12 < engine.step_delay() <= 0.2  # counted from the step's end, not its start
-    engine.encoding = False
+    engine.pacing.encoding = False
     assert engine.step_delay() == 0.0
-    engine.encoding = True
+    engine.pacing.encoding = True
     engine.add_request(make_request(tiny_checkpoint, "b", chat("Hi"), [], params))
     assert engine.step_delay() == 0.0  # b's prompt goes at once
     time.sleep(0.2)

@@ -301,20 +301,20 @@ async def test_cancelled_generate_frees_everything(
 async def test_the_engine_is_told_while_requests_await_their_embeddings(
     stack: tuple[BrokerServer, EncoderServer, LanguageServer], tiny_checkpoint: Path
 ) -> None:
-    """LLMEngine.encoding (its steps' threads: EngineConfig.threads_while_encoding)
+    """Pacing.encoding (its steps' threads: EngineConfig.threads_while_encoding)
     is on from the first request awaiting its embeddings to the last one's end,
     whether that one got them or went away."""
     _, _, language = stack
     engine = language.engine.engine
-    assert not engine.encoding
+    assert not engine.pacing.encoding
     waiting = await awaiting_embeddings(language, "encoding-waits")
-    await until(lambda: engine.encoding)
+    await until(lambda: engine.pacing.encoding)
     image = encode_image(random_image(64, 64, seed=3))
     sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0)
     await generate(stack, tiny_checkpoint, "encoding-served", "What is it?", [image], sampling)
-    assert engine.encoding  # the first one still waits
+    assert engine.pacing.encoding  # the first one still waits
     waiting.cancel()
-    await until(lambda: not engine.encoding)
+    await until(lambda: not engine.pacing.encoding)
 
 
 async def test_abort_rpc_ends_the_stream(

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from services.language.engine.engine import LLMEngine, RequestOutput
+from services.language.engine.engine import LLMEngine
+from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, SamplingParams, prefilled_request
 from services.model.spec import load_spec
 from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from services.language.engine.engine import LLMEngine, RequestOutput
+from services.language.engine.engine import LLMEngine
 from services.language.engine.kv_cache import KVBlockManager, KVCacheConfig, _prefix_hashes
+from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, RequestStatus, new_request
 from services.loadgen.synthetic import random_image
 from services.model.spec import load_spec

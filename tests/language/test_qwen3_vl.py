@@ -85,8 +85,8 @@ def test_first_token_logprobs_match_hf(qwen3_checkpoint: Path, index: int) -> No
     sampling = SamplingParams(max_tokens=1, logprobs=True, top_logprobs=5)  # type: ignore[call-arg]
     request = make_request(qwen3_checkpoint, "lp", messages, images, sampling)  # type: ignore[arg-type]
     (logprob,) = [lp for o in run_to_completion(engine, [request])["lp"] for lp in o.logprobs]
-    for token_id, _, value in logprob.top:
-        assert value == pytest.approx(float(reference[token_id]), abs=1e-4)
+    for top in logprob.top:
+        assert top.logprob == pytest.approx(float(reference[top.token_id]), abs=1e-4)
 
 
 class _EagerGraphs:

@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.language.engine.engine import LLMEngine, RequestOutput
+from services.language.engine.engine import LLMEngine
+from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, SamplingParams, new_request
 from services.language.engine.scheduler import Scheduled
 from services.loadgen.synthetic import random_image

@@ -7,23 +7,19 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from services.language.engine.engine import FirstToken, LLMEngine, RequestOutput, StepStats
-from services.language.engine.interface import (
-    AbortRequest,
-    AddMedia,
-    AddRequest,
-    Encoding,
-    EngineHost,
-    OutputQueue,
-)
+from services.language.engine import loop
+from services.language.engine.engine import LLMEngine
+from services.language.engine.interface import EngineHost, OutputQueue
+from services.language.engine.loop import AbortRequest, AddMedia, AddRequest, Encoding, Reply
+from services.language.engine.outputs import RequestOutput, StepStats
 from services.language.engine.request import Request
 from services.transfer.state import PoolExhaustedError
+from services.wire.messages import FirstToken
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +104,7 @@ class AsyncEngine(EngineHost):
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._reservations: list[_Reservation] = []  # waiting for free pages, in order
         self._wake = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.load = engine.load()
@@ -121,8 +117,10 @@ class AsyncEngine(EngineHost):
         """Warms the engine up, then starts its loop: whoever serves it says
         serving only after this."""
         self.engine.warm_up()
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._event_loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(
+            target=loop.run, args=(self.engine, self), name="engine", daemon=True
+        )
         self._thread.start()
 
     async def stop(self) -> None:
@@ -131,92 +129,57 @@ class AsyncEngine(EngineHost):
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[Reply]) -> None:
         for request_id, item in items:
             q = self._queues.get(request_id)
             if q is not None:
                 q.put_nowait(item)
 
-    def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """Hands items to the event loop in one wake-up (one per step, not per request)."""
-        assert self._loop is not None
-        if items:
-            self._loop.call_soon_threadsafe(self._deliver, items)
+    # -- the loop's Host: on the engine thread --------------------------------------
 
-    def _run(self) -> None:
-        while not self._stopping:
-            self._drain_inbox()
-            if not self.engine.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            delay = self.engine.step_delay()
-            if delay:  # the step once due, or a message comes first
-                self._wake.wait(delay)
-                self._wake.clear()
-                continue
-            started = time.perf_counter()
-            try:
-                outputs, stats = self.engine.step()
-                self._reserve()
-            except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
-                logger.exception("engine step failed")
-                failed = list(self.engine.requests)
-                for request_id in failed:
-                    self.engine.abort_request(request_id)
-                self._send([(request_id, exc) for request_id in failed])
-                continue
-            finally:
-                self.load = self.engine.load()
-            self._send([(output.request_id, output) for output in outputs])
-            self._on_step(stats, time.perf_counter() - started)
+    def receive(self, timeout: float | None) -> list[object] | None:
+        if timeout != 0:
+            self._wake.wait(timeout)
+            self._wake.clear()
+        if self._stopping:
+            return None
+        messages: list[object] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                messages.append(self._inbox.get_nowait())
+        return messages
 
-    def _drain_inbox(self) -> None:
-        replies: list[tuple[str, RequestOutput | BaseException]] = []
-        drained = False
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            drained = True
-            match message:
-                case AddRequest(request):
-                    try:
-                        outputs = self.engine.add_request(request)
-                    except ValueError as exc:
-                        replies.append((request.request_id, exc))
-                    else:
-                        replies += [(request.request_id, output) for output in outputs]
-                case _AddPrefilled(request, firsts):
-                    try:
-                        outputs = self.engine.add_prefilled(request, firsts)
-                    except ValueError as exc:
-                        replies.append((request.request_id, exc))
-                    else:
-                        replies += [(request.request_id, output) for output in outputs]
-                case AddMedia(request_id, start, embeds, deepstack):
-                    outputs = self.engine.add_media(request_id, start, embeds, deepstack)
-                    replies += [(request_id, output) for output in outputs]
-                case AbortRequest(request_id):
-                    outputs = self.engine.abort_request(request_id)
-                    replies += [(request_id, output) for output in outputs]
-                case _Release(request_id):
-                    self.engine.release(request_id)
-                case Encoding(busy):
-                    self.engine.encoding = busy
-                case _Reserve(reservation):
-                    self._reservations.append(reservation)
-                case _Unreserve(reservation):
-                    reservation.gone = True
-                    if reservation.pages is not None:  # given as the caller gave up
-                        self.engine.blocks.allocator.free(reservation.pages)
-                case _FreePages(pages):
-                    self.engine.blocks.allocator.free(list(pages))
+    def apply(self, message: object) -> list[Reply]:
+        match message:
+            case _AddPrefilled(request, firsts):
+                try:
+                    return loop.replies(self.engine.add_prefilled(request, firsts))
+                except ValueError as exc:
+                    return [(request.request_id, exc)]
+            case _Release(request_id):
+                self.engine.release(request_id)
+            case _Reserve(reservation):
+                self._reservations.append(reservation)
+            case _Unreserve(reservation):
+                reservation.gone = True
+                if reservation.pages is not None:  # given as the caller gave up
+                    self.engine.blocks.allocator.free(reservation.pages)
+            case _FreePages(pages):
+                self.engine.blocks.allocator.free(list(pages))
+            case _:
+                return loop.apply(self.engine, message)
+        return []
+
+    def publish(self, replies: list[Reply], step: tuple[StepStats, float] | None) -> None:
+        """Pages to the reservations they free, then the replies to the event loop
+        in one wake-up (one per step, not per request)."""
         self._reserve()
-        if drained:  # a step publishes its own
-            self.load = self.engine.load()
-        self._send(replies)
+        self.load = self.engine.load()
+        assert self._event_loop is not None
+        if replies:
+            self._event_loop.call_soon_threadsafe(self._deliver, replies)
+        if step is not None:
+            self._on_step(*step)
 
     async def generate(
         self, request: Request, firsts: Sequence[FirstToken] = ()
@@ -252,8 +215,8 @@ class AsyncEngine(EngineHost):
                 return
             self._reservations.pop(0)
             reservation.pages = pages
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(_give, reservation.future, pages)
+            assert self._event_loop is not None
+            self._event_loop.call_soon_threadsafe(_give, reservation.future, pages)
 
     async def reserve_pages(self, num_tokens: int, wait_s: float) -> list[int]:
         """KV pages for num_tokens, out of any request's hands (a decode instance

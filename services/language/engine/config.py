@@ -1,5 +1,5 @@
 """EngineConfig: what an engine is built with (its `auto` backends resolve in
-services/layers/backends.py)."""
+services/layers/backends.py); RequestChecks: what a request must be to be taken."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.language.engine.request import Request
 from services.language.engine.scheduler import SchedulerConfig
+from services.layers.build import Backends
+from services.model.spec import ModelSpec
+from services.wire.request import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +60,39 @@ class EngineConfig:
     # demo (2 cores) one thread decodes as fast there as two, which stall on every
     # parallel region when the front end takes a core (docs/performance.md's history)
     decode_threads: int = 0
+
+    @property
+    def backends(self) -> Backends:
+        return Backends(self.attention, self.linear, self.ops, self.moe)
+
+
+class RequestChecks:
+    """What a request must be for an engine of this config and model to take it
+    (ValueError otherwise). They read only the immutable config and spec, so a
+    host calls them from its event loop before a request crosses to the engine."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
+        self.config = config
+        self.vocab_size = spec.text.vocab_size
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """The request fits the context (and so the cache, alone)."""
+        if num_prompt_tokens + max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context length of {self.config.max_model_len} tokens"
+            )
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """The token ids the parameters name are in the vocabulary, and its choices
+        fit a batch."""
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in params.token_ids):
+            raise ValueError(f"token ids in logit_bias and stop_token_ids must be in [0, {vocab})")
+        seats = self.config.scheduler.max_num_seqs
+        if params.n > seats:
+            raise ValueError(f"n ({params.n}) exceeds the {seats} sequences a batch holds")
+
+    def check(self, request: Request) -> None:
+        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.check_sampling(request.sampling)

@@ -1,18 +1,18 @@
 """LLMEngine: the loop `step()`: `scheduler.schedule() -> runner.execute() -> sample ->
 postprocess()` over the model, its paged KV cache, the scheduler and the sampler,
-stepped by one thread."""
+stepped by one thread. The network it runs is built in services/layers/build.py."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from services.language.engine.config import EngineConfig
+from services.language.engine.config import EngineConfig, RequestChecks
 from services.language.engine.detokenizer import IncrementalDetokenizer
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import (
@@ -22,97 +22,27 @@ from services.language.engine.kv_cache import (
     KVMemory,
     device_memory,
 )
+from services.language.engine.outputs import (
+    EngineLoad,
+    Prefilled,
+    RequestOutput,
+    StepStats,
+    first_token,
+    sample_of,
+    token_logprob,
+)
+from services.language.engine.pacing import Pacing
 from services.language.engine.request import Request, RequestStatus, new_request
 from services.language.engine.runner import ModelRunner
 from services.language.engine.sampler import Sample, Sampler, SamplingError
 from services.language.engine.scheduler import Scheduled, Scheduler
 from services.language.engine.vision import VisionTower
-from services.layers.attention import AttentionBackend, FlashInferAttention, TorchAttention
-from services.layers.backends import (
-    attention_backend,
-    linear_backend,
-    moe_backend,
-    ops_backend,
-)
-from services.layers.cpu_decode import compiled_decode
-from services.layers.cpu_kernels import (
-    BF16_KINDS,
-    bf16_linear,
-    bf16_prefill_attention,
-    f32_linear,
-    fused_ops,
-    kv_writer,
-    linear_kernel,
-    paged_decode_attention,
-)
-from services.layers.language_model import LanguageModel
-from services.layers.linear import (
-    pack_linears,
-    use_bf16_linears,
-    use_f32_linears,
-    use_linear_kernel,
-)
-from services.layers.moe import autotuning, fuse_experts
+from services.layers.build import build_network
 from services.model.spec import ModelSpec
+from services.wire.messages import FirstToken
 from services.wire.request import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: list[tuple[int, str, float]]
-
-
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    """A choice's first token, sampled by the instance that prefilled the prompt,
-    and its generator's state after it (a seeded choice goes on where it was)."""
-
-    sample: Sample
-    generator_state: bytes | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Prefilled:
-    """A hold_kv request's choice after its first token: the pages holding its
-    prompt's KV (kept until `release`) and that token."""
-
-    pages: tuple[int, ...]
-    first: FirstToken
-
-
-class RequestFailedError(RuntimeError):
-    """The engine ended this one request with an error (the others go on)."""
-
-
-class EngineLostError(RequestFailedError):
-    """The engine's process died: what it ran is lost; another instance may serve it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    error: str | None = None  # set on the last output of a request that failed
-    index: int = 0  # the choice, for n > 1
-    num_cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
-    prefilled: Prefilled | None = None  # the last output of a hold_kv request's choice
-    # the answer to a request that pins its prefix, as it is added: the media
-    # tokens its cached pages cover (no token yet)
-    num_media_held: int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.prefilled is not None
 
 
 def _mark_started(batch: list[Scheduled], now: float) -> None:
@@ -124,48 +54,6 @@ def _mark_started(batch: list[Scheduled], now: float) -> None:
             request.first_scheduled_time = now
         if request.num_computed_tokens < request.num_prompt_tokens:
             request.num_prefill_steps += 1
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    num_tokens: int  # tokens computed this step
-    num_generated: int
-    ttfts: list[float]  # seconds, for requests that got their first token this step
-    tpots: list[float]  # seconds per output token, for requests that finished this step
-    num_cached_tokens: int = 0  # tokens admitted from the prefix cache this step
-    num_cached_media_tokens: int = 0  # of those, images' and videos'
-    threads: int = 0  # the OpenMP threads it ran on
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """What the engine holds, as of its last step or inbox drain: published by
-    the engine thread as one immutable value, so any thread reads it whole."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_shared: int = 0
-
-
-def check_fits(config: EngineConfig, num_prompt_tokens: int, max_tokens: int) -> None:
-    """ValueError unless the request fits the context (and so the cache, alone)."""
-    if num_prompt_tokens + max_tokens > config.max_model_len:
-        raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-            f"context length of {config.max_model_len} tokens"
-        )
-
-
-def check_sampling(spec: ModelSpec, config: EngineConfig, params: SamplingParams) -> None:
-    """ValueError unless the token ids the parameters name are in the vocabulary
-    and its choices fit a batch."""
-    vocab = spec.text.vocab_size
-    if any(not 0 <= t < vocab for t in params.token_ids):
-        raise ValueError(f"token ids in logit_bias and stop_token_ids must be in [0, {vocab})")
-    seats = config.scheduler.max_num_seqs
-    if params.n > seats:
-        raise ValueError(f"n ({params.n}) exceeds the {seats} sequences a batch holds")
 
 
 class LLMEngine:
@@ -194,101 +82,31 @@ class LLMEngine:
                 f"the KV cache holds {kv_config.num_tokens} tokens, less than max_model_len "
                 f"{config.max_model_len}: raise kv_cache_bytes or lower max_model_len"
             )
-        model, fused_moe = self._model(weights, device)
-        attention = self._attention(device)
-        # capturable: FlashInfer attention, and MoE experts without host syncs
-        graphs = (
-            config.cuda_graphs
-            and isinstance(attention, FlashInferAttention)
-            and (spec.text.moe is None or fused_moe)
+        network = build_network(
+            spec.text,
+            weights,
+            device,
+            config.dtype,
+            config.backends,
+            config.scheduler.max_num_batched_tokens,
         )
+        graphs = config.cuda_graphs and network.capturable
         kv_cache = KVCache(spec.text, kv_config, device, spare_pages=int(graphs), memory=kv_memory)
-        self.runner = ModelRunner(model, kv_cache, attention, device, config.dtype)
+        self.runner = ModelRunner(network, kv_cache, device, config.decode_layers)
         if graphs:
             self.runner.use_graphs(config.scheduler.max_num_seqs, config.max_model_len)
-        self.runner.decode = compiled_decode(
-            config.decode_layers,
-            model,
-            attention,
-            self.runner.kv_cache.layers,
-            kv_config.page_size,
-            config.dtype,
-        )
         self.blocks = KVBlockManager(kv_config, config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_model_len)
         self.sampler = Sampler(set(spec.eos_token_ids))
         self.grammars = Grammars(tokenizer, spec)
+        self.checks = RequestChecks(config, spec)
         self.requests: dict[str, list[Request]] = {}  # each request's choices
         self.held: dict[str, list[Request]] = {}  # PREFILLED choices, until `release`
         self.detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.eos = set(spec.eos_token_ids)
         self.vision = vision
-        # set by the loop's owner while requests await embeddings: `_pace_threads`, `step_delay`
-        self.encoding = False
-        self._last_step = 0.0  # when the last step ended (time.monotonic)
+        self.pacing = Pacing(config)
         self._stalled = False  # the last step computed nothing, and no news came since
-        self._threads = torch.get_num_threads()
-        self._decode_threads = min(config.decode_threads or self._threads, self._threads)
-
-    def _model(
-        self, weights: dict[str, torch.Tensor], device: torch.device
-    ) -> tuple[LanguageModel, bool]:
-        """The model in the config's dtype, with the backends its `auto` choices
-        resolve to (experts, projections, fused operations); and whether its MoE
-        experts are FlashInfer's fused ones."""
-        config, spec = self.config, self.spec
-        for name, tensor in weights.items():
-            weights[name] = tensor.to(config.dtype)
-        model = LanguageModel.from_weights(spec.text, weights, device)
-        fused_moe = (
-            spec.text.moe is not None
-            and moe_backend(config.moe, config.dtype, device) == "flashinfer"
-        )
-        if fused_moe:
-            fuse_experts(model, config.scheduler.max_num_batched_tokens)
-        linear = linear_backend(config.linear, config.dtype, device)
-        if linear == "onednn":
-            pack_linears(model)
-        elif linear == "cpu":
-            kernel = linear_kernel()
-            assert kernel is not None  # linear_backend checked
-            use_linear_kernel(model, kernel)
-        elif linear == "avx512":
-            f32 = f32_linear()
-            assert f32 is not None  # linear_backend checked
-            use_f32_linears(model, f32)
-        elif linear in BF16_KINDS:
-            bf16 = bf16_linear(linear)
-            assert bf16 is not None  # linear_backend checked
-            use_bf16_linears(model, bf16)
-        if ops_backend(config.ops, config.dtype, device) == "cpu":
-            ops = fused_ops()
-            assert ops is not None  # ops_backend checked
-            model.use_fused_ops(ops)
-        return model, fused_moe
-
-    def _attention(self, device: torch.device) -> AttentionBackend:
-        t = self.spec.text
-        scale = t.head_dim**-0.5
-        backend = attention_backend(self.config.attention, self.config.dtype, device)
-        if backend == "flashinfer":
-            return FlashInferAttention(
-                t.num_heads, t.num_kv_heads, t.head_dim, scale, self.config.dtype, device
-            )
-        if backend != "cpu":
-            return TorchAttention(scale)
-        prefill = bf16_prefill_attention() if self.config.dtype == torch.bfloat16 else None
-        return TorchAttention(scale, paged_decode_attention(), prefill, kv_writer())
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        check_fits(self.config, num_prompt_tokens, max_tokens)
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        check_sampling(self.spec, self.config, params)
-
-    def check(self, request: Request) -> None:
-        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
-        self.check_sampling(request.sampling)
 
     def add_request(self, request: Request) -> list[RequestOutput]:
         """Queues a request. One that pins its prefix takes its cached pages now
@@ -302,24 +120,12 @@ class LLMEngine:
         held = self.scheduler.pin(request)
         for choice in request.forks:
             choice.num_media_ready = choice.num_media_held = held
-        cached = request.num_computed_tokens
-        return [
-            RequestOutput(
-                request.request_id,
-                [],
-                "",
-                [],
-                None,
-                request.num_prompt_tokens,
-                0,
-                num_cached_tokens=cached,
-                num_media_held=held,
-            )
-        ]
+        answer = RequestOutput(request.request_id, [], "", [], None, request.num_prompt_tokens, 0)
+        return [replace(answer, num_cached_tokens=request.num_computed_tokens, num_media_held=held)]
 
     def _register(self, request: Request) -> None:
         """Its choices, and a detokenizer each."""
-        self.check(request)
+        self.checks.check(request)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.forks = [request.choice(index) for index in range(1, request.sampling.n)]
@@ -349,14 +155,14 @@ class LLMEngine:
             if choice is not request:
                 self.blocks.share(request, choice)
             choice.num_computed_tokens = request.num_prompt_tokens
-            if first.generator_state is not None and choice.generator is not None:
+            if first.generator_state and choice.generator is not None:
                 choice.generator.set_state(
                     torch.frombuffer(bytearray(first.generator_state), dtype=torch.uint8)
                 )
             self.scheduler.add(choice)
         for choice, first in zip(choices, firsts, strict=True):
             try:
-                outputs.append(self._advance(choice, first.sample, now, [], []))
+                outputs.append(self._advance(choice, sample_of(first), now, [], []))
             except Exception as exc:  # the first token breaks its grammar
                 return [self._fail(choice, str(exc))]
         return outputs
@@ -407,14 +213,8 @@ class LLMEngine:
         return not self._stalled and self.scheduler.has_work()
 
     def step_delay(self) -> float:
-        """Seconds to hold the next step: while requests await their embeddings, a
-        step that would only decode waits config.decode_interval_while_encoding_ms
-        after the last one ended: a vision tower on these cores gets that long
-        however long a step takes."""
-        interval = self.config.decode_interval_while_encoding_ms / 1000
-        if not (interval and self.encoding) or self.scheduler.has_prefill_work():
-            return 0.0
-        return max(0.0, self._last_step + interval - time.monotonic())
+        """Seconds to hold the next step (Pacing.delay)."""
+        return self.pacing.delay(self.scheduler.has_prefill_work())
 
     def warm_up(self) -> None:
         """Two short requests through a prefill-only, a mixed and a decode-only
@@ -426,7 +226,7 @@ class LLMEngine:
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)
         length = min(16, self.config.max_model_len - sampling.max_tokens)
         text = self.tokenizer.encode("An engine warms up. " * length, add_special_tokens=False)
-        with autotuning(self.runner.model):
+        with self.runner.tuning():
             for i in range(2):
                 ids = text[: length >> i]
                 self.add_request(new_request(f"warm-up-{i}", ids, sampling, self.spec))
@@ -445,16 +245,35 @@ class LLMEngine:
         )
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
-        if self.vision is not None:  # the tower's threads, as a prompt step's
-            self._pace_threads()
+        """One step of the request lifecycle (docs/architecture.md, step 8):
+        schedule, execute, sample, postprocess."""
+        self._encode_pixels()
+        batch, lost, stats = self._schedule()
+        outputs: list[RequestOutput] = []
+        if batch:
+            logits = self.runner.execute(batch)
+            batch, logits = self._fork(batch, logits)
+            samples = self.sampler.sample(logits, [s.request for s in batch if s.samples])
+            outputs, stats = self.postprocess(batch, samples, stats)
+        self.pacing.last_step = time.monotonic()
+        return lost + outputs, stats
+
+    def _encode_pixels(self) -> None:
+        """The monolithic baseline's tower encodes the waiting requests' images,
+        on the threads of a prompt step."""
+        if self.vision is not None:
+            self.pacing.set_threads()
             self.vision.encode_pending(self.scheduler.waiting)
+
+    def _schedule(self) -> tuple[list[Scheduled], list[RequestOutput], StepStats]:
+        """This step's batch (its pages' pending copies made, its threads set), the
+        requests it lost, and what it took from the prefix cache. A step that
+        computes nothing and changes nothing stalls the engine until news."""
         hits, media_hits = self.blocks.num_hit_tokens, self.blocks.num_hit_media_tokens
         preemptions = self.scheduler.num_preemptions
         batch = ModelRunner.order(self.scheduler.schedule())
-        self._pace_threads(batch)
+        self.pacing.set_threads(batch)
         _mark_started(batch, time.monotonic())
-        cached = self.blocks.num_hit_tokens - hits
-        cached_media = self.blocks.num_hit_media_tokens - media_hits
         lost = [
             self._fail(
                 r,
@@ -463,32 +282,19 @@ class LLMEngine:
             )
             for r in self.scheduler.take_lost()
         ]
-        if batch:
-            self.runner.kv_cache.copy_pages(self.blocks.take_copies())
-            logits = self.runner.execute(batch)
-            batch, logits = self._fork(batch, logits)
-            sampling = [s.request for s in batch if s.samples]
-            samples = self.sampler.sample(logits, sampling)
-            outputs, stats = self.postprocess(batch, samples)
-        else:
-            outputs, stats = [], self._stats([], [], [])
+        self.runner.kv_cache.copy_pages(self.blocks.take_copies())
+        if not batch:
             self._stalled = not lost and preemptions == self.scheduler.num_preemptions
-        stats = replace(stats, num_cached_tokens=cached, num_cached_media_tokens=cached_media)
-        self._last_step = time.monotonic()
-        return lost + outputs, stats
-
-    def _pace_threads(self, batch: Sequence[Scheduled] = ()) -> None:
-        """The step's OpenMP threads: all, or config.decode_threads for a batch
-        that only decodes, and at most config.threads_while_encoding while the
-        vision side computes for us. torch.set_num_threads holds for the calling
-        thread, which is the one that steps."""
-        decodes = bool(batch) and sum(s.num_tokens for s in batch) == len(batch)
-        threads = self._decode_threads if decodes else self._threads
-        fewer = self.config.threads_while_encoding
-        if self.encoding and fewer:
-            threads = min(threads, fewer)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        stats = StepStats(
+            0,
+            0,
+            [],
+            [],
+            num_cached_tokens=self.blocks.num_hit_tokens - hits,
+            num_cached_media_tokens=self.blocks.num_hit_media_tokens - media_hits,
+            threads=torch.get_num_threads(),
+        )
+        return batch, lost, stats
 
     def _fork(
         self, batch: list[Scheduled], logits: torch.Tensor
@@ -512,8 +318,10 @@ class LLMEngine:
         return batch + forked, logits[rows]
 
     def postprocess(
-        self, batch: list[Scheduled], samples: list[Sample | SamplingError]
+        self, batch: list[Scheduled], samples: list[Sample | SamplingError], stats: StepStats
     ) -> tuple[list[RequestOutput], StepStats]:
+        """Each request's computed tokens counted and cached, its sample taken (or
+        its failure), and the step's figures added to `stats`."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         ttfts: list[float] = []
@@ -534,7 +342,14 @@ class LLMEngine:
             except Exception as exc:  # this request's failure, not the batch's
                 logger.warning("request %s failed: %s", request.request_id, exc)
                 outputs.append(self._fail(request, str(exc)))
-        return outputs, self._stats(batch, ttfts, tpots)
+        stats = replace(
+            stats,
+            num_tokens=sum(s.num_tokens for s in batch),
+            num_generated=sum(1 for s in batch if s.samples),
+            ttfts=ttfts,
+            tpots=tpots,
+        )
+        return outputs, stats
 
     def _advance(
         self, request: Request, sample: Sample, now: float, ttfts: list[float], tpots: list[float]
@@ -603,21 +418,11 @@ class LLMEngine:
     ) -> RequestOutput:
         key = (request.request_id, request.index)
         detok = self.detokenizers[key]
-        logprobs = [
-            TokenLogprob(
-                s.token_id,
-                detok.token_text(s.token_id),
-                s.logprob,
-                [(t, detok.token_text(t), lp) for t, lp in s.top],
-            )
-            for s in samples
-            if s.logprob is not None
-        ]
+        logprobs = [token_logprob(s, detok.token_text) for s in samples if s.logprob is not None]
         text = detok.take(final)
         prefilled = None
         if request.status is RequestStatus.PREFILLED:
-            state = request.generator.get_state() if request.generator is not None else None
-            first = FirstToken(samples[0], None if state is None else state.numpy().tobytes())
+            first = first_token(samples[0], request.generator)
             prefilled = Prefilled(tuple(request.block_table), first)
         if final:
             del self.detokenizers[key]
@@ -634,13 +439,4 @@ class LLMEngine:
             index=request.index,
             prefilled=prefilled,
             num_cached_tokens=request.num_cached_tokens,
-        )
-
-    def _stats(self, batch: list[Scheduled], ttfts: list[float], tpots: list[float]) -> StepStats:
-        return StepStats(
-            num_tokens=sum(s.num_tokens for s in batch),
-            num_generated=sum(1 for s in batch if s.samples),
-            ttfts=ttfts,
-            tpots=tpots,
-            threads=torch.get_num_threads(),
         )

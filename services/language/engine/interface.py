@@ -1,7 +1,7 @@
-"""What the language service asks of an engine, and the messages an engine's host
-sends it: the interface that AsyncEngine (async_engine.py: the loop on a thread of
-this process) and EngineProcess (process.py: the loop in a child process) both
-implement, and the part of it they share (EngineHost)."""
+"""What the language service asks of an engine: the interface that AsyncEngine
+(async_engine.py: the loop on a thread of this process) and EngineProcess
+(process.py: the loop in a child process) both implement, and the part of it
+they share (EngineHost); the loop itself is loop.py's."""
 
 from __future__ import annotations
 
@@ -12,48 +12,13 @@ from typing import Any, Protocol
 
 import torch
 
-from services.language.engine.config import EngineConfig
-from services.language.engine.engine import (
-    EngineLoad,
-    FirstToken,
-    RequestFailedError,
-    RequestOutput,
-    check_fits,
-    check_sampling,
-)
+from services.language.engine.config import EngineConfig, RequestChecks
 from services.language.engine.grammar import Grammars
+from services.language.engine.outputs import EngineLoad, RequestFailedError, RequestOutput
 from services.language.engine.request import Request
 from services.model.spec import ModelSpec
+from services.wire.messages import FirstToken
 from services.wire.request import SamplingParams
-
-# What an engine's host sends it (AsyncEngine's inbox, EngineProcess's pipe)
-
-
-@dataclass(frozen=True, slots=True)
-class AddRequest:
-    request: Request
-
-
-@dataclass(frozen=True, slots=True)
-class AddMedia:
-    """Streamed embeddings of a request's media tokens from `start` on (LLMEngine.add_media)."""
-
-    request_id: str
-    start: int
-    embeds: torch.Tensor
-    deepstack: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Encoding:
-    """Whether requests of this instance await their embeddings (LLMEngine.encoding)."""
-
-    busy: bool
 
 
 @dataclass(slots=True)
@@ -83,6 +48,7 @@ class Engine(Protocol):
     child process). `load`: the engine's as of its last step."""
 
     load: EngineLoad
+    checks: RequestChecks
 
     @property
     def max_model_len(self) -> int: ...
@@ -92,10 +58,6 @@ class Engine(Protocol):
 
     @property
     def num_requests(self) -> int: ...
-
-    def check_sampling(self, params: SamplingParams) -> None: ...
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None: ...
 
     async def compile_grammar(self, params: SamplingParams) -> Any: ...
 
@@ -131,23 +93,17 @@ class EngineHost:
         self.config = config
         self.spec = spec
         self.grammars = grammars
+        self.checks = RequestChecks(config, spec)
         self._queues: dict[str, OutputQueue] = {}
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    def check_sampling(self, params: SamplingParams) -> None:
-        check_sampling(self.spec, self.config, params)
-
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        check_fits(self.config, num_prompt_tokens, max_tokens)
-
     def check(self, request: Request) -> None:
-        """A request this engine can take: it fits, its sampling is valid, and its
-        id is not one in flight (ValueError otherwise)."""
-        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
-        self.check_sampling(request.sampling)
+        """A request this engine can take: it passes the checks, and its id is not
+        one in flight (ValueError otherwise)."""
+        self.checks.check(request)
         if request.request_id in self._queues:
             raise ValueError(f"duplicate request id {request.request_id!r}")
 

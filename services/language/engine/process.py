@@ -32,7 +32,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -42,28 +41,18 @@ from typing import Any
 
 import torch
 
+from services.language.engine import loop
 from services.language.engine.config import EngineConfig
-from services.language.engine.engine import (
-    EngineLoad,
-    EngineLostError,
-    FirstToken,
-    LLMEngine,
-    RequestOutput,
-    StepStats,
-)
+from services.language.engine.engine import LLMEngine
 from services.language.engine.grammar import Grammars
-from services.language.engine.interface import (
-    AbortRequest,
-    AddMedia,
-    AddRequest,
-    Encoding,
-    EngineHost,
-    OutputQueue,
-)
+from services.language.engine.interface import EngineHost, OutputQueue
+from services.language.engine.loop import AbortRequest, AddMedia, AddRequest, Encoding, Reply
+from services.language.engine.outputs import EngineLoad, EngineLostError, RequestOutput, StepStats
 from services.language.engine.request import Request
 from services.model.spec import ModelSpec
 from services.runtime import env, logs
 from services.runtime.malloc import keep_freed_memory
+from services.wire.messages import FirstToken
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +184,8 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> None:
     engine = LLMEngine(spec, weights, load_tokenizer(start.checkpoint), start.config)
     engine.warm_up()
     _put(conn, _Ready(engine.blocks.allocator.num_blocks, engine.load()))
-    _EngineLoop(engine, conn).run()
+    with contextlib.suppress(EOFError, OSError):  # the parent closed the pipe, or is gone
+        loop.run(engine, _Child(engine, conn))
     # Done: leave without the interpreter's teardown (torch's and the thread pools'
     # state cost seconds of CPU to free, which a stack stopping at once pays in wall
     # time; services.launcher.cli.exit_now does the same for every epd process).
@@ -203,84 +193,45 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> None:
     os._exit(0)
 
 
-class _EngineLoop:
-    """The child's loop: the pipe's messages, then a step, while there is work."""
+class _Child:
+    """The loop's Host in the child: messages from the pipe, replies into it (with
+    the timing of each request's choice 0 as it finishes)."""
 
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
         self.requests: dict[str, Request] = {}  # choice 0 of each, for its timing
 
-    def run(self) -> None:
-        try:
-            while True:
-                if not self.engine.has_work():
-                    self.conn.poll(None)  # a message, or EOF
-                items = self._drain()
-                if not self.engine.has_work():
-                    self._send(_Outputs(items, self.engine.load()))
-                    continue
-                delay = self.engine.step_delay()
-                if delay:  # its outputs now; the step once due (or a message comes)
-                    self._send(_Outputs(items, self.engine.load()))
-                    self.conn.poll(delay)
-                    continue
-                started = time.perf_counter()
-                outputs, stats = self._step()
-                seconds = time.perf_counter() - started
-                self._send(_Outputs(items + outputs, self.engine.load(), (stats, seconds)))
-        except (EOFError, OSError):  # the parent closed the pipe, or is gone
-            return
-
-    def _send(self, outputs: _Outputs) -> None:
-        if outputs.items or outputs.step is not None:
-            _put(self.conn, outputs)
-
-    def _drain(self) -> list[_Item]:
-        items: list[_Item] = []
+    def receive(self, timeout: float | None) -> list[object]:
+        """Raises EOFError (or OSError) once the parent has closed the pipe or died."""
+        if timeout != 0:
+            self.conn.poll(timeout)  # a message, or EOF
+        messages = []
         while self.conn.poll():
-            match _get(self.conn):
-                case AddRequest(request):
-                    request = _restored(request, self.engine.grammars)
-                    try:
-                        outputs = self.engine.add_request(request)
-                    except ValueError as exc:
-                        items.append((request.request_id, exc, None))
-                    else:
-                        self.requests[request.request_id] = request
-                        items += self._items(outputs)
-                case AddMedia(request_id, start, embeds, deepstack):
-                    items += self._items(
-                        self.engine.add_media(request_id, start, embeds, deepstack)
-                    )
-                case AbortRequest(request_id):
-                    items += self._items(self.engine.abort_request(request_id))
-                case Encoding(busy):
-                    self.engine.encoding = busy
-        return items
+            messages.append(_get(self.conn))
+        return messages
 
-    def _step(self) -> tuple[list[_Item], StepStats]:
-        try:
-            outputs, stats = self.engine.step()
-        except Exception as exc:  # a bug, not bad input: fail what is running, keep serving
-            logger.exception("engine step failed")
-            failed = list(self.engine.requests)
-            for request_id in failed:
-                self.engine.abort_request(request_id)
-                self.requests.pop(request_id, None)
-            error = RuntimeError(f"engine step failed: {exc}")
-            return [(request_id, error, None) for request_id in failed], StepStats(0, 0, [], [])
-        return self._items(outputs), stats
+    def apply(self, message: object) -> list[Reply]:
+        if isinstance(message, AddRequest):
+            request = _restored(message.request, self.engine.grammars)
+            self.requests[request.request_id] = request
+            message = AddRequest(request)
+        return loop.apply(self.engine, message)
 
-    def _items(self, outputs: list[RequestOutput]) -> list[_Item]:
-        items: list[_Item] = []
-        for output in outputs:
-            timing = None
-            if output.finished and output.index == 0:
-                request = self.requests.pop(output.request_id, None)
-                timing = _timing(request) if request is not None else None
-            items.append((output.request_id, output, timing))
-        return items
+    def publish(self, replies: list[Reply], step: tuple[StepStats, float] | None) -> None:
+        if replies or step is not None:
+            _put(
+                self.conn,
+                _Outputs([self._item(*reply) for reply in replies], self.engine.load(), step),
+            )
+
+    def _item(self, request_id: str, item: RequestOutput | Exception) -> _Item:
+        timing = None
+        if isinstance(item, Exception) or (item.finished and item.index == 0):
+            request = self.requests.pop(request_id, None)
+            if request is not None and not isinstance(item, Exception):
+                timing = _timing(request)
+        return request_id, item, timing
 
 
 # -- the parent --------------------------------------------------------------------

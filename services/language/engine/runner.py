@@ -10,6 +10,8 @@ and returns the logits of the requests that sample this step.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from services.language.engine.cuda_graphs import DecodeGraphs
@@ -21,8 +23,9 @@ from services.layers.attention import (
     AttentionMetadata,
     FlashInferAttention,
 )
+from services.layers.build import Network, autotuning
 from services.layers.cpu_decode import CompiledDecode
-from services.layers.language_model import Deepstack, LanguageModel, MRotaryEmbedding
+from services.layers.language_model import Deepstack, MRotaryEmbedding
 
 
 def _positions(request: Request, start: int, end: int) -> torch.Tensor | range:
@@ -48,22 +51,20 @@ def _stacked(parts: list[torch.Tensor | range]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(
-        self,
-        model: LanguageModel,
-        kv_cache: KVCache,
-        attention: AttentionBackend,
-        device: torch.device,
-        dtype: torch.dtype,
+        self, network: Network, kv_cache: KVCache, device: torch.device, decode_layers: str
     ) -> None:
-        self.model = model
+        """`decode_layers`: EngineConfig's choice of how a decode-only step runs."""
+        self.model = network.model
         self.kv_cache = kv_cache
-        self.attention = attention
+        self.attention = network.attention
         self.device = device
-        self.dtype = dtype
-        self.rotary = MRotaryEmbedding(model.spec, device)
+        self.dtype = network.dtype
+        self.rotary = MRotaryEmbedding(network.model.spec, device)
         self.page_size = kv_cache.config.page_size
         self.graphs: DecodeGraphs | None = None
-        self.decode: CompiledDecode | None = None  # the engine sets it where it runs
+        self.decode: CompiledDecode | None = network.compiled_decode(
+            decode_layers, kv_cache.layers, self.page_size
+        )
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Decode steps from CUDA graphs once `graphs.capture()` has run (FlashInfer
@@ -86,6 +87,10 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
+
+    def tuning(self) -> contextlib.AbstractContextManager[None]:
+        """Around the warm-up: FlashInfer's fused MoE shapes are autotuned there."""
+        return autotuning(self.model)
 
     def _forward(
         self,
