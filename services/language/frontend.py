@@ -45,7 +45,7 @@ import torch
 from services.language.engine.interface import Engine
 from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, new_request, prefilled_request
-from services.language.kv_handoff import KVHandoff, KVObserver, wire_first_tokens
+from services.language.kv_handoff import KVHandoff, KVObserver
 from services.model.spec import ModelSpec
 from services.model.tokenizer import (
     ChatMessages,
@@ -259,6 +259,15 @@ def _trace_engine(request: Request) -> None:
         tracing.record("engine.decode", first, ended, None, tokens=decoded, tpot_ms=tpot_ms)
 
 
+class _HintsDiffer(Exception):
+    """A streamed request's real grids differ from its hints: it runs again with
+    these media, received whole."""
+
+    def __init__(self, media: Media) -> None:
+        super().__init__("the media's grids differ from their hints")
+        self.media = media
+
+
 class Frontend:
     def __init__(
         self,
@@ -296,40 +305,48 @@ class Frontend:
         self, rendered: Rendered, hold_kv: bool = False
     ) -> AsyncIterator[tuple[Request, RequestOutput]]:
         """A rendered request through the engine, with the request each output is
-        of: its media received first, or, where its grids were hinted, fed to it
-        while it runs (and received first after all if one differs from its hint)."""
-        media: Media | None = None
+        of: run while its media arrive where their grids were hinted, and run
+        again with its media all received if a real grid differs from its hint."""
         if rendered.hints and rendered.grids is not None and self.prefill_while_encoding:
-            engine_request = self.engine_request(rendered, Media(rendered.grids), streamed=True)
-            engine_request.hold_kv = hold_kv
-            held = asyncio.get_running_loop().create_future() if engine_request.pin_prefix else None
-            feeding = asyncio.create_task(self.feed(rendered, held))
             try:
-                async with contextlib.aclosing(self.engine.generate(engine_request)) as outputs:
-                    async for output in outputs:
-                        if output.num_media_held is not None:  # the engine's first answer
-                            assert held is not None
-                            held.set_result(output.num_media_held)
-                            continue
-                        # the feed's error, or the media whose grids differ, ends
-                        # this request (nothing was sampled: the feed aborted it)
-                        media = feeding.result() if feeding.done() else None
-                        if media is not None:
-                            break
-                        yield engine_request, output
-                    else:
-                        return
-            finally:
-                if not feeding.done():
-                    feeding.cancel()
-                    await asyncio.wait([feeding])
-        if media is None:
+                async for pair in self._run_streamed(rendered, hold_kv):
+                    yield pair
+                return
+            except _HintsDiffer as differ:
+                media = differ.media
+        else:
             media = await self.receive(rendered) if rendered.hints else Media()
         rendered = await self.rebuild(rendered, media.grids) if rendered.hints else rendered
         engine_request = self.engine_request(rendered, media)
         engine_request.hold_kv = hold_kv
         async for pair in self.outputs(engine_request):
             yield pair
+
+    async def _run_streamed(
+        self, rendered: Rendered, hold_kv: bool
+    ) -> AsyncIterator[tuple[Request, RequestOutput]]:
+        """The request run while `feed` hands it each part of its media as it
+        lands; _HintsDiffer, with the media received, where a grid differs from
+        its hint (the feed aborted the request before anything was sampled)."""
+        assert rendered.grids is not None
+        engine_request = self.engine_request(rendered, Media(rendered.grids), streamed=True)
+        engine_request.hold_kv = hold_kv
+        held = asyncio.get_running_loop().create_future() if engine_request.pin_prefix else None
+        feeding = asyncio.create_task(self.feed(rendered, held))
+        try:
+            async with contextlib.aclosing(self.engine.generate(engine_request)) as outputs:
+                async for output in outputs:
+                    if output.num_media_held is not None:  # the engine's first answer
+                        assert held is not None
+                        held.set_result(output.num_media_held)
+                    elif feeding.done() and (media := feeding.result()) is not None:
+                        raise _HintsDiffer(media)  # the feed's own error raises here
+                    else:
+                        yield engine_request, output
+        finally:
+            if not feeding.done():
+                feeding.cancel()
+                await asyncio.wait([feeding])
 
     async def prefill(self, request: GenerateRequest) -> PrefillReply:
         """E/P/D, on a prefill instance: the path of `generate` up to each choice's
@@ -344,21 +361,8 @@ class Frontend:
             ran = [pair async for pair in self.run(rendered, hold_kv=True)]
             engine_request, outputs = ran[-1][0], [output for _, output in ran]
             _trace_engine(engine_request)
-            assert outputs[0].prefilled is not None
             prompt = engine_request.num_prompt_tokens
-            held = self.kv.source.hold(transfer, outputs[0].prefilled.pages, prompt)
-            layout = self.kv.source.pool.layout
-            meta = KvMeta(
-                transfer,
-                peer.instance_id,
-                held.num_tokens,
-                layout.planes,
-                layout.dtype,
-                layout.block_size,
-                tuple(engine_request.prompt_token_ids),
-                wire_first_tokens(outputs),
-                engine_request.mrope_delta,
-            )
+            meta = self.kv.hold(peer.instance_id, engine_request, outputs)
             started = time.perf_counter()
             with tracing.span("language.kv_send", decode=peer.instance_id, tokens=prompt):
                 done = self.kv.sender.start(peer, meta)

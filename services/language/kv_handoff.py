@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.outputs import RequestOutput
+from services.language.engine.request import Request
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.receiver_driver import ReceiverDriver
 from services.transfer.sender_driver import Held, SenderDriver
@@ -29,6 +30,7 @@ from services.wire.messages import (
     Abort,
     BrokerMessage,
     InstanceJoined,
+    KvMeta,
     PeerLost,
     Prealloc,
     Resume,
@@ -80,12 +82,6 @@ class KVSource:
         self.engine.release(request_id.removesuffix(messages.KV_TRANSFER_SUFFIX))
 
 
-def wire_first_tokens(outputs: Sequence[RequestOutput]) -> tuple[messages.FirstToken, ...]:
-    """Each choice's first token, in choice order, from its prefilled output."""
-    prefilled = [o.prefilled for o in sorted(outputs, key=lambda o: o.index)]
-    return tuple(p.first for p in prefilled if p is not None)
-
-
 @dataclass(frozen=True, slots=True)
 class KVHandoff:
     """What a prefill instance's frontend hands KV pages over with."""
@@ -93,6 +89,29 @@ class KVHandoff:
     sender: SenderDriver
     source: KVSource
     on_sent: KVObserver = lambda transport, tokens, seconds: None
+
+    def hold(
+        self, decode_instance_id: str, request: Request, outputs: Sequence[RequestOutput]
+    ) -> KvMeta:
+        """The pages of a prefilled request's prompt, held for their transfer to the
+        decode instance, and the KvMeta that announces them: the prompt, and each
+        choice's first token in choice order."""
+        prefilled = [o.prefilled for o in sorted(outputs, key=lambda o: o.index)]
+        assert prefilled[0] is not None
+        transfer = messages.kv_transfer_id(request.request_id)
+        held = self.source.hold(transfer, prefilled[0].pages, request.num_prompt_tokens)
+        layout = self.source.pool.layout
+        return KvMeta(
+            transfer,
+            decode_instance_id,
+            held.num_tokens,
+            layout.planes,
+            layout.dtype,
+            layout.block_size,
+            tuple(request.prompt_token_ids),
+            tuple(p.first for p in prefilled if p is not None),
+            request.mrope_delta,
+        )
 
 
 class LanguageDrivers:
