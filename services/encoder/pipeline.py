@@ -115,6 +115,44 @@ class _Report:
         self.early = []
 
 
+class _Items:
+    """One encode's items, by index: those whose embedding it has (found: cached,
+    shared by another request's encode, or encoded here), those it encodes
+    (mine; until each is encoded or held, the future other requests wait on:
+    waiters) and those another request is encoding (theirs)."""
+
+    def __init__(self, keys: list[str], report: _Report) -> None:
+        self.keys = keys
+        self.report = report
+        self.found: dict[int, ImageEmbedding] = {}
+        self.mine: list[int] = []
+        self.waiters: dict[int, asyncio.Future[ImageEmbedding]] = {}
+        self.theirs: dict[int, asyncio.Future[ImageEmbedding]] = {}
+
+    def landed(self, index: int, entry: ImageEmbedding) -> None:
+        """A whole item from the cache or another request's encode."""
+        self.found[index] = entry
+        self.report.landed(index, entry)
+
+    def encoded(self, index: int, entry: ImageEmbedding, cache: EmbeddingCache) -> None:
+        """An item this request encoded: cached, and given to its waiters."""
+        cache.put(self.keys[index], entry)
+        self.waiters.pop(index).set_result(entry)
+        self.found[index] = entry
+
+    def held(self, index: int) -> None:
+        """An item its receiver holds: not encoded; its waiters encode it themselves."""
+        future = self.waiters.pop(index)
+        future.set_exception(RuntimeError("not encoded: its receiver held it"))
+        future.exception()  # retrieved: a waiter may not exist
+
+    def fail(self, exc: BaseException) -> None:
+        """This encode failed: the waiters for what it had not encoded hear it."""
+        for future in self.waiters.values():
+            future.set_exception(RuntimeError(f"the encode this waited for failed: {exc!r}"))
+            future.exception()  # retrieved: a waiter may not exist
+
+
 class EncodePipeline:
     def __init__(
         self,
@@ -169,6 +207,8 @@ class EncodePipeline:
     async def _encode(
         self, images: Sequence[bytes], videos: Set[int], sink: Sink | None, salt: str
     ) -> Encoded:
+        """Every item from the cache, from another request's encode of it, or
+        through Triton here; the sink told the grids, then each item as it lands."""
         if not images:
             raise ValueError("no images to encode")
         check_count(len(images), self.limits)
@@ -176,48 +216,22 @@ class EncodePipeline:
             raise ValueError(
                 f"video indices {sorted(videos)} are not all among the {len(images)} items"
             )
-        keys = await self.preprocessor.keys(images, salt)
-        found, mine, theirs = self._look_up(keys)
-        # The items this request encodes, cached and given to the requests waiting
-        # for them as Triton returns them; if this fails, those hear it (and encode
-        # the item themselves).
-        futures = {index: self._pending[keys[index]] for index in mine}
-        report = _Report(sink)
-        for index, entry in found.items():
-            report.landed(index, entry)
+        items = self._look_up(await self.preprocessor.keys(images, salt), _Report(sink))
         try:
-            pre = await self._preprocess(images, videos, mine) if mine else []
-            encoding = asyncio.ensure_future(
-                self._encode_mine(pre, mine, keys, futures, found, report)
-            )
-            try:
-                for index, entry in (await self._shared(images, videos, theirs, salt)).items():
-                    found[index] = entry
-                    report.landed(index, entry)
-                grids = {i: e.grid for i, e in found.items() if i not in mine}
-                grids |= {i: p.grid for i, p in zip(mine, pre, strict=True)}
-                await report.announce([grids[i] for i in range(len(images))])
-                await encoding
-            finally:
-                if not encoding.done():
-                    encoding.cancel()
-                    await asyncio.wait([encoding])
+            grids = await self._gather(images, videos, items, salt)
         except BaseException as exc:
-            for future in futures.values():
-                future.set_exception(RuntimeError(f"the encode this waited for failed: {exc!r}"))
-                future.exception()  # retrieved: a waiter may not exist
+            items.fail(exc)
             raise
         finally:
-            for i in mine:
-                self._pending.pop(keys[i], None)
+            for i in items.mine:
+                self._pending.pop(items.keys[i], None)
             self.metrics.cache_bytes.set(self.cache.bytes_used)
-        ordered = [grids[i] for i in range(len(images))]
-        held = sum(i not in found for i in range(len(images)))
+        held = sum(i not in items.found for i in range(len(images)))
         encoded = Encoded(
-            [found.get(i) for i in range(len(images))],
-            ordered,
-            sum(g.num_tokens(self.merge_size) for g in ordered),
-            len(images) - len(mine),
+            [items.found.get(i) for i in range(len(images))],
+            grids,
+            sum(g.num_tokens(self.merge_size) for g in grids),
+            len(images) - len(items.mine),
             held,
         )
         self.metrics.images.inc(len(images) - held)
@@ -225,30 +239,48 @@ class EncodePipeline:
         self.metrics.tokens.inc(encoded.num_tokens)
         return encoded
 
-    def _look_up(
-        self, keys: list[str]
-    ) -> tuple[dict[int, ImageEmbedding], list[int], dict[int, asyncio.Future[ImageEmbedding]]]:
+    async def _gather(
+        self, images: Sequence[bytes], videos: Set[int], items: _Items, salt: str
+    ) -> list[MediaGrid]:
+        """This request's items preprocessed and encoded (`_encode_mine`) while it
+        waits for those another request encodes; the grids told once all are
+        known. Returns each item's grid."""
+        pre = await self._preprocess(images, videos, items.mine) if items.mine else []
+        encoding = asyncio.ensure_future(self._encode_mine(pre, items))
+        try:
+            for index, entry in (await self._shared(images, videos, items.theirs, salt)).items():
+                items.landed(index, entry)
+            grids = {i: e.grid for i, e in items.found.items() if i not in items.mine}
+            grids |= {i: p.grid for i, p in zip(items.mine, pre, strict=True)}
+            ordered = [grids[i] for i in range(len(images))]
+            await items.report.announce(ordered)
+            await encoding
+        finally:
+            if not encoding.done():
+                encoding.cancel()
+                await asyncio.wait([encoding])
+        return ordered
+
+    def _look_up(self, keys: list[str], report: _Report) -> _Items:
         """Each item's place: cached (found), encoded by this request (mine: its
         encode is pending from now on) or by another one right now (theirs)."""
-        found: dict[int, ImageEmbedding] = {}
-        mine: list[int] = []
-        theirs: dict[int, asyncio.Future[ImageEmbedding]] = {}
+        items = _Items(keys, report)
         loop = asyncio.get_running_loop()
         for index, key in enumerate(keys):
             entry = self.cache.get(key)
             if entry is not None:
-                found[index] = entry
+                items.landed(index, entry)
             elif key in self._pending:
-                theirs[index] = self._pending[key]
+                items.theirs[index] = self._pending[key]
             else:
-                self._pending[key] = loop.create_future()
-                mine.append(index)
+                self._pending[key] = items.waiters[index] = loop.create_future()
+                items.mine.append(index)
         self.num_lookups += len(keys)
-        self.num_hits += len(found)
-        self.metrics.cache_hits.inc(len(found))
-        self.metrics.cache_misses.inc(len(mine))
-        self.metrics.shared_encodes.inc(len(theirs))
-        return found, mine, theirs
+        self.num_hits += len(items.found)
+        self.metrics.cache_hits.inc(len(items.found))
+        self.metrics.cache_misses.inc(len(items.mine))
+        self.metrics.shared_encodes.inc(len(items.theirs))
+        return items
 
     async def _shared(
         self,
@@ -276,70 +308,48 @@ class EncodePipeline:
             done.update((i, e) for i, e in zip(retry, again.images, strict=True) if e is not None)
         return done
 
-    async def _encode_mine(
-        self,
-        pre: list[PreprocessedImage],
-        mine: list[int],
-        keys: list[str],
-        futures: dict[int, asyncio.Future[ImageEmbedding]],
-        found: dict[int, ImageEmbedding],
-        report: _Report,
-    ) -> None:
+    async def _encode_mine(self, pre: list[PreprocessedImage], items: _Items) -> None:
         """Triton for the preprocessed items but those the receiver holds: the
         items it cannot hold at once, meanwhile those it may hold (the route's
         leading ones, `Sink.may_hold`) once it says which it does (`Sink.held`)."""
-        items = list(zip(mine, pre, strict=True))
-        asked = [(index, p) for index, p in items if index < report.may_hold]
-        rest = [(index, p) for index, p in items if index >= report.may_hold]
-        now = asyncio.ensure_future(self._infer_items(rest, keys, futures, found, report))
+        may_hold = items.report.may_hold
+        asked = [(index, p) for index, p in zip(items.mine, pre, strict=True) if index < may_hold]
+        rest = [(index, p) for index, p in zip(items.mine, pre, strict=True) if index >= may_hold]
+        now = asyncio.ensure_future(self._infer_items(rest, items))
         try:
             if asked:
-                held = await report.held()
+                held = await items.report.held()
                 for index in held & {index for index, _ in asked}:
-                    future = futures.pop(index)
-                    future.set_exception(RuntimeError("not encoded: its receiver held it"))
-                    future.exception()  # retrieved: a waiter may not exist
+                    items.held(index)
                 todo = [(index, p) for index, p in asked if index not in held]
-                await self._infer_items(todo, keys, futures, found, report)
+                await self._infer_items(todo, items)
             await now
         finally:
             if not now.done():
                 now.cancel()
                 await asyncio.wait([now])
 
-    async def _infer_items(
-        self,
-        todo: list[tuple[int, PreprocessedImage]],
-        keys: list[str],
-        futures: dict[int, asyncio.Future[ImageEmbedding]],
-        found: dict[int, ImageEmbedding],
-        report: _Report,
-    ) -> None:
+    async def _infer_items(self, todo: list[tuple[int, PreprocessedImage]], items: _Items) -> None:
         """These items through Triton: all in one request, or one by one in prompt
-        order (a video in parts, each `landed` as it comes); each item cached,
-        given to its waiters and put in `found`. The waiters for an item not
-        encoded here encode it themselves."""
-
-        def finished(index: int, entry: ImageEmbedding) -> None:
-            self.cache.put(keys[index], entry)
-            futures.pop(index).set_result(entry)
-            found[index] = entry
-
+        order (a video in parts, each told the sink as it comes); each item cached
+        and given to its waiters. The waiters for an item not encoded here encode
+        it themselves."""
         if not todo:
             return
         if not self.one_by_one:
             entries = await self._infer([p for _, p in todo])
             for (index, _), entry in zip(todo, entries, strict=True):
-                report.landed(index, entry, 0)
-                finished(index, entry)
+                items.report.landed(index, entry, 0)
+                items.encoded(index, entry, self.cache)
             return
         for index, item in todo:
             parts: list[ImageEmbedding] = []
             for part in self._parts(item):
                 (encoded,) = await self._infer([part])
-                report.landed(index, encoded, sum(p.num_tokens for p in parts))
+                items.report.landed(index, encoded, sum(p.num_tokens for p in parts))
                 parts.append(encoded)
-            finished(index, parts[0] if len(parts) == 1 else _joined(parts, item.grid))
+            whole = parts[0] if len(parts) == 1 else _joined(parts, item.grid)
+            items.encoded(index, whole, self.cache)
 
     @staticmethod
     def _parts(item: PreprocessedImage) -> list[PreprocessedImage]:
