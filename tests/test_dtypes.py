@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.launcher import options
 from services.launcher.cli import build_parser
-from services.launcher.flags import DTYPE_CHOICES, engine_args
+from services.launcher.flags import DTYPE_CHOICES
 from services.launcher.serve import StackConfig, components
 from services.layers import backends
 from services.layers.backends import attention_backend, moe_backend
@@ -104,5 +105,7 @@ def test_cuda_without_flashinfer_falls_back_to_torch(
 def test_serve_passes_its_engine_flags_to_the_engine(instance: str) -> None:
     parser = build_parser()
     serve = parser.parse_args(["serve", "--attention", "torch", "--max-num-seqs", "8"])
-    args = parser.parse_args([instance, "--checkpoint", "x", *engine_args(serve)])
+    args = parser.parse_args(
+        [instance, "--checkpoint", "x", *options.passed(options.MONOLITHIC, serve)]
+    )
     assert (args.attention, args.max_num_seqs) == ("torch", 8)

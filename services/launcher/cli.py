@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import secrets
@@ -12,15 +11,15 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from services.launcher import flags
+from services.launcher import flags, options
 from services.runtime import env, logs
 
 if TYPE_CHECKING:
-    from services.launcher.planner import PlannerConfig
     from services.launcher.serve import StackConfig
 
 Handler = Callable[[argparse.Namespace], int]
@@ -78,12 +77,6 @@ def _local_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _limits(args: argparse.Namespace) -> Any:
-    from services.media.limits import ImageLimits
-
-    return ImageLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ImageLimits)})
-
-
 def _model_name(args: argparse.Namespace) -> str:
     return str(args.model_name or Path(args.checkpoint).resolve().name)
 
@@ -115,37 +108,21 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from services.broker.config import BrokerConfig
     from services.broker.server import BrokerServer
 
-    config = BrokerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        rendezvous_ttl_s=args.rendezvous_ttl,
-        route_wait_s=args.route_wait,
-        encoder_routing=args.encoder_routing,
-        language_routing=args.language_routing,
-        load_factor=args.load_factor,
-        load_slack=args.load_slack,
-    )
+    config = options.build(options.BROKER, args)
     return run_until_signalled(lambda: BrokerServer(config))
 
 
 def _triton(args: argparse.Namespace) -> int:
-    from services.triton.launcher import TritonConfig, TritonServer
+    from services.triton.launcher import TritonServer
 
-    config = TritonConfig(
+    config = options.build(
+        options.TRITON,
+        args,
         checkpoint=Path(args.checkpoint),
-        model_repository=args.model_repository,
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        model_config_name=args.model_config_name,
         dtype=args.dtype,
+        otlp_endpoint=args.triton_otlp_endpoint,
     )
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -159,91 +136,50 @@ def _triton(args: argparse.Namespace) -> int:
     return 0
 
 
-def _instance(args: argparse.Namespace, role: str) -> Any:
-    from services.broker.instance import InstanceConfig
-    from services.wire.messages import Role
-
-    return InstanceConfig(
-        role=Role[role.upper()],
-        port=args.port,
-        host=args.host,
-        metrics_port=args.metrics_port,
-        advertise_host=args.advertise_host,
-        instance_id=args.instance_id or "",
-        host_id=args.host_id,
-        broker=args.broker or None,
-        transports=args.transports,
-    )
-
-
 def _encoder(args: argparse.Namespace) -> int:
-    from services.encoder.config import EncoderConfig
     from services.encoder.server import EncoderServer
     from services.wire.dtypes import resolve_dtype
 
-    config = EncoderConfig(
+    config = options.build(
+        options.ENCODER,
+        args,
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
-        instance=_instance(args, "encoder"),
-        triton_url=args.triton,
-        triton_http_url=args.triton_http,
-        triton_shared_memory=not args.no_triton_shm,
-        limits=_limits(args),
-        cache_bytes=args.cache_mb * flags.MIB,
-        send_buffer_tokens=args.send_buffer_tokens,
-        max_pending=args.max_pending,
-        buffer_wait_s=args.buffer_wait,
-        items_one_by_one=not args.no_prefill_while_encoding,
         dtype=resolve_dtype(args.dtype, _local_device()),
     )
     return run_until_signalled(lambda: EncoderServer(config))
 
 
 def _language(args: argparse.Namespace) -> int:
-    from services.language.config import LanguageConfig
     from services.language.server import LanguageServer
+    from services.wire.dtypes import resolve_dtype
     from services.wire.messages import LanguageRole
 
-    engine = flags.engine_config(args)
     role = LanguageRole[args.role.upper()]
-    auto = role is LanguageRole.BOTH and engine.device == "cpu"
-    config = LanguageConfig(
+    auto = role is LanguageRole.BOTH and args.device == "cpu"
+    config = options.build(
+        options.LANGUAGE,
+        args,
         checkpoint=Path(args.checkpoint),
         model_name=_model_name(args),
-        chat_template=args.chat_template,
-        instance=_instance(args, "language"),
-        embedding_pool_tokens=args.embedding_pool_tokens,
-        default_allocate_tokens=args.default_allocate_tokens,
-        max_active_requests=args.max_active_requests,
-        pool_wait_s=args.pool_wait,
-        quarantine_s=args.quarantine,
-        engine=engine,
         role=role,
         engine_process=args.engine_process == "on" or (args.engine_process == "auto" and auto),
-        prefill_while_encoding=not args.no_prefill_while_encoding,
     )
+    engine = replace(config.engine, dtype=resolve_dtype(args.dtype, args.device))
+    config = replace(config, engine=engine)
     # an instance whose engine process died cannot serve: it leaves, to be restarted
     lost = partial(os.kill, os.getpid(), signal.SIGTERM)
     return run_until_signalled(lambda: LanguageServer(config, on_engine_lost=lost), uvloop=True)
 
 
 def _gateway_config(args: argparse.Namespace) -> Any:
-    from services.gateway.config import FetchPolicy, GatewayConfig
-
-    return GatewayConfig(
+    return options.build(
+        options.GATEWAY,
+        args,
         broker=getattr(args, "broker", ""),
         checkpoint=Path(args.checkpoint) if args.checkpoint else None,
-        host=args.host,
-        port=args.port,
         api_key="" if args.api_key == flags.NO_API_KEY else args.api_key,
-        limits=_limits(args),
-        fetch=FetchPolicy(timeout_s=args.fetch_timeout, allow_private=args.allow_private_urls),
-        encode_timeout_s=args.encode_timeout,
         served_models=tuple(args.served_model or ()),
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_body_bytes=args.max_body_mb * flags.MIB,
-        responses_store_bytes=args.responses_store_mb * flags.MIB,
-        responses_ttl_s=args.responses_ttl,
     )
 
 
@@ -256,11 +192,12 @@ def _gateway(args: argparse.Namespace) -> int:
 def _monolithic(args: argparse.Namespace) -> int:
     from services.gateway.server import GatewayServer
     from services.monolithic import LocalBackend
+    from services.wire.dtypes import resolve_dtype
 
     config = _gateway_config(args)
     if config.checkpoint is None:
         raise SystemExit("epd monolithic needs --checkpoint (or $EPD_CHECKPOINT)")
-    engine = flags.engine_config(args)
+    engine = options.build(options.ENGINE_TABLE, args, dtype=resolve_dtype(args.dtype, args.device))
     return run_until_signalled(
         lambda: GatewayServer(
             config,
@@ -302,20 +239,6 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
-def planner_config(args: argparse.Namespace) -> PlannerConfig:
-    from services.launcher.planner import PlannerConfig
-
-    return PlannerConfig(
-        min_encoders=args.min_encoders,
-        max_encoders=args.max_encoders,
-        queue_per_encoder=args.queue_per_encoder,
-        latency_target_s=args.encode_latency_target,
-        up_after_s=args.scale_up_after,
-        down_after_s=args.scale_down_after,
-        cooldown_s=args.scale_cooldown,
-    )
-
-
 def _serve(args: argparse.Namespace) -> int:
     from services.launcher.serve import run
     from services.wire.dtypes import DTYPE_NAMES, resolve_dtype
@@ -335,7 +258,7 @@ def _check_serve_roles(args: argparse.Namespace, roles: tuple[str, ...]) -> None
 
     if (args.prefill or args.decode) and args.languages is not None:
         raise SystemExit("epd serve: --prefill/--decode and --languages are mutually exclusive")
-    whole = set(roles) == set(flags.default(StackConfig, "roles"))
+    whole = set(roles) == set(options.field_default(StackConfig, "roles"))
     if whole and (args.prefill > 0) != (args.decode > 0):
         raise SystemExit("epd serve: E/P/D needs --prefill N and --decode M, both at least 1")
 
@@ -357,59 +280,23 @@ def stack_config(
     """`epd serve`'s StackConfig: what each of its components is started with."""
     from services.launcher.serve import StackConfig
 
-    transports: tuple[str, ...] = ()
-    if args.language_transports:
-        transports = ("--transports", ",".join(t.name.lower() for t in args.language_transports))
-    return StackConfig(
+    served = options.passed
+    language = [*served(options.LANGUAGE, args), "--engine-process", args.engine_process]
+    return options.build(
+        options.STACK,
+        args,
         checkpoint=checkpoint,
         model_name=name,
         log_dir=Path(args.log_dir or Path(env.CACHE_DIR.get()) / "logs"),
-        host=args.host,
-        port=args.port,
-        broker_port=args.broker_port,
-        encoder_port=args.encoder_port,
-        language_port=args.language_port,
-        triton_ports=(args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port),
         num_encoders=args.min_encoders if args.encoders == "auto" else args.encoders,
-        planner=planner_config(args) if args.encoders == "auto" else None,
-        num_languages=args.languages or flags.default(StackConfig, "num_languages"),
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        planner=options.build(options.PLANNER, args) if args.encoders == "auto" else None,
+        num_languages=args.languages or options.field_default(StackConfig, "num_languages"),
         roles=roles,
-        broker=args.broker,
-        advertise_host=args.advertise_host,
-        api_key=args.api_key,
-        language_args=(
-            *flags.engine_args(args),
-            *(("--chat-template", str(args.chat_template.resolve())) if args.chat_template else ()),
-            *(() if args.monolithic else ("--engine-process", args.engine_process)),
-            *(
-                ("--no-prefill-while-encoding",)
-                if args.no_prefill_while_encoding and not args.monolithic
-                else ()
-            ),
-            *transports,
-        ),
         dtype=dtype,
-        gateway_args=("--allow-private-urls",) if args.allow_private_urls else (),
-        encoder_args=(
-            *(("--cache-mb", str(args.encoder_cache_mb)) if args.encoder_cache_mb else ()),
-            *(("--no-prefill-while-encoding",) if args.no_prefill_while_encoding else ()),
-        ),
-        broker_args=(
-            *("--encoder-routing", args.encoder_routing),
-            *("--language-routing", args.language_routing),
-            *("--load-factor", str(args.load_factor), "--load-slack", str(args.load_slack)),
-        ),
-        monolithic=args.monolithic,
-        encoder_cpus=args.encoder_cpus,
-        language_cpus=args.language_cpus,
-        encoder_nice=args.encoder_nice,
-        threads_while_encoding=args.threads_while_encoding,
-        decode_interval_while_encoding_ms=args.decode_interval_while_encoding_ms,
-        max_restarts=args.max_restarts,
-        restart_window_s=args.restart_window,
-        shutdown_grace_s=args.shutdown_grace,
+        language_args=tuple(served(options.MONOLITHIC, args) if args.monolithic else language),
+        encoder_args=tuple(served(options.ENCODER, args)),
+        broker_args=tuple(served(options.BROKER, args)),
+        gateway_args=tuple(served(options.GATEWAY, args)),
     )
 
 

@@ -228,8 +228,9 @@ class StackConfig:
     broker_port: int = BROKER_PORT
     encoder_port: int = ENCODER_PORT  # the first encoder's; the next ones count up
     language_port: int = LANGUAGE_PORT
-    # http, grpc, metrics
-    triton_ports: tuple[int, int, int] = (TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT)
+    triton_http_port: int = TRITON_HTTP_PORT
+    triton_grpc_port: int = TRITON_GRPC_PORT
+    triton_metrics_port: int = TRITON_METRICS_PORT
     num_encoders: int = 1  # at the start; with `planner`, its min_encoders
     planner: PlannerConfig | None = None  # --encoders auto: the planner adds and retires them
     num_languages: int = 1
@@ -424,7 +425,11 @@ def _broker(config: StackConfig) -> Component:
 
 
 def _triton(config: StackConfig) -> Component:
-    http, grpc_port, metrics = config.triton_ports
+    http, grpc_port, metrics = (
+        config.triton_http_port,
+        config.triton_grpc_port,
+        config.triton_metrics_port,
+    )
     return Component(
         "triton",
         [
@@ -467,8 +472,8 @@ def _encoders(config: StackConfig) -> list[Component]:
     parts = []
     most = config.planner.max_encoders if config.planner else config.num_encoders
     for i in range(most):
-        triton = ("--triton", f"{LOCAL}:{config.triton_ports[1]}")
-        triton_http = ("--triton-http", f"{LOCAL}:{config.triton_ports[0]}")
+        triton = ("--triton", f"{LOCAL}:{config.triton_grpc_port}")
+        triton_http = ("--triton-http", f"{LOCAL}:{config.triton_http_port}")
         extra = [*triton, *triton_http, *config.encoder_args]
         port = config.encoder_port + i
         encoder = _instance(config, "encoder", f"encoder-{i}", port, config.encoder_cpus, extra)
