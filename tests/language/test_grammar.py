@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from services.language.engine.grammar import Grammars
+from services.language.engine.grammar import Grammars, strict
 from services.language.engine.request import Request, SamplingParams
 from services.language.engine.sampler import Sample, Sampler
 from services.model.spec import load_spec
@@ -83,9 +83,9 @@ def test_guided_output_is_json_its_schema_accepts(tiny_checkpoint: Path, name: s
         assert guided.matcher is not None and guided.matcher.is_terminated()
         assert guided.output_token_ids[-1] in spec.eos_token_ids  # it ends with a stop token
         text = tokenizer.decode(guided.output_token_ids, skip_special_tokens=True)
-        # strict=False: xgrammar's string grammar admits raw control characters
-        # (this random model writes \x06 into a name), which strict JSON does not.
-        jsonschema.validate(json.loads(text, strict=False), schema)
+        # strict: xgrammar's own rule for a bounded string lets raw control characters
+        # in (this random model writes \x06 into a name); Grammars keeps them out
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_a_free_row_is_exactly_the_greedy_of_its_logits(tiny_checkpoint: Path) -> None:
@@ -120,3 +120,21 @@ def test_a_json_schema_row_beside_a_seeded_one_on_cuda_logits(tiny_checkpoint: P
     assert isinstance(samples[0], Sample) and isinstance(samples[1], Sample)
     assert tokenizer.decode([samples[0].token_id]).lstrip().startswith("{")
     assert len(samples[0].top) == 2
+
+
+def test_a_bounded_string_holds_no_raw_control_character() -> None:
+    """xgrammar 0.2.9 writes a string with maxLength as `[^"\\\r\n]{0,N}`, which
+    lets U+0000-U+001F in; the grammar Grammars compiles does not, and holds
+    when xgrammar no longer writes that rule."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema = json.dumps(
+        {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}}
+    )
+    lax = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    grammar = strict(lax)
+    assert accepts(grammar, '{"city": "Paris"}')
+    for control in ("\x00", "\x11", "\x1f", "\t"):
+        assert not accepts(grammar, '{"city": "a' + control + 'b"}')
+    assert strict(grammar) is grammar  # nothing left to fix: as xgrammar's own, once fixed

@@ -19,6 +19,21 @@ from services.model.spec import ModelSpec
 # json_object: any JSON object (OpenAI's JSON mode), as a schema.
 ANY_OBJECT = json.dumps({"type": "object"})
 
+# xgrammar (0.2.9) spells a character of a string with minLength or maxLength as
+# this class, which lets raw control characters (U+0000-U+001F) in: JSON forbids
+# them, and strict parsers (Python's json, JSON.parse, pydantic) refuse the output.
+# Its unbounded strings exclude them (basic_string_sub): so does `strict`.
+LAX_CHARACTER = r"[^\"\\\r\n]"
+STRICT_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
+
+
+def strict(grammar: xgr.Grammar) -> xgr.Grammar:
+    """The grammar with no raw control character in any JSON string: itself,
+    where xgrammar wrote none of LAX_CHARACTER (once it is fixed upstream)."""
+    text = str(grammar)
+    fixed = text.replace(LAX_CHARACTER, STRICT_CHARACTER)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
 
 class Grammars:
     def __init__(self, tokenizer: Any, spec: ModelSpec) -> None:
@@ -37,15 +52,18 @@ class Grammars:
         JSON schema's; ValueError for one xgrammar cannot use."""
         schema = ANY_OBJECT if params.json_object else params.json_schema
         if params.structural_tag:
-            tag = params.structural_tag
-            build = partial(self.compiler.compile_structural_tag, tag)
+            grammar = partial(xgr.Grammar.from_structural_tag, params.structural_tag)
             unusable = "tools: unusable function parameters"
         elif schema:
             # Compact JSON: free whitespace would let a weak model pad forever.
-            build = partial(self.compiler.compile_json_schema, schema, any_whitespace=False)
+            grammar = partial(xgr.Grammar.from_json_schema, schema, any_whitespace=False)
             unusable = "response_format: unusable JSON schema"
         else:
             return None
+
+        def build() -> xgr.CompiledGrammar:
+            return self.compiler.compile_grammar(strict(grammar()))
+
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, build)
         except (RuntimeError, ValueError, TypeError) as exc:
