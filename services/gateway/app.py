@@ -238,6 +238,7 @@ def _chat_completion(call: GenerateCall, outs: list[Generated]) -> dict[str, Any
             out.finish_reason,
             logprob_content(out.logprobs) if want_logprobs else None,
             call.tool_calls,
+            call.forced,
         )
         for index, out in enumerate(outs)
     ]
@@ -289,7 +290,7 @@ def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
         history = stored(previous, "previous_response_id").conversation if previous else []
         chat, conversation = chat_request(body, history)
         call = await chat_call(gateway.backend, gateway.media, gateway.metrics, chat, record)
-        output = ResponseOutput(record.request_id, body, call.tool_calls, body.stream)
+        output = ResponseOutput(record.request_id, body, call.tool_calls, body.stream, call.forced)
 
         def keep(done: ResponseOutput) -> None:
             if body.store:

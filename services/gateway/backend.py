@@ -29,6 +29,7 @@ from opentelemetry.trace import SpanKind
 from services.gateway.errors import ApiError, from_grpc
 from services.gateway.request_log import RequestRecord
 from services.gateway.streams import GenerateStreams, StreamedCall
+from services.gateway.tool_calls import Forced
 from services.proto import (
     broker_pb2,
     broker_pb2_grpc,
@@ -100,6 +101,7 @@ class GenerateCall:
     model: str
     media: tuple[MediaData, ...] = ()
     tool_calls: bool = False  # the output is split into content and calls (tool_calls.py)
+    forced: Forced | None = None  # a forced tool_choice: the output is calls only
     # filled in by the backend with the instances it used, logged at the end
     record: RequestRecord = field(default_factory=lambda: RequestRecord(""))
     routing_key: str = ""  # OpenAI's prompt_cache_key: routed with the chat's prefixes

@@ -90,7 +90,13 @@ async def chat_call(
         for image, part, key in zip(loaded, vision, keys, strict=True)
     )
     return GenerateCall(
-        request, body.model, items, body.calls_tools, record, body.prompt_cache_key or ""
+        request,
+        body.model,
+        items,
+        body.calls_tools,
+        body.forced_calls,
+        record,
+        body.prompt_cache_key or "",
     )
 
 

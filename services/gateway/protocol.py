@@ -16,7 +16,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from services.gateway.tool_calls import schema_error
+from services.gateway.tool_calls import Forced, schema_error
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -298,6 +298,13 @@ class ChatCompletionRequest(_GenerationRequest):
     def forces_tools(self) -> bool:
         """tool_choice "required" or a named function: the output is calls only."""
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def forced_calls(self) -> Forced | None:
+        """What a forced tool_choice holds the output to (tool_calls.Forced)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return Forced(self.tool_choice.function.name)
+        return Forced() if self.tool_choice == "required" else None
 
     @property
     def max_output_tokens(self) -> int | None:

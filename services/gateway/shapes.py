@@ -11,7 +11,7 @@ from typing import Any
 from services.gateway.backend import GenerateCall, Responses
 from services.gateway.errors import ApiError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.tool_calls import message_calls, split
+from services.gateway.tool_calls import Forced, message_calls, split
 from services.wire import request as wire
 from services.wire.request import FinishReason
 
@@ -62,9 +62,10 @@ def chat_choice(
     finish_reason: str,
     logprobs: list[dict[str, Any]] | None,
     tool_calls: bool = False,
+    forced: Forced | None = None,
 ) -> dict[str, Any]:
     """One choice; with `tool_calls`, its calls parsed out of the text (tool_calls.py)."""
-    content, calls = split(text) if tool_calls else (text, [])
+    content, calls = split(text, forced) if tool_calls else (text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = message_calls(calls)

@@ -24,7 +24,7 @@ from services.gateway.shapes import (
     text_logprobs,
     usage,
 )
-from services.gateway.tool_calls import Arguments, Opened, Piece, ToolCallStream
+from services.gateway.tool_calls import Arguments, Forced, Opened, Piece, ToolCallStream
 from services.wire import request as wire
 
 
@@ -37,8 +37,8 @@ class _Deltas:
     parsed for tool calls, content and calls as they are written (tool_calls.py):
     a call's id and name, then its arguments in fragments."""
 
-    def __init__(self, tool_calls: bool) -> None:
-        self.stream = ToolCallStream() if tool_calls else None
+    def __init__(self, tool_calls: bool, forced: Forced | None) -> None:
+        self.stream = ToolCallStream(forced) if tool_calls else None
         self.calls = 0
 
     def text(self, text: str) -> list[dict[str, Any]]:
@@ -123,7 +123,7 @@ async def events(
     n = max(1, call.sampling.n)
     seen_text = False
     going, completion_tokens = n, 0
-    deltas = [_Deltas(call.tool_calls) for _ in range(n)]
+    deltas = [_Deltas(call.tool_calls, call.forced) for _ in range(n)]
     try:
         if not call.is_completion:
             opening = {"role": "assistant", "content": ""}

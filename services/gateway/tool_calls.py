@@ -12,10 +12,11 @@ streams) into content and calls. A block that opens as a call
 (`{"name": ..., "arguments": `) is that call, its arguments streamed as they
 are written, exactly as the model wrote them (OpenAI's arguments are the
 model's text too, not always valid JSON); a block that never closed (the
-output ran out of tokens) is the call it began, its arguments as far as they
-got, as OpenAI returns a call cut by max_tokens, or nothing if not even its
-name was written. Only a closed block that holds no call at all stays content,
-as it was written.
+output ran out of tokens) is the call it began once its name is written, its
+arguments as far as they got, as OpenAI returns a call cut by max_tokens (a
+named tool_choice's call even before that). Whatever did not become a call is
+content, character for character: what the chat template renders from content
+and calls splits back into them.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _call(body: str) -> Call | None:
 
 # What a block holds before its arguments: {"name": "...", "arguments":
 _OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# ... and of a block cut after its name: {"name": "..."
+_NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,16 +117,19 @@ class Arguments:
 Piece = str | Opened | Arguments  # content, or a call as it is written
 
 
-def _unsure(arguments: str) -> int:
-    """How many characters at the end of arguments still being written may
-    turn out to be the block's end rather than arguments: whitespace and
-    braces (the call's own closing brace among them), and a block's end begun."""
-    kept = arguments
-    for length in range(min(len(END) - 1, len(kept)), 0, -1):
-        if END.startswith(kept[-length:]):
-            kept = kept[:-length]
+def _sure_end(text: str, start: int, stop: int) -> int:
+    """Where the arguments in text[start:stop], still being written, surely end:
+    before what may turn out to be the block's end rather than arguments (a
+    block's end begun, and the whitespace and braces before it, the call's own
+    closing brace among them). It reads only that end of them."""
+    end = stop
+    for length in range(min(len(END) - 1, stop - start), 0, -1):
+        if text.startswith(END[:length], stop - length):
+            end = stop - length
             break
-    return len(arguments) - len(kept.rstrip(" \t\r\n}"))
+    while end > start and text[end - 1] in " \t\r\n}":
+        end -= 1
+    return end
 
 
 def _closed_arguments(arguments: str) -> str:
@@ -161,34 +167,54 @@ def _held(text: str) -> int:
     return 0
 
 
-class ToolCallStream:
-    """Text in, as it comes; content and calls out, in order. Text that may
-    begin a block is held until it is known not to. A call is given out as
-    it is written: Opened once its name is, then its arguments in fragments,
-    each held only while it may be the block's end; every fragment's text
-    concatenates to the arguments the whole output gives. Trailing whitespace
-    is held until more content follows (so the text between and after calls
-    goes nowhere)."""
+@dataclass(frozen=True, slots=True)
+class Forced:
+    """A forced tool_choice: the output is calls only; `name`: the function a
+    named choice calls ("" for "required")."""
 
-    def __init__(self) -> None:
-        self._text = ""  # not yet given out (in a block: from its START)
+    name: str = ""
+
+
+class ToolCallStream:
+    """Text in, as it comes; content and calls out, in order. Text is held back
+    only while it may still be the template's: the start of a block, a newline
+    just before one (the chat template's separator), and whitespace after a
+    call (the end of the calls). A call is given out as it is written: Opened
+    once its name is, then its arguments in fragments, each held only while it
+    may be the block's end; every fragment's text concatenates to the arguments
+    the whole output gives. At the end, whatever did not become a call is
+    content, character for character, but the whitespace after the last call;
+    where a forced tool_choice held the output to calls, a block that never
+    became one is not content either (and a named choice's call is that
+    function's even where the output was cut before its name was written)."""
+
+    def __init__(self, forced: Forced | None = None) -> None:
+        # Not yet given out: outside a block, what may begin one; in a block, from
+        # its START, and once its call opened, from the arguments not given out
+        # (so that each token costs what it adds: linear in the arguments' length)
+        self._text = ""
         self._in_block = False
         self._call: Opened | None = None  # the call the open block began
-        self._arguments_at = 0  # where its arguments start in the block's body
-        self._given = 0  # how much of them went out
-        self._space = ""  # whitespace-only content, held
+        self._at = 0  # where in _text its arguments not yet given out start
+        self._given: list[str] = []  # its arguments' fragments given out
+        self._scan = 0  # where in _text the block's END may begin
+        self._space = ""  # content held: a final newline, or whitespace after a call
+        self._after_call = False  # the last thing given out is a call
+        self._forced = forced
+        self._called = False  # a call was given out
 
     def feed(self, text: str) -> list[Piece]:
         self._text += text
         out: list[Piece] = []
         while True:
             if self._in_block:
-                end = self._text.find(END)
-                body = self._text[len(START) : end if end >= 0 else None]
+                end = self._text.find(END, self._scan)
                 if end < 0:
-                    return out + self._written(body)
-                out += self._written(body) + self._closed(self._text[: end + len(END)], body)
-                self._text = self._text[end + len(END) :]
+                    out += self._written(len(self._text))
+                    self._keep_unsure()
+                    return out
+                out += self._written(end) + self._closed(end)
+                self._text, self._scan = self._text[end + len(END) :], 0
                 continue
             start = self._text.find(START)
             if start >= 0:
@@ -201,60 +227,91 @@ class ToolCallStream:
             return out
 
     def finish(self) -> list[Piece]:
-        """The rest: an unclosed block is the call it began, its arguments as
-        far as they got, or nothing if not even its name was written; the
-        start of a block's opening, cut there, goes nowhere."""
+        """The rest: an unclosed block is the call it began, its arguments as far
+        as they got, once its name is written; else it is content, as is the
+        start of a block's opening (but for a forced output)."""
+        out: list[Piece] = []
+        if self._in_block:
+            self._in_block = False
+            out += self._written(len(self._text), final=True)
+            if self._call is not None:
+                given = "".join(self._given)
+                arguments = _cut_arguments(given + self._text[self._at :])
+                self._call, self._text = None, ""
+                return out + self._fragment(arguments[len(given) :])
         rest, self._text = self._text, ""
-        if not self._in_block:
-            return self._content(rest[: len(rest) - _held(rest)])
-        out = self._written(rest[len(START) :], final=True)
-        if self._call is not None:
-            arguments = _cut_arguments(rest[len(START) + self._arguments_at :])
-            out += self._more(arguments)
-        self._in_block, self._call = False, None
+        if self._forced is not None:  # what is not a call is the calls' markup
+            named = self._forced.name and not self._called
+            return out + ([Opened(call_id(), self._forced.name)] if named else [])
+        out += self._content(rest)
+        if not self._after_call:
+            out += [self._space] if self._space else []
+        self._space = ""
         return out
 
-    def _written(self, body: str, final: bool = False) -> list[Piece]:
-        """An open block's news: its call opened once the name and the start of
-        the arguments are in (at the `final` end: the name), then what of its
-        arguments is sure."""
+    def _written(self, stop: int, final: bool = False) -> list[Piece]:
+        """An open block's news, up to `stop` in _text: its call opened once the
+        name and the start of the arguments are in (at the `final` end: once the
+        name is), then what of its arguments is sure."""
         out: list[Piece] = []
         if self._call is None:
-            opening = _OPENING.match(body)
-            if opening is None or (opening.end() == len(body) and not final):
+            opening = _OPENING.match(self._text, len(START), stop)
+            if opening is None and final:
+                opening = _NAMED.match(self._text, len(START), stop)
+            if opening is None or (opening.end() == stop and not final):
                 return out  # more space may follow
-            self._call = Opened(call_id(), json.loads(f'"{opening.group(1)}"'))
-            self._arguments_at, self._given = opening.end(), 0
+            self._call = self._opened(json.loads(f'"{opening.group(1)}"'))
+            self._at = opening.end() if opening.re is _OPENING else stop
             out.append(self._call)
-        arguments = body[self._arguments_at :]
-        return out + self._more(arguments[: len(arguments) - _unsure(arguments)])
+        sure = _sure_end(self._text, self._at, stop)
+        fragment, self._at = self._text[self._at : sure], max(self._at, sure)
+        return out + self._fragment(fragment)
 
-    def _closed(self, block: str, body: str) -> list[Piece]:
-        """A block that closed: the rest of the call it began, or the call it
-        holds in another form, or, where it holds none, the block as content."""
+    def _keep_unsure(self) -> None:
+        """An open call's arguments given out leave _text (and the END search
+        goes on from where it stopped)."""
+        self._scan = max(0, len(self._text) - len(END) + 1)
+        if self._call is not None:
+            self._text = self._text[self._at :]
+            self._scan, self._at = max(0, self._scan - self._at), 0
+
+    def _opened(self, name: str) -> Opened:
+        """A call begins: the newline before its block was the template's."""
+        self._space, self._after_call, self._called, self._given = "", True, True, []
+        return Opened(call_id(), name)
+
+    def _closed(self, end: int) -> list[Piece]:
+        """A block that closed at `end` in _text: the rest of the call it began,
+        or the call it holds in another form, or, where it holds none, the block
+        as content."""
         self._in_block, call = False, self._call
         if call is not None:
             self._call = None
-            return self._more(_closed_arguments(body[self._arguments_at :]))
-        whole = _call(body.strip())
+            return self._fragment(_closed_arguments(self._text[self._at : end]))
+        whole = _call(self._text[len(START) : end].strip())
         if whole is None:
-            return self._content(block)
-        return [Opened(whole.id, whole.name), Arguments(whole.arguments)]
+            return self._content(self._text[: end + len(END)])
+        return [self._opened(whole.name), Arguments(whole.arguments)]
 
-    def _more(self, arguments: str) -> list[Piece]:
-        """The open call's arguments beyond what went out."""
-        fragment, self._given = arguments[self._given :], max(self._given, len(arguments))
-        return [Arguments(fragment)] if fragment else []
+    def _fragment(self, text: str) -> list[Piece]:
+        """The next fragment of the open call's arguments."""
+        if not text:
+            return []
+        self._given.append(text)
+        return [Arguments(text)]
 
     def _content(self, text: str) -> list[Piece]:
-        """Content, less its trailing whitespace, which is held until more content
-        follows: whitespace before a block, or at the end, goes nowhere."""
-        kept = text.rstrip()
-        if not kept:
-            self._space += text
+        """Content, less what may still be the template's: a final newline (a
+        block may follow), and whitespace right after a call."""
+        text, self._space = self._space + text, ""
+        if self._after_call and not text.strip():
+            self._space = text
             return []
-        kept, self._space = self._space + kept, text[len(kept) :]
-        return [kept]
+        if text.endswith("\n"):
+            text, self._space = text[:-1], "\n"
+        if text:
+            self._after_call = False
+        return [text] if text else []
 
 
 def calls_of(pieces: list[Piece]) -> tuple[str | None, list[Call]]:
@@ -271,10 +328,10 @@ def calls_of(pieces: list[Piece]) -> tuple[str | None, list[Call]]:
     return content or None, calls
 
 
-def split(text: str) -> tuple[str | None, list[Call]]:
+def split(text: str, forced: Forced | None = None) -> tuple[str | None, list[Call]]:
     """A whole output's content (None if there is none) and calls, exactly as
     ToolCallStream gives them out."""
-    stream = ToolCallStream()
+    stream = ToolCallStream(forced)
     return calls_of(stream.feed(text) + stream.finish())
 
 

@@ -63,7 +63,7 @@ def test_streamed_anyhow_and_cut_anywhere_the_output_is_the_wholes(
     cut: int, data: st.DataObject
 ) -> None:
     """Whatever the pieces: the deltas add up to the items, the items equal those
-    of the text given whole, no message ever shows the template's markup, and
+    of the text given whole, no message ever shows a call's markup, and
     the sequence numbers count up from 0."""
     text = TEXT[:cut]
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12)))
@@ -71,13 +71,15 @@ def test_streamed_anyhow_and_cut_anywhere_the_output_is_the_wholes(
     output, events = _built(text, [c for c in cuts if c < len(text)], reason)
     whole, _ = _built(text, [], reason)
     assert _items(output) == _items(whole) == _replayed(events)
-    assert all("<tool" not in text for kind, text in _items(output) if kind == "message")
+    messages = [text for kind, text in _items(output) if kind == "message"]
+    # a call's markup never shows; a block cut before its name is written is text
+    assert not any(f'"name": "{name}"' in text for text in messages for name in "fg")
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     last = "response.completed" if cut == len(TEXT) else "response.incomplete"
     assert events[-1]["type"] == last
     if cut == len(TEXT):
         assert _items(output) == [
-            ("message", "Looking it up."),
+            ("message", "Looking it up. "),  # only a newline before a call is the template's
             ("f", '{"q": "a}b", "n": [1, {"m": 2}]}'),
             ("g", '{"q": "a}b", "n": [1, {"m": 2}]}'),
         ]
@@ -118,3 +120,53 @@ def test_the_store_keeps_to_its_bytes_and_its_age() -> None:
     old.put(response("d", 10), [])
     time.sleep(0.06)
     assert old.get("d") is None and old.bytes == 0
+
+
+def _turn(size: int) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "x" * size}]
+
+
+def test_one_clients_burst_leaves_earlier_small_conversations_retrievable() -> None:
+    """The issue's flush, scaled down (a 256 kB store, 60 kB requests as 60 MiB
+    ones under the 64 MiB body limit): ten small three-turn conversations, then
+    eight large responses in a row. The burst gives way among itself: every
+    small conversation stays whole."""
+    store = ResponseStore(max_bytes=256_000, ttl_s=60)
+    last = []
+    for chat in range(10):
+        previous = None
+        for turn in range(3):
+            response = {"id": f"chat{chat}-{turn}"}
+            assert store.put(response, _turn(1000), [], previous)
+            previous = store.get(response["id"])
+        last.append(f"chat{chat}-2")
+    for burst in range(8):
+        assert store.put({"id": f"burst{burst}"}, _turn(60_000))
+    assert store.bytes <= store.max_bytes
+    for response_id in last:
+        stored = store.get(response_id)
+        assert stored is not None and len(stored.conversation) == 3
+    assert 0 < sum(store.get(f"burst{b}") is not None for b in range(8)) < 8
+
+
+def test_a_conversations_history_is_counted_once() -> None:
+    """A ten-turn chat about one large image: the image's turn is counted once,
+    not once a turn; a turn whose predecessor went keeps its history."""
+    store = ResponseStore(max_bytes=10_000_000, ttl_s=60)
+    assert store.put({"id": "t0"}, _turn(1_000_000))
+    for turn in range(1, 10):
+        assert store.put({"id": f"t{turn}"}, _turn(100), [], store.get(f"t{turn - 1}"))
+    assert store.bytes < 1_000_000 + 10 * 200
+    assert store.delete("t0") and store.get("t0") is None
+    last = store.get("t9")
+    assert last is not None and len(last.conversation) == 10
+    held = store.bytes
+    for turn in range(1, 10):
+        store.delete(f"t{turn}")
+    assert store.bytes == 0 < held  # the last holder gone, the image's turn goes too
+
+
+def test_one_response_takes_at_most_its_share() -> None:
+    store = ResponseStore(max_bytes=1000, ttl_s=60)
+    assert not store.put({"id": "big"}, _turn(600))  # over half the store
+    assert store.put({"id": "fits"}, _turn(400)) and store.bytes > 400

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import json
 
+import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tool_calls import Arguments, Call, Opened, ToolCallStream, calls_of, split
+from services.gateway.tool_calls import (
+    START,
+    Arguments,
+    Call,
+    Forced,
+    Opened,
+    ToolCallStream,
+    calls_of,
+    split,
+)
+from services.launcher.protogen import REPO_ROOT
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, "é"]}}\n</tool_call>'
@@ -24,7 +35,7 @@ OUTPUTS: dict[str, tuple[str, str | None, list[tuple[str, dict[str, object]]]]] 
     ),
     "text around a call": (
         "Let me look.\n" + WEATHER + "\nDone.",
-        "Let me look.\n\nDone.",
+        "Let me look.\nDone.",  # the newline before a call is the template's
         [("get_weather", {"city": "Paris"})],
     ),
     "malformed arguments are the call's, as written": (
@@ -47,12 +58,25 @@ OUTPUTS: dict[str, tuple[str, str | None, list[tuple[str, dict[str, object]]]]] 
         '<tool_call>{"arguments": {}}</tool_call>',
         [],
     ),
-    "a block cut before its name is left out": (
+    "a block cut after its name is its call, with no arguments yet": (
         'Sure: <tool_call>\n{"name": "add", "argu',
-        "Sure:",
+        "Sure: ",
+        [("add", "")],
+    ),
+    "a block cut before its name is content": (
+        'Sure: <tool_call>\n{"na',
+        'Sure: <tool_call>\n{"na',
         [],
     ),
-    "a block's opening cut short is left out": ("a <tool_ca", "a", []),
+    "a block's opening cut short is content": ("a <tool_ca", "a <tool_ca", []),
+    "a trailing < is content": ("if a <", "if a <", []),
+    "a trailing </ is content": ("if a </", "if a </", []),
+    "trailing whitespace is content": ("Done. \n\n", "Done. \n\n", []),
+    "whitespace after the last call is not": (
+        WEATHER + "\n",
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
     "nested arguments, spaced out": (
         '<tool_call> {"name": "f", "arguments":  {"a": {"b": "}"}} }\n\n</tool_call>',
         None,
@@ -89,8 +113,10 @@ def test_an_output_splits_into_content_and_calls(name: str) -> None:
     assert all(c.id.startswith("call_") for c in got_calls)
 
 
-def _streamed(text: str, cuts: list[int]) -> tuple[str | None, list[Call]]:
-    stream = ToolCallStream()
+def _streamed(
+    text: str, cuts: list[int], forced: Forced | None = None
+) -> tuple[str | None, list[Call]]:
+    stream = ToolCallStream(forced)
     pieces = []
     for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
         pieces += stream.feed(text[start:end])
@@ -114,7 +140,7 @@ def test_a_call_is_given_out_as_it_is_written() -> None:
     """Its name as soon as its arguments begin; each fragment of them once it
     cannot be the block's end; the rest when the block closes."""
     stream = ToolCallStream()
-    assert stream.feed("Checking. <tool") == ["Checking."]  # its space waits for more
+    assert stream.feed("Checking. <tool") == ["Checking. "]  # "<tool" may begin a block
     assert stream.feed('_call>{"name": "now", "arguments": ') == []  # more space may follow
     (opened, first) = stream.feed('{"tz": "UTC"')
     assert isinstance(opened, Opened) and opened.name == "now" and opened.id.startswith("call_")
@@ -139,10 +165,78 @@ def test_a_forced_output_cut_anywhere_and_streamed_anyhow_shows_no_markup(
     it got, as the whole output gives them."""
     text = FORCED[:cut]
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12)))
-    content, calls = _streamed(text, [c for c in cuts if c < len(text)])
+    content, calls = _streamed(text, [c for c in cuts if c < len(text)], Forced())
     assert content is None or not ({"<tool", "tool_call", "</"} & set(content.split()))
     assert content is None or "<tool_call>" not in content
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in split(text)[1]]
-    whole = [c.arguments for c in split(FORCED)[1]]
+    cut_calls = split(text, Forced())[1]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in cut_calls]
+    whole = [c.arguments for c in split(FORCED, Forced())[1]]
     for call, arguments in zip(calls, whole, strict=False):
         assert arguments.startswith(call.arguments)  # what was cut is a prefix of the whole
+
+
+def test_a_named_call_cut_before_its_name_is_still_that_call() -> None:
+    """A named tool_choice forces the function: cut anywhere, even before its
+    name is written, the output is that call with its arguments so far."""
+    forced = Forced("get_weather")
+    for cut in range(len(WEATHER) + 1):
+        content, calls = split(WEATHER[:cut], forced)
+        assert content is None
+        assert [c.name for c in calls] == ["get_weather"]
+        assert '{"city": "Paris"}'.startswith(calls[0].arguments)
+    assert [c.name for c in split("", forced)[1]] == ["get_weather"]
+
+
+# The chat template's own rendering of an assistant turn (services/model/chat_template.jinja,
+# with transformers' tojson), less the turn's markers: what a model trained on it writes.
+TEMPLATE = (REPO_ROOT / "services/model/chat_template.jinja").read_text()
+
+
+def _rendered(content: str, calls: list[tuple[str, dict[str, object]]]) -> str:
+    environment = jinja2.Environment()
+    environment.filters["tojson"] = lambda value: json.dumps(value, ensure_ascii=False)
+    message = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in calls],
+    }
+    turn = environment.from_string(TEMPLATE).render(messages=[message], tools=None)
+    return turn.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+CONTENT = st.text(st.sampled_from(list('ab <>/\n\t{}"_toolcal')), max_size=30).filter(
+    lambda text: START not in text
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    CONTENT,
+    st.lists(
+        st.tuples(
+            st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+            st.dictionaries(st.text(max_size=4), JSON, max_size=3),
+        ),
+        max_size=3,
+    ),
+    st.data(),
+)
+def test_content_and_calls_rendered_by_the_template_split_back(
+    content: str, calls: list[tuple[str, dict[str, object]]], data: st.DataObject
+) -> None:
+    """Whatever the template renders from content and calls splits back into
+    them, character for character, whole and streamed in any pieces."""
+    text = _rendered(content, calls)
+    want = (content or None, [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls])
+    got_content, got_calls = split(text)
+    assert (got_content, [(c.name, c.arguments) for c in got_calls]) == want
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12)))
+    streamed_content, streamed_calls = _streamed(text, [c for c in cuts if c < len(text)])
+    assert (streamed_content, [(c.name, c.arguments) for c in streamed_calls]) == want

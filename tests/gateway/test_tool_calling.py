@@ -145,6 +145,30 @@ async def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup(gateway: Gat
     assert len(fragments) > 1  # the arguments stream as they are written, not at the end
 
 
+async def test_a_forced_call_cut_anywhere_in_its_opening_is_still_the_call(
+    gateway: GatewayServer,
+) -> None:
+    """Cut by max_tokens at every point of the call's opening: a named function's
+    reply is its call from the first token on (its name is known); a "required"
+    one's is the call once its name is written, and never the markup before."""
+    free = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice in ({"type": "function", "function": {"name": "f"}}, "required"):
+        named = []
+        for max_tokens in range(1, 34):
+            kwargs = {**_kwargs(choice, False), "tools": free, "max_tokens": max_tokens}
+            (only,) = (await client(gateway).chat.completions.create(**kwargs)).choices
+            assert only.message.content is None, (choice, max_tokens, only)
+            calls = only.message.tool_calls or []
+            assert [c.function.name for c in calls] in ([], ["f"])
+            assert all(c.function.arguments[:1] in ("", "{") for c in calls)
+            named.append(bool(calls))
+        assert named[-1]  # the name is written well within 33 tokens
+        if choice == "required":
+            assert named == sorted(named)  # no call until its name is written, then the call
+        else:
+            assert all(named)
+
+
 async def test_parallel_calls_and_a_conversation_that_sends_results_back(
     gateway: GatewayServer, tiny_checkpoint: Path
 ) -> None:

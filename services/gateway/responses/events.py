@@ -25,7 +25,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.responses.convert import response_object, response_usage
 from services.gateway.responses.protocol import ResponsesRequest
 from services.gateway.shapes import count, first_token, responses
-from services.gateway.tool_calls import Arguments, Opened, Piece, ToolCallStream
+from services.gateway.tool_calls import Arguments, Forced, Opened, Piece, ToolCallStream
 from services.wire import request as wire
 
 
@@ -38,12 +38,17 @@ class ResponseOutput:
     the SSE lines of each step not yet sent (a whole response makes none)."""
 
     def __init__(
-        self, response_id: str, body: ResponsesRequest, tool_calls: bool, streamed: bool = True
+        self,
+        response_id: str,
+        body: ResponsesRequest,
+        tool_calls: bool,
+        streamed: bool = True,
+        forced: Forced | None = None,
     ) -> None:
         self.response = response_object(response_id, body, time.time())
         self.streamed = streamed
         self.events: list[str] = []
-        self._calls = ToolCallStream() if tool_calls else None
+        self._calls = ToolCallStream(forced) if tool_calls else None
         self._open: dict[str, Any] | None = None  # the item being written
         self._sequence = 0
         self._emit("response.created", response=self.response)
