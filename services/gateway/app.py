@@ -35,7 +35,12 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.prepare import chat_call, completion_calls, parse
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, validation_error
 from services.gateway.request_log import RequestRecord
-from services.gateway.responses.convert import assistant_message, chat_request
+from services.gateway.responses.convert import (
+    assistant_message,
+    chat_request,
+    input_items,
+    items_page,
+)
 from services.gateway.responses.events import ResponseOutput, response_events
 from services.gateway.responses.protocol import ResponsesRequest
 from services.gateway.responses.store import ResponseStore
@@ -287,15 +292,16 @@ def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
         record = await _admitted(gateway, request, "resp")
         body = await parse(request, gateway.max_body_bytes, ResponsesRequest)
         previous = body.previous_response_id
-        history = stored(previous, "previous_response_id").conversation if previous else []
+        before = stored(previous, "previous_response_id") if previous else None
+        history = before.conversation if before is not None else []
         chat, conversation = chat_request(body, history)
         call = await chat_call(gateway.backend, gateway.media, gateway.metrics, chat, record)
         output = ResponseOutput(record.request_id, body, call.tool_calls, body.stream, call.forced)
 
         def keep(done: ResponseOutput) -> None:
             if body.store:
-                turns = [*conversation, assistant_message(done.output)]
-                gateway.store.put(done.response, turns)
+                turn = [*conversation[len(history) :], assistant_message(done.output)]
+                gateway.store.put(done.response, turn, input_items(body.input), before)
 
         try:
             if body.stream:
@@ -320,6 +326,20 @@ def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
     async def get_response(request: Request, response_id: str) -> Any:
         _check_key(gateway, request)
         return stored(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(
+        request: Request,
+        response_id: str,
+        order: str = "desc",
+        limit: int = 20,
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        """The response's input items, newest first unless order=asc, a page of
+        `limit` after the item `after`, as OpenAI lists them."""
+        _check_key(gateway, request)
+        items = list(stored(response_id).input_items)
+        return items_page(items[::-1] if order == "desc" else items, order, limit, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> dict[str, Any]:

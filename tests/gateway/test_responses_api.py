@@ -207,6 +207,42 @@ async def test_a_stored_response_continues_from_the_prefix_cache(gateway: Gatewa
         await openai.responses.create(model=MODEL, previous_response_id=first.id, input="More?")
 
 
+async def test_a_responses_input_items_are_listed(gateway: GatewayServer) -> None:
+    """GET /v1/responses/{id}/input_items, through the official client: the
+    request's own input (not the turns it continues), newest first by default,
+    in pages; a deleted response's continuation keeps its history."""
+    openai = client(gateway)
+    first = await openai.responses.create(
+        model=MODEL, input="Weather in Paris?", max_output_tokens=3, temperature=0
+    )
+    second = await openai.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[
+            {"role": "user", "content": "And in Rome?"},
+            {"role": "user", "content": [{"type": "input_text", "text": "Briefly."}]},
+        ],
+        max_output_tokens=3,
+        temperature=0,
+    )
+    (item,) = [i async for i in openai.responses.input_items.list(first.id)]
+    assert item.type == "message" and item.role == "user" and item.id
+    assert [c.text for c in item.content] == ["Weather in Paris?"]  # type: ignore[union-attr]
+    newest = [i async for i in openai.responses.input_items.list(second.id)]
+    assert [i.content[0].text for i in newest] == ["Briefly.", "And in Rome?"]  # type: ignore[union-attr]
+    oldest = await openai.responses.input_items.list(second.id, order="asc", limit=1)
+    assert [i.content[0].text for i in oldest.data] == ["And in Rome?"]  # type: ignore[union-attr]
+    assert oldest.has_more
+    await openai.responses.delete(first.id)
+    third = await openai.responses.create(
+        model=MODEL, previous_response_id=second.id, input="Thanks.", max_output_tokens=3
+    )
+    assert third.usage is not None and second.usage is not None
+    assert third.usage.input_tokens > second.usage.input_tokens  # the first turn is in it
+    with pytest.raises(NotFoundError):
+        await openai.responses.input_items.list(first.id)
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [

@@ -5,6 +5,7 @@ turn sends to the template."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -15,8 +16,10 @@ from services.gateway.responses.protocol import (
     FunctionCall,
     FunctionCallOutput,
     InputImage,
+    InputText,
     Item,
     Message,
+    OutputText,
     Refusal,
     ResponsesRequest,
     SchemaFormat,
@@ -183,4 +186,52 @@ def response_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+def input_items(given: str | list[Item]) -> list[dict[str, Any]]:
+    """The input as GET /v1/responses/{id}/input_items lists it: each item with
+    an id of its own and a message's text as content parts."""
+    items: list[Item] = [Message(role="user", content=given)] if isinstance(given, str) else given
+    listed = []
+    for item in items:
+        if isinstance(item, Message):
+            parts = [_listed_part(part) for part in item.parts]
+            fields = {"type": "message", "role": item.role, "content": parts}
+            prefix = "msg"
+        elif isinstance(item, FunctionCall):
+            fields = {"type": "function_call", "call_id": item.call_id, "name": item.name}
+            fields["arguments"], prefix = item.arguments, "fc"
+        else:
+            fields = {"type": "function_call_output", "call_id": item.call_id}
+            fields["output"], prefix = item.text, "fco"
+        listed.append({"id": f"{prefix}_{secrets.token_hex(12)}", **fields, "status": "completed"})
+    return listed
+
+
+def _listed_part(part: InputText | InputImage | OutputText | Refusal) -> dict[str, Any]:
+    dumped = part.model_dump(exclude_none=True)
+    return {**dumped, "annotations": []} if isinstance(part, OutputText) else dumped
+
+
+def items_page(
+    items: list[dict[str, Any]], order: str, limit: int, after: str | None
+) -> dict[str, Any]:
+    """A page of listed items, as OpenAI's list endpoints give one."""
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc, not {order!r}", param="order")
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be in [1, 100], not {limit}", param="limit")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
     }
