@@ -43,7 +43,7 @@ from services.gateway.responses.convert import (
 )
 from services.gateway.responses.events import ResponseOutput, response_events
 from services.gateway.responses.protocol import ResponsesRequest
-from services.gateway.responses.store import ResponseStore
+from services.gateway.responses.store import ResponseStore, Stored
 from services.gateway.shapes import (
     Generated,
     chat_choice,
@@ -166,6 +166,7 @@ def create_app(gateway: Gateway) -> ASGIApp:
     _errors_as_json(app)
     _generation_routes(app, gateway)
     _responses_routes(app, gateway)
+    _stored_routes(app, gateway)
     _other_routes(app, gateway)
     return InFlight(app, gateway.metrics, gateway.max_concurrent_requests)
 
@@ -273,18 +274,20 @@ def _text_completion(
     return text_completion(request_id, body.model, choices, total)
 
 
+def _stored(gateway: Gateway, response_id: str, param: str = "response_id") -> Stored:
+    """A stored response: 404 where it is not (400 where a request's `param` names it)."""
+    found = gateway.store.get(response_id)
+    if found is None:
+        text = f"no stored response '{response_id}' (never stored, expired or deleted)"
+        if param == "response_id":
+            raise ApiError(404, text, param=param)
+        raise ApiError(400, f"{param}: {text}", param=param)
+    return found
+
+
 def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
     """The Responses API: a translation onto the chat path, and the stored
-    responses a later request continues (previous_response_id), reads or deletes."""
-
-    def stored(response_id: str, param: str = "response_id") -> Any:
-        found = gateway.store.get(response_id)
-        if found is None:
-            text = f"no stored response '{response_id}' (never stored, expired or deleted)"
-            if param == "response_id":
-                raise ApiError(404, text, param=param)
-            raise ApiError(400, f"{param}: {text}", param=param)
-        return found
+    responses a later request continues (previous_response_id)."""
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(request: Request) -> Response:
@@ -292,7 +295,7 @@ def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
         record = await _admitted(gateway, request, "resp")
         body = await parse(request, gateway.max_body_bytes, ResponsesRequest)
         previous = body.previous_response_id
-        before = stored(previous, "previous_response_id") if previous else None
+        before = _stored(gateway, previous, "previous_response_id") if previous else None
         history = before.conversation if before is not None else []
         chat, conversation = chat_request(body, history)
         call = await chat_call(gateway.backend, gateway.media, gateway.metrics, chat, record)
@@ -322,10 +325,14 @@ def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
         keep(output)
         return JSONResponse(output.response)
 
+
+def _stored_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The stored responses, read, listed and deleted."""
+
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Any:
         _check_key(gateway, request)
-        return stored(response_id).response
+        return _stored(gateway, response_id).response
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def get_input_items(
@@ -338,13 +345,13 @@ def _responses_routes(app: FastAPI, gateway: Gateway) -> None:
         """The response's input items, newest first unless order=asc, a page of
         `limit` after the item `after`, as OpenAI lists them."""
         _check_key(gateway, request)
-        items = list(stored(response_id).input_items)
+        items = list(_stored(gateway, response_id).input_items)
         return items_page(items[::-1] if order == "desc" else items, order, limit, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
         _check_key(gateway, request)
-        stored(response_id)
+        _stored(gateway, response_id)
         gateway.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 

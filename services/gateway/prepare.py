@@ -65,23 +65,11 @@ async def chat_call(
     )
     hints = [(item.token_hint, item.grid) for item in loaded]
     messages = _messages(body.messages, hints, keys)
-    form = body.response_format
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
-    sampling = _sampling(
-        body,
-        body.logprobs,
-        body.top_logprobs or 0,
-        # the language service compiles the grammar (a bad schema is its 400)
-        json_object=isinstance(form, JsonObjectFormat),
-        json_schema=json.dumps(form.json_schema.schema_)
-        if isinstance(form, JsonSchemaFormat)
-        else "",
-        structural_tag=_forced_calls(body, tools),
-    )
     request = wire.GenerateRequest(
         record.request_id,
         messages,
-        sampling,
+        _chat_sampling(body, tools),
         tools=json.dumps(tools) if tools else "",
         cache_salt=salt,
     )
@@ -89,14 +77,25 @@ async def chat_call(
         MediaData(image.data, isinstance(part, VideoPart), key)
         for image, part, key in zip(loaded, vision, keys, strict=True)
     )
+    key = body.prompt_cache_key or ""
     return GenerateCall(
-        request,
-        body.model,
-        items,
-        body.calls_tools,
-        body.forced_calls,
-        record,
-        body.prompt_cache_key or "",
+        request, body.model, items, body.calls_tools, body.forced_calls, record, key
+    )
+
+
+def _chat_sampling(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> wire.SamplingParams:
+    """A chat completion's sampling, its grammar's source among it: the language
+    service compiles the grammar (a bad schema is its 400)."""
+    form = body.response_format
+    return _sampling(
+        body,
+        body.logprobs,
+        body.top_logprobs or 0,
+        json_object=isinstance(form, JsonObjectFormat),
+        json_schema=json.dumps(form.json_schema.schema_)
+        if isinstance(form, JsonSchemaFormat)
+        else "",
+        structural_tag=_forced_calls(body, tools),
     )
 
 

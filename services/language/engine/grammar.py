@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -27,12 +28,22 @@ LAX_CHARACTER = r"[^\"\\\r\n]"
 STRICT_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
 
 
-def strict(grammar: xgr.Grammar) -> xgr.Grammar:
-    """The grammar with no raw control character in any JSON string: itself,
-    where xgrammar wrote none of LAX_CHARACTER (once it is fixed upstream)."""
+# xgrammar prints U+0080-U+00FF as \xHH, which its EBNF parser reads on into the
+# hex digits after it ("é" then "a", printed "\xe9a", comes back as U+0E9A): so
+# does its compiler, with its cache on, for a Grammar it is given (it compiles the
+# printed text). Spelled \u00HH, the printed grammar parses back to itself.
+_PRINTED_ESCAPE = re.compile(r"\\(\\|x([0-9A-Fa-f]{2}))")
+
+
+def strict(grammar: xgr.Grammar) -> str | None:
+    """The grammar's EBNF with no raw control character in any JSON string, spelled
+    to parse back to itself; None where xgrammar wrote no LAX_CHARACTER (nothing to
+    fix, as once it is fixed upstream)."""
     text = str(grammar)
+    if LAX_CHARACTER not in text:
+        return None
     fixed = text.replace(LAX_CHARACTER, STRICT_CHARACTER)
-    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+    return _PRINTED_ESCAPE.sub(lambda m: m[0] if m[2] is None else f"\\u00{m[2]}", fixed)
 
 
 class Grammars:
@@ -52,17 +63,21 @@ class Grammars:
         JSON schema's; ValueError for one xgrammar cannot use."""
         schema = ANY_OBJECT if params.json_object else params.json_schema
         if params.structural_tag:
-            grammar = partial(xgr.Grammar.from_structural_tag, params.structural_tag)
+            tag = params.structural_tag
+            grammar = partial(xgr.Grammar.from_structural_tag, tag)
+            compiled = partial(self.compiler.compile_structural_tag, tag)
             unusable = "tools: unusable function parameters"
         elif schema:
             # Compact JSON: free whitespace would let a weak model pad forever.
             grammar = partial(xgr.Grammar.from_json_schema, schema, any_whitespace=False)
+            compiled = partial(self.compiler.compile_json_schema, schema, any_whitespace=False)
             unusable = "response_format: unusable JSON schema"
         else:
             return None
 
         def build() -> xgr.CompiledGrammar:
-            return self.compiler.compile_grammar(strict(grammar()))
+            fixed = strict(grammar())
+            return compiled() if fixed is None else self.compiler.compile_grammar(fixed)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, build)
