@@ -5,7 +5,7 @@
 # build is the one installed in the project's environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PY:-.venv/bin/python}"
+PY="${PY:-${EPD_VENV:-.venv}/bin/python}"  # the venv scripts/setup.sh made
 OUT=docker/wheels
 TORCH="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
 # What the wheels were gathered for: the project's dependencies, the torch build and

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the project with everything it needs on this machine.
+# Creates the venv ($EPD_VENV, default .venv) and installs the project into it:
+#   scripts/setup.sh serve   what `epd serve` needs (`make serve`)
+#   scripts/setup.sh test    and the test tools: the dev extras and, as root with
+#                            apt, Debian's kubectl, Prometheus, Docker and mmdebstrap
 # Idempotent: re-runs only when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+MODE="${1:-serve}"
+case "$MODE" in
+  serve | test) ;;
+  *) echo "usage: scripts/setup.sh [serve|test]" >&2; exit 2 ;;
+esac
 VENV="${EPD_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
-STAMP="$VENV/.epd-installed"
+STAMP="$VENV/.epd-installed-$MODE"
 WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
-  exit 0
-fi
+for done in "$STAMP" "$VENV/.epd-installed-test"; do  # a test install serves too
+  if [[ -f "$done" && "$(cat "$done")" == "$WANT" ]]; then
+    exit 0
+  fi
+done
 
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
@@ -22,10 +32,15 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "torch==2.13.0"
 fi
-"${PIP[@]}" -e ".[dev]"
 # The tritonserver binary and its Python backend ship inside this wheel. Its
 # metadata pins numpy<2 and Python deps the binary never uses, hence --no-deps.
 "${PIP[@]}" --no-deps "nvidia-pytriton==0.7.0"
+if [[ "$MODE" == serve ]]; then
+  "${PIP[@]}" -e .
+  echo "$WANT" > "$STAMP"
+  exit 0
+fi
+"${PIP[@]}" -e ".[dev]"
 # transformers' video processor, the reference of the video tests, needs
 # torchvision's Python transforms. Its wheel cannot load its C ops beside the
 # CPU torch and would make transformers pick torchvision-backed processors, so
