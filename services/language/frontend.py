@@ -256,7 +256,10 @@ def _trace_engine(request: Request) -> None:
     decoded = request.num_output_tokens - 1
     if decoded > 0:
         tpot_ms = (ended - first) / decoded * 1000
-        tracing.record("engine.decode", first, ended, None, tokens=decoded, tpot_ms=tpot_ms)
+        held_ms = request.held_seconds * 1000  # its decode steps held while images encoded
+        tracing.record(
+            "engine.decode", first, ended, None, tokens=decoded, tpot_ms=tpot_ms, held_ms=held_ms
+        )
 
 
 class _HintsDiffer(Exception):

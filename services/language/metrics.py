@@ -73,6 +73,20 @@ class LanguageMetrics:
         )
         self._latencies(registry)
         self._kv_transfers(registry)
+        self._pacing(registry)
+
+    def _pacing(self, registry: CollectorRegistry) -> None:
+        self.held_steps = Counter(
+            "epd_language_held_steps",
+            "Decode-only steps held while requests awaited their embeddings "
+            "(--decode-interval-while-encoding-ms)",
+            registry=registry,
+        )
+        self.held_seconds = Counter(
+            "epd_language_held_seconds",
+            "Their total wait: what the pacing added to the running requests' TPOT",
+            registry=registry,
+        )
 
     def _latencies(self, registry: CollectorRegistry) -> None:
         self.ttft = Histogram(
@@ -171,6 +185,9 @@ class LanguageMetrics:
         media = stats.num_cached_media_tokens
         self.prefix_cached_tokens.labels("text").inc(stats.num_cached_tokens - media)
         self.prefix_cached_tokens.labels("media").inc(media)
+        if stats.held_s:
+            self.held_steps.inc()
+            self.held_seconds.inc(stats.held_s)
         for value in stats.ttfts:
             self.ttft.observe(value)
         for value in stats.tpots:

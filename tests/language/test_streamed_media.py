@@ -5,6 +5,8 @@ and ends with the KV and the tokens of a request that came with all of them."""
 from __future__ import annotations
 
 import itertools
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from services.language.engine.engine import LLMEngine
 from services.language.engine.outputs import RequestOutput
+from services.language.engine.pacing import Pacing
 from services.language.engine.request import Request, SamplingParams, new_request
 from services.language.engine.scheduler import Scheduled
 from services.loadgen.synthetic import random_image
@@ -256,3 +259,29 @@ def test_a_chunk_that_stops_at_a_missing_image_rides_along_with_other_prefill_wo
     engine.add_request(anew(whole[2], tiny_checkpoint, streamed=False))
     engine.step()
     assert blocked.num_computed_tokens == int(blocked.media_positions[0])
+
+
+def test_a_chunk_that_waits_for_its_image_does_not_count_as_prefill_work(
+    tiny_checkpoint: Path, whole: list[Request]
+) -> None:
+    """While the vision side encodes, a decode-only step waits its interval. A
+    streamed request's text before its missing first image does not cancel that
+    wait: beside decodes alone, that chunk does not go either. The step says how
+    long it was held (for the metric), and so does each request (for its trace)."""
+    engine = make_engine(tiny_checkpoint, cuda_graphs=False)
+    engine.pacing = Pacing(replace(engine.config, decode_interval_while_encoding_ms=200))
+    engine.pacing.encoding = True
+    engine.add_request(anew(whole[0], tiny_checkpoint, streamed=False))
+    engine.step()  # r0's prompt: it decodes from now on
+    blocked = anew(whole[1], tiny_checkpoint)
+    engine.add_request(blocked)
+    assert blocked.num_schedulable_tokens > 0 and blocked.waits_for_media
+    assert not engine.scheduler.has_prefill_work()
+    assert engine.step_delay() > 0.1  # the decode waits: the tower has the cores
+    time.sleep(0.05)
+    _, stats = engine.step()  # held that long (the loop would hold it the full interval)
+    (decoding,) = [r for r in engine.scheduler.running if r.request_id == "r0"]
+    assert stats.held_s >= 0.05 and decoding.held_seconds == stats.held_s
+    engine.abort_request("r0")
+    assert engine.scheduler.has_prefill_work()  # nothing decodes: the chunk goes now
+    assert engine.step_delay() == 0.0

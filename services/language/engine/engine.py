@@ -248,7 +248,11 @@ class LLMEngine:
         """One step of the request lifecycle (docs/architecture.md, step 8):
         schedule, execute, sample, postprocess."""
         self._encode_pixels()
+        held = self.pacing.take_held()
         batch, lost, stats = self._schedule()
+        stats = replace(stats, held_s=held)
+        for s in batch:  # what the pacing cost each request, for its trace
+            s.request.held_seconds += held
         outputs: list[RequestOutput] = []
         if batch:
             logits = self.runner.execute(batch)

@@ -87,6 +87,7 @@ class StepStats:
     num_cached_tokens: int = 0  # tokens admitted from the prefix cache this step
     num_cached_media_tokens: int = 0  # of those, images' and videos'
     threads: int = 0  # the OpenMP threads it ran on
+    held_s: float = 0.0  # how long it was held while the vision side encoded (Pacing)
 
 
 @dataclass(frozen=True, slots=True)

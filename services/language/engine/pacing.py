@@ -23,6 +23,7 @@ class Pacing:
         # set by the loop's host while requests await their embeddings
         self.encoding = False
         self.last_step = 0.0  # when the last step ended (time.monotonic)
+        self.held_since: float | None = None  # when the step now due was first held
 
     def delay(self, prefill_work: bool) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
@@ -31,7 +32,16 @@ class Pacing:
         vision tower on these cores gets that long however long a step takes."""
         if not (self.interval_s and self.encoding) or prefill_work:
             return 0.0
-        return max(0.0, self.last_step + self.interval_s - time.monotonic())
+        now = time.monotonic()
+        delay = max(0.0, self.last_step + self.interval_s - now)
+        if delay and self.held_since is None:
+            self.held_since = now
+        return delay
+
+    def take_held(self) -> float:
+        """Seconds the step that runs now was held (0.0: it was not)."""
+        held, self.held_since = self.held_since, None
+        return 0.0 if held is None else time.monotonic() - held
 
     def set_threads(self, batch: Sequence[Scheduled] = ()) -> None:
         """The step's OpenMP threads: all, or EngineConfig.decode_threads for a

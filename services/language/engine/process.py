@@ -77,6 +77,7 @@ class _Timing:
     num_prefill_steps: int
     num_cached_pages: int
     num_preemptions: int
+    held_seconds: float
     output_token_ids: list[int]
 
 
@@ -126,6 +127,7 @@ def _timing(request: Request) -> _Timing:
         request.num_prefill_steps,
         request.num_cached_pages,
         request.num_preemptions,
+        request.held_seconds,
         request.output_token_ids,
     )
 
@@ -136,6 +138,7 @@ def _apply(timing: _Timing, request: Request) -> None:
     request.num_prefill_steps = timing.num_prefill_steps
     request.num_cached_pages = timing.num_cached_pages
     request.num_preemptions = timing.num_preemptions
+    request.held_seconds = timing.held_seconds
     request.output_token_ids = timing.output_token_ids
 
 

@@ -76,6 +76,7 @@ class Request:
     num_prefill_steps: int = 0  # steps that computed prompt tokens (chunks)
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    held_seconds: float = 0.0  # its steps' waits while the vision side encoded (Pacing)
     grammar: Any = None  # xgrammar.CompiledGrammar of a guided request
     matcher: Any = None  # its xgrammar.GrammarMatcher: the grammar's state after the tokens so far
     # Choice `index` of an n > 1 request; choice 0 carries the choices it has not

@@ -148,11 +148,17 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def has_prefill_work(self) -> bool:
-        """Whether a prompt has tokens to compute now (a step would not only decode)."""
-        return any(
-            r.num_computed_tokens < r.num_prompt_tokens and r.num_schedulable_tokens
+        """Whether the next step would compute a prompt's tokens (not only decode):
+        a chunk that stops at a missing image counts only where it would go
+        (`_short_chunks_go`): beside decodes alone, it waits."""
+        prompts = [
+            r
             for r in (*self.running, *self.waiting)
-        )
+            if r.num_computed_tokens < r.num_prompt_tokens and r.num_schedulable_tokens
+        ]
+        if any(not r.waits_for_media for r in prompts):
+            return True
+        return bool(prompts) and self._short_chunks_go()
 
     def _held_pages(self, request: Request) -> int:
         """The pages up to the last media token it was never sent (0: none)."""
