@@ -240,35 +240,47 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from services.launcher.preflight import ConfigError, check_stack
     from services.launcher.serve import run
     from services.wire.dtypes import DTYPE_NAMES, resolve_dtype
 
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
-    _check_serve_roles(args, roles)
-    checkpoint, name = _serve_checkpoint(args)
-    dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
+    try:
+        _check_serve_roles(args, roles)
+        checkpoint, name = _serve_checkpoint(args)
+        dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
+        config = stack_config(args, roles, checkpoint, name, dtype)
+        engine = {k: getattr(args, k) for k in ("kv_cache_mb", "max_model_len", "page_size")}
+        check_stack(config, engine)
+    except (ConfigError, ValueError) as exc:  # a configuration that cannot work
+        print(f"epd serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
     if not env.CLUSTER_TOKEN.get():  # one per stack: the children inherit it
         os.environ[env.CLUSTER_TOKEN.name] = secrets.token_urlsafe(24)
-    exit_now(run(stack_config(args, roles, checkpoint, name, dtype)))
+    exit_now(run(config))
 
 
 def _check_serve_roles(args: argparse.Namespace, roles: tuple[str, ...]) -> None:
+    from services.launcher.preflight import ConfigError
     from services.launcher.serve import StackConfig
 
     if (args.prefill or args.decode) and args.languages is not None:
-        raise SystemExit("epd serve: --prefill/--decode and --languages are mutually exclusive")
+        raise ConfigError("--prefill/--decode and --languages are mutually exclusive")
     whole = set(roles) == set(options.field_default(StackConfig, "roles"))
     if whole and (args.prefill > 0) != (args.decode > 0):
-        raise SystemExit("epd serve: E/P/D needs --prefill N and --decode M, both at least 1")
+        raise ConfigError("E/P/D needs --prefill N and --decode M, both at least 1")
 
 
 def _serve_checkpoint(args: argparse.Namespace) -> tuple[Path, str]:
     """--model's folder and the name it is served under, else the demo's."""
+    from services.launcher.preflight import ConfigError
     from services.model.demo import cached_demo_checkpoint
 
     if args.model:
         checkpoint = Path(args.model).resolve()
+        if not checkpoint.is_dir():
+            raise ConfigError(f"--model {args.model} is not a folder")
         return checkpoint, args.model_name or checkpoint.name
     print(f"no --model: the {args.demo_size} demo checkpoint (built on first use)", flush=True)
     return cached_demo_checkpoint(args.demo_size), args.model_name or f"demo-{args.demo_size}"
@@ -284,7 +296,7 @@ def stack_config(
     language = [*served(options.LANGUAGE, args), "--engine-process", args.engine_process]
     return options.build(
         options.STACK,
-        args,
+        _ported(args),
         checkpoint=checkpoint,
         model_name=name,
         log_dir=Path(args.log_dir or Path(env.CACHE_DIR.get()) / "logs"),
@@ -298,6 +310,22 @@ def stack_config(
         broker_args=tuple(served(options.BROKER, args)),
         gateway_args=tuple(served(options.GATEWAY, args)),
     )
+
+
+def _ported(args: argparse.Namespace) -> argparse.Namespace:
+    """--port-base: each port flag still at its default moves into the block
+    (services.runtime.ports.SERVE_PORTS); the metrics ports follow theirs."""
+    from services.launcher.serve import StackConfig
+    from services.runtime.ports import SERVE_PORTS
+
+    if args.port_base is None:
+        return args
+    moved = argparse.Namespace(**vars(args))
+    for flag, offset in SERVE_PORTS.items():
+        dest = flag.replace("-", "_")
+        if getattr(args, dest) == options.field_default(StackConfig, dest):
+            setattr(moved, dest, args.port_base + offset)
+    return moved
 
 
 def export_security(args: argparse.Namespace) -> None:

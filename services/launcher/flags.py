@@ -256,6 +256,14 @@ def serve(p: argparse.ArgumentParser) -> None:
         help=f"several machines: this host's share, comma-separated from {','.join(ROLES)} "
         "(default: all of them)",
     )
+    p.add_argument(
+        "--port-base",
+        type=int,
+        help="every port of the stack in one block from this one (the gateway's; the broker's "
+        "+1, Triton's +2..4, the encoders' from +10, the language instances' from +20, each "
+        "gRPC port's metrics +100): a second stack on this machine needs only this; a port "
+        "flag given as well keeps its value",
+    )
     p.add_argument("--log-dir", help="component logs (default: $EPD_CACHE_DIR/logs)")
     add_security(p)
     add_tracing(p)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -71,6 +72,10 @@ GOMP_DEFAULT_SPIN_COUNT = 300_000  # libgomp's, where OMP_WAIT_POLICY is unset
 DECODE_INTERVAL_WHILE_ENCODING_MS = 40
 
 STOP_MARGIN_S = 5.0  # past the grace: what has not left by then is killed
+
+# A line that says what went wrong: an exception's (`ValueError: ...`, `grpc.RpcError:`)
+# or a command's own (`error: ...`, `epd language: error: ...`)
+ERROR_LINE = re.compile(r"^([\w.]*(Error|Exception|Exit)\b.*:|(\S+ )*error:)", re.IGNORECASE)
 
 
 class StackError(RuntimeError):
@@ -180,6 +185,19 @@ class Component:
         if code < 0:
             return f"killed by {signal.Signals(-code).name}"
         return f"exit code {code}"
+
+    def first_error(self) -> str:
+        """The first line of its log since it last started that reads as an error
+        (an exception's, an `error:` line): the cause, where what follows is its
+        consequences (a child process's ValueError, then its parent's "exited
+        during start-up"); else its exit cause."""
+        lines = self.tail(400).splitlines()
+        marker = f"=== {self.name} started"
+        starts = [i for i, line in enumerate(lines) if line.startswith(marker)]
+        for line in lines[starts[-1] if starts else 0 :]:
+            if ERROR_LINE.match(line.strip()):
+                return line.strip()
+        return self.exit_cause
 
     def tail(self, lines: int = 25) -> str:
         try:
@@ -524,7 +542,8 @@ class Stack:
             while not part.healthy():
                 if not part.alive:
                     raise StackError(
-                        f"{part.name} exited during start-up; its log ({part.log}):\n{part.tail()}"
+                        f"{part.name} exited during start-up: {part.first_error()}\n"
+                        f"  its log: {part.log}\n{part.tail()}"
                     )
                 if time.monotonic() - started > self.config.startup_timeout_s:
                     limit = self.config.startup_timeout_s

@@ -1,0 +1,121 @@
+"""What `epd serve` checks before it starts anything: a configuration that cannot
+work is refused with one line that names the flag to change (exit code 2),
+not with a child's traceback in a log.
+
+Checked: a port this host's share would listen on that something already
+holds; no encoder where images need one; a model folder without the image
+processor's configuration; a KV cache that holds fewer tokens than
+--max-model-len. Reads only files and sockets: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from services.launcher.serve import LOCAL, StackConfig
+from services.runtime.ports import listened_on
+
+MIB = 1024 * 1024
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work: one line that names the flags to change."""
+
+
+def check_stack(config: StackConfig, engine: dict[str, Any]) -> None:
+    """`engine`: the flags `epd serve` passes the language instances, by name
+    (kv_cache_mb, max_model_len, page_size)."""
+    check_ports(config)
+    roles = set(config.roles)
+    if config.num_encoders < 1 and "encoder" in roles and not config.monolithic:
+        raise ConfigError(
+            "--encoders 0 leaves no encoder for images: give --encoders 1 or more, or auto"
+        )
+    if "language" in roles or "encoder" in roles or config.monolithic:
+        _check_processor(config.checkpoint)
+    if "language" in roles or config.monolithic:
+        _check_kv(config, engine)
+
+
+def _ports(config: StackConfig) -> list[tuple[int, str, str]]:
+    """(port, its flag, the address it binds) of each listener of this host's share."""
+    roles, bind, offset = set(config.roles), config.listen_host, config.metrics_offset
+    front = "gateway" in roles or config.monolithic
+    ports = [(config.port, "--port", config.host)] if front else []
+    if config.monolithic:
+        return ports
+    grpc = []
+    if "broker" in roles:
+        grpc.append((config.broker_port, "--broker-port"))
+    if "encoder" in roles:
+        most = config.planner.max_encoders if config.planner else config.num_encoders
+        grpc += [(config.encoder_port + i, "--encoder-port") for i in range(most)]
+    if "language" in roles:
+        count = len(config.languages)
+        grpc += [(config.language_port + i, "--language-port") for i in range(count)]
+    for port, flag in grpc:
+        metrics = f"{flag} (its metrics: + --metrics-offset)"
+        ports += [(port, flag, bind), (port + offset, metrics, bind)]
+    if "triton" in roles:
+        ports += [
+            (config.triton_http_port, "--triton-http-port", LOCAL),
+            (config.triton_grpc_port, "--triton-grpc-port", LOCAL),
+            (config.triton_metrics_port, "--triton-metrics-port", LOCAL),
+        ]
+    return ports
+
+
+def check_ports(config: StackConfig) -> None:
+    seen: dict[int, str] = {}
+    for port, flag, host in _ports(config):
+        if port in seen:
+            raise ConfigError(f"port {port} is both {seen[port]} and {flag}: move one of them")
+        seen[port] = flag
+        if listened_on(host, [port]):
+            raise ConfigError(
+                f"port {port} ({flag}) is in use on this machine (another epd serve?): "
+                f"choose another with {flag.split()[0]}"
+            )
+
+
+def _check_processor(checkpoint: Path) -> None:
+    if not any((checkpoint / name).is_file() for name in PROCESSOR_FILES):
+        raise ConfigError(
+            f"--model {checkpoint} has no {PROCESSOR_FILES[0]}: the image processor's "
+            "configuration the encoders and the language instances read"
+        )
+
+
+def _check_kv(config: StackConfig, engine: dict[str, Any]) -> None:
+    """The KV cache holds at least one request of --max-model-len tokens."""
+    text = _text_config(config.checkpoint)
+    if text is None:
+        return  # the model's own loader says what is wrong with it
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads", text["num_attention_heads"])
+    page = engine["page_size"]
+    page_bytes = text["num_hidden_layers"] * 2 * page * kv_heads * head_dim
+    page_bytes *= ELEMENT_BYTES.get(config.dtype, 4)
+    tokens = engine["kv_cache_mb"] * MIB // page_bytes * page
+    wanted = engine["max_model_len"]
+    if tokens < wanted:
+        needed = -(-(-(-wanted // page) * page_bytes) // MIB)
+        raise ConfigError(
+            f"--kv-cache-mb {engine['kv_cache_mb']} holds {tokens} tokens of this model in "
+            f"{config.dtype}, fewer than --max-model-len {wanted}: give --kv-cache-mb "
+            f"{needed} or more, or a smaller --max-model-len"
+        )
+
+
+def _text_config(checkpoint: Path) -> dict[str, Any] | None:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        config = json.loads((checkpoint / "config.json").read_text())
+        text = config.get("text_config") or config
+        if all(k in text for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")):
+            return dict(text)
+    return None
