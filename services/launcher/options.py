@@ -225,11 +225,24 @@ LIMITS = (
     Option("max_video_pixels", help="per frame"),
 )
 
-PREFILL_WHILE_ENCODING = (
+_PREFILL_WHILE_ENCODING_HELP = (
     "a request's images go to Triton together and to the language instance once all are "
     "encoded, and it prefills only then (by default each image goes as soon as it is encoded, "
     "and the prompt is prefilled up to the first image still missing meanwhile)"
 )
+
+
+def prefill_while_encoding(field: str) -> Option:
+    """The one flag that turns off, on the encoder and the language instance alike,
+    sending and prefilling each image as it is encoded (`field`: each one's own)."""
+    return Option(
+        field,
+        "--no-prefill-while-encoding",
+        negated=True,
+        serve=SAME,
+        help=_PREFILL_WHILE_ENCODING_HELP,
+    )
+
 
 BROKER = Table(
     "services.broker.config:BrokerConfig",
@@ -339,13 +352,7 @@ ENCODER = Table(
             help="seconds a transfer waits for the language side's blocks",
         ),
         Option("write_timeout_s", "--write-timeout", help="seconds one write may take"),
-        Option(
-            "items_one_by_one",
-            "--no-prefill-while-encoding",
-            negated=True,
-            serve=SAME,
-            help=PREFILL_WHILE_ENCODING,
-        ),
+        prefill_while_encoding("items_one_by_one"),
     ),
     (
         ("checkpoint", "--checkpoint"),
@@ -476,13 +483,7 @@ LANGUAGE = Table(
             "after their request ended while an encoder may still write them (unless it "
             "says it stopped)",
         ),
-        Option(
-            "prefill_while_encoding",
-            "--no-prefill-while-encoding",
-            negated=True,
-            serve=SAME,
-            help=PREFILL_WHILE_ENCODING,
-        ),
+        prefill_while_encoding("prefill_while_encoding"),
     ),
     (
         ("checkpoint", "--checkpoint"),
