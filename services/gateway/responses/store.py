@@ -15,6 +15,7 @@ bytes stay counted) until they go too.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,10 @@ class ResponseStore:
         self.bytes = 0  # of every turn kept: stored, or continued by one that is
         self._clock = 0.0
         self._stored: dict[str, Stored] = {}  # oldest first
+        # (priority, when stored, id) of each, lowest first; an entry whose response
+        # went or was stored anew is stale, skipped when it comes up
+        self._queue: list[tuple[float, int, str]] = []
+        self._puts = 0
 
     def __len__(self) -> int:
         return len(self._stored)
@@ -76,13 +81,29 @@ class ResponseStore:
         priority = self._clock + self.max_bytes / max(size, 1)
         stored = Stored(response, turn, items, previous, now + self.ttl_s, size, priority)
         self._stored[response["id"]] = stored
+        self._puts += 1
+        heapq.heappush(self._queue, (priority, self._puts, response["id"]))
+        if len(self._queue) > 2 * len(self._stored) + 64:  # mostly stale: only the live
+            self._queue = [e for e in self._queue if self._live(e)]
+            heapq.heapify(self._queue)
         self.bytes += size
         self._expire(now)
         while self.bytes > self.max_bytes and self._stored:
-            lowest = min(self._stored, key=lambda key: self._stored[key].priority)
-            self._clock = self._stored[lowest].priority
-            self._drop(lowest)
+            self._evict_lowest()
         return True
+
+    def _evict_lowest(self) -> None:
+        """The response of the lowest priority goes; the clock moves up to it."""
+        while True:
+            entry = heapq.heappop(self._queue)
+            if self._live(entry):
+                self._clock = entry[0]
+                self._drop(entry[2])
+                return
+
+    def _live(self, entry: tuple[float, int, str]) -> bool:
+        stored = self._stored.get(entry[2])
+        return stored is not None and stored.priority == entry[0]
 
     def get(self, response_id: str) -> Stored | None:
         self._expire(time.monotonic())
