@@ -250,9 +250,10 @@ class LLMEngine:
         self._encode_pixels()
         held = self.pacing.take_held()
         batch, lost, stats = self._schedule()
-        stats = replace(stats, held_s=held)
-        for s in batch:  # what the pacing cost each request, for its trace
-            s.request.held_seconds += held
+        if held:  # what the pacing cost the step, and each request (for its trace)
+            stats = replace(stats, held_s=held)
+            for s in batch:
+                s.request.held_seconds += held
         outputs: list[RequestOutput] = []
         if batch:
             logits = self.runner.execute(batch)
