@@ -5,6 +5,7 @@ error line first, then its log."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -48,12 +49,13 @@ def test_a_kv_cache_smaller_than_the_context_names_both_flags(tiny_checkpoint: P
     assert "1024 tokens" in line and "--kv-cache-mb 4 or more" in line  # 1 KiB a token
 
 
-def test_a_port_in_use_names_the_port_and_its_flag(tiny_checkpoint: Path) -> None:
+def test_a_port_in_use_names_the_port_its_flag_and_its_holder(tiny_checkpoint: Path) -> None:
     port = free_port()
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        _refused(_serve("--model", str(tiny_checkpoint), "--port", str(port)), str(port), "--port")
+        model = ("--model", str(tiny_checkpoint))
+        _refused(_serve(*model, "--port", str(port)), str(port), "--port", f"pid {os.getpid()} (")
         broker = ["--broker-port", str(port)]
         _refused(_serve("--model", str(tiny_checkpoint), *broker), str(port), "--broker-port")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from services.launcher.serve import LOCAL, StackConfig
-from services.runtime.ports import listened_on
+from services.runtime.ports import holder, listened_on
 
 MIB = 1024 * 1024
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -77,9 +77,10 @@ def check_ports(config: StackConfig) -> None:
             raise ConfigError(f"port {port} is both {seen[port]} and {flag}: move one of them")
         seen[port] = flag
         if listened_on(host, [port]):
+            what = holder(port) or "another epd serve?"
             raise ConfigError(
-                f"port {port} ({flag}) is in use on this machine (another epd serve?): "
-                f"choose another with {flag.split()[0]}"
+                f"port {port} ({flag}) is in use on this machine ({what}): "
+                f"choose another with {flag.split()[0]}, or --port-base"
             )
 
 

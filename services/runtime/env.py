@@ -144,6 +144,25 @@ TRACE = EnvVar(
     "OTEL_EXPORTER_OTLP_ENDPOINT also exports them",
 )
 
+
+def parse_port_range(value: str) -> range:
+    """'20000-26000' -> range(20000, 26001)."""
+    low, _, high = value.partition("-")
+    span = range(int(low), int(high) + 1)
+    if not 1024 <= span.start < span.stop <= 65536 or len(span) < 200:
+        raise ValueError("want LOW-HIGH, at least 200 ports between 1024 and 65535")
+    return span
+
+
+FREE_PORTS: EnvVar[range | None] = EnvVar(
+    "EPD_FREE_PORTS",
+    parse_port_range,
+    lambda: None,
+    "where free_port() and `--port-base` pick free ports from, e.g. 20000-26000 "
+    "(default: outside the kernel's ephemeral range); processes that pick side by side "
+    "take disjoint ranges and never race for one port",
+)
+
 TRITON_OTLP_ENDPOINT = EnvVar(
     "EPD_TRITON_OTLP_ENDPOINT",
     str,
@@ -171,5 +190,6 @@ ALL = (
     TLS_KEY,
     TLS_CA,
     TRACE,
+    FREE_PORTS,
     TRITON_OTLP_ENDPOINT,
 )

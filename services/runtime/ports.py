@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import socket
 from collections.abc import Sequence
@@ -21,7 +23,7 @@ TRITON_METRICS_PORT = 8012
 TRITON_URL = f"127.0.0.1:{TRITON_GRPC_PORT}"  # an encoder's own Triton
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_range() -> tuple[int, int]:
     try:
         low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(low), int(high)
@@ -49,13 +51,61 @@ def listened_on(host: str, ports: Sequence[int]) -> list[int]:
     return [port for port in ports if not _bindable(port, host, reuse=True)]
 
 
+def _spans() -> list[range]:
+    """Where free ports are picked: EPD_FREE_PORTS, else outside the kernel's
+    ephemeral range."""
+    from services.runtime import env  # env's defaults name this module's ports
+
+    chosen = env.FREE_PORTS.get()
+    if chosen is not None:
+        return [chosen]
+    low, high = ephemeral_range()
+    return [span for span in (range(LOWEST, low), range(high + 1, 65536)) if len(span) > 100]
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on `port` (/proc/net/tcp and tcp6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                inodes.add(fields[9])
+    return inodes
+
+
+def holder(port: int) -> str | None:
+    """What listens on `port`, as 'pid N (its command line)', where this user may
+    see it; None otherwise."""
+    wanted = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    for proc in Path("/proc").iterdir() if wanted else ():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone, or not this user's to read
+            if _links(proc / "fd") & wanted:
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                return f"pid {proc.name} ({' '.join(command.split())[:80]})"
+    return None
+
+
+def _links(fds: Path) -> set[str]:
+    links = set()
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # closed since the listing
+            links.add(os.readlink(fd))
+    return links
+
+
 def free_port() -> int:
     """A free port on loopback, outside the kernel's ephemeral range when it
     can: a port from that range may be taken by any outgoing connection between
     this check and the server's bind (seen: tritonserver failing with 'Address
     already in use' on a port picked a second earlier)."""
-    low, high = _ephemeral_range()
-    spans = [span for span in (range(LOWEST, low), range(high + 1, 65536)) if len(span) > 100]
+    spans = _spans()
     pick = random.SystemRandom()
     for _ in range(200 if spans else 0):
         port = pick.choice(pick.choice(spans))

@@ -1,0 +1,39 @@
+"""Free ports picked where EPD_FREE_PORTS says (each test worker its own range),
+and what holds a port, named."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from services.runtime import env
+from services.runtime.ports import free_port, free_serve_ports, holder
+
+
+def test_free_ports_come_from_the_range_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.FREE_PORTS.name, "21000-21399")
+    assert all(21000 <= free_port() <= 21399 for _ in range(50))
+    ports = free_serve_ports(encoders=2, languages=2)
+    assert all(21000 <= port <= 21399 + 200 for port in ports.values()), ports
+    assert 21000 <= ports["port"] <= 21399  # the block starts inside the range
+
+
+@pytest.mark.parametrize("value", ["21000", "21000-21100", "80-1000", "30000-20000", "a-b"])
+def test_a_range_that_cannot_be_used_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv(env.FREE_PORTS.name, value)
+    with pytest.raises(ValueError, match="EPD_FREE_PORTS"):
+        free_port()
+
+
+def test_the_holder_of_a_port_is_named() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        named = holder(port)
+    assert named is not None and named.startswith(f"pid {os.getpid()} (")
+    assert holder(port) is None  # closed: nothing listens there now
