@@ -19,7 +19,7 @@ test: setup-test
 	$(EPD) protos --check
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=20 $(PYTEST_ARGS)
 
 lint: setup-test
 	$(PY) -m ruff check .

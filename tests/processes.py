@@ -39,6 +39,27 @@ def epd_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
             remove_segments(prefix)
 
 
+def family(root: int) -> dict[int, str]:
+    """Every live descendant of `root`: its command line, by pid."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    family, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in family:
+                with contextlib.suppress(OSError):
+                    family[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes()).decode(
+                        errors="replace"
+                    )
+                    frontier.append(pid)
+    return family
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -5,7 +5,6 @@ within the grace period, and nothing is left (processes, shared memory)."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from services.launcher.serve import launch
 from services.runtime import env
 from services.runtime.ports import METRICS_OFFSET, free_port_block, serve_port_args
 from services.transfer.shared_memory import SHM_DIR, remove_segments
+from tests.processes import family
 from tests.test_serve import _our_processes
 
 MODEL = "demo-tiny"
@@ -131,27 +131,6 @@ def test_ctrl_c_under_load_lets_requests_in_flight_finish(
     first_tokens.shutdown()
 
 
-def _family(root: int) -> dict[int, str]:
-    """Every live descendant of `root`: its command line, by pid."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    family, frontier = {}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in family:
-                with contextlib.suppress(OSError):
-                    family[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes()).decode(
-                        errors="replace"
-                    )
-                    frontier.append(pid)
-    return family
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -168,12 +147,12 @@ def test_kill_9_of_epd_serve_leaves_no_process_behind(
     launcher is left to kill the server's process group (its own health check
     ends it: all gone in 0.6 s serving, in under 5 s killed mid-start-up)."""
     process, _ports = stack
-    family = _family(process.pid)
-    assert any("triton_python_backend_stub" in line for line in family.values()), family
+    children = family(process.pid)
+    assert any("triton_python_backend_stub" in line for line in children.values()), children
     process.kill()
     process.wait()
     deadline = time.monotonic() + 15
-    while left := {pid: line for pid, line in family.items() if _alive(pid)}:
+    while left := {pid: line for pid, line in children.items() if _alive(pid)}:
         assert time.monotonic() < deadline, left
         time.sleep(0.2)
     remove_segments(SHM_PREFIX)  # what the killed stack could not remove itself

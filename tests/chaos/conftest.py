@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,8 +24,10 @@ import pytest
 
 from services.launcher.serve import grpc_serving, http_ok, launch
 from services.loadgen.synthetic import encode_image, random_image
+from services.runtime import env
 from services.runtime.ports import free_port_block
 from services.transfer.shared_memory import SHM_DIR
+from tests.processes import family
 
 MODEL = "demo-tiny"
 LANGUAGES = 2
@@ -39,7 +42,7 @@ class Stack:
     process: subprocess.Popen[str]
     ports: dict[str, int]
     output: list[str]
-    shm_before: set[str]
+    shm_prefix: str
     num_languages: int = LANGUAGES
     num_encoders: int = ENCODERS
 
@@ -62,19 +65,19 @@ class Stack:
         return [self.ports["encoder"] + i for i in range(self.num_encoders)]
 
     def pid(self, *markers: str) -> int:
-        """The one process of this stack whose command line holds every marker."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if all(marker in cmdline for marker in markers):
-                found.append(int(entry.name))
+        """The one process of this stack (a descendant of its `epd serve`: other
+        stacks may run beside it) whose command line holds every marker."""
+        found = [
+            pid
+            for pid, cmdline in family(self.process.pid).items()
+            if all(marker in cmdline.replace("\0", " ") for marker in markers)
+        ]
         assert len(found) == 1, f"{markers}: {found}"
         return found[0]
+
+    def segments(self) -> set[str]:
+        """This stack's shared-memory segments (under its own EPD_SHM_PREFIX)."""
+        return {p.name for p in SHM_DIR.glob(self.shm_prefix + "*")}
 
     def healthy(self, name: str) -> bool:
         """A component's own health check, as `epd serve` runs it."""
@@ -212,8 +215,8 @@ def launch_stack(
         **os.environ,
         "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "VIRTUAL_ENV": str(venv_bin.parent),
+        env.SHM_PREFIX.name: f"epd_chaos{secrets.token_hex(3)}_",
     }
-    shm_before = {p.name for p in SHM_DIR.iterdir()}
     # fmt: off
     process = launch(
         [
@@ -241,7 +244,9 @@ def launch_stack(
     assert process.stdout is not None
     reader = threading.Thread(target=lambda: output.extend(process.stdout or ()), daemon=True)
     reader.start()  # the supervisor's messages: read, or its pipe fills up
-    return Stack(process, ports, output, shm_before, num_languages, num_encoders)
+    return Stack(
+        process, ports, output, activated[env.SHM_PREFIX.name], num_languages, num_encoders
+    )
 
 
 def stop(stack: Stack) -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 
 from services.gateway.backend import BROKER_BACK_S, BROKER_TIMEOUT_S
-from services.transfer.shared_memory import SHM_DIR
 from tests.chaos.conftest import BOUND_S, Load, Outcome, Stack, chat_body, wait_for
 from tests.chaos.test_burst import pools_are_whole
 
@@ -338,8 +337,7 @@ def test_afterwards_everything_is_whole(stack: Stack) -> None:
         if pid.isdigit() and _cmdline(pid).find(f":{stack.ports['broker']}") >= 0
     ]
     assert stray == []  # first: a stray process would explain leftover segments
-    leftover = {p.name for p in SHM_DIR.iterdir()} - stack.shm_before
-    assert leftover == set()
+    assert stack.segments() == set()
 
 
 def _cmdline(pid: str) -> str:
