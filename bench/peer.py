@@ -27,6 +27,11 @@ shell command with `{checkpoint}`, `{prompts}` (a JSON file of token id lists),
     --peer-engine-alone '/work/peer/venv/bin/python bench/vllm_engine_alone.py \
         {checkpoint} {prompts} {output_len} {concurrency}'
 
+`--request-rate R` sends each workload at R requests/s in Poisson arrivals
+instead of 16 in flight, and `--goodput ttft:MS tpot:MS` counts goodput (the
+requests a second inside both SLOs), as vLLM's own client does; the goodput
+sweep against offered load is bench/goodput.py's.
+
 Prints each figure and EPD's ratio to the peer; `--json` writes every summary,
 `--doc` writes the table into docs/performance.md as its "vs vLLM" section for
 this machine's CPU class and the demo size
@@ -66,7 +71,7 @@ from services.language.engine.config import EngineConfig
 from services.language.engine.process import CHILD
 from services.language.engine.scheduler import SchedulerConfig
 from services.launcher.cli import build_parser
-from services.loadgen.command import first_model, strict_json
+from services.loadgen.command import first_model, parse_slo, strict_json
 from services.loadgen.runner import RunConfig, run
 from services.loadgen.summary import summarize
 from services.loadgen.workload import Workload, build_requests
@@ -148,18 +153,34 @@ class CpuSnapshot:
         return {name: u for name, u in sorted(us.items(), key=lambda kv: -kv[1]) if u >= 1.0}
 
 
-def drive(base_url: str, quick: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Arrivals:
+    """How the workloads are sent: 16 in flight (a closed loop), or at `rate`
+    requests/s in Poisson arrivals (an open loop: a request does not wait for
+    another); `slo` (ms by metric): goodput is counted against it."""
+
+    rate: float = math.inf
+    slo: dict[str, float] | None = None
+
+    def config(self, base_url: str) -> RunConfig:
+        if math.isinf(self.rate):
+            return RunConfig(base_url, max_concurrency=CONCURRENCY, warmup=0, progress=False)
+        return RunConfig(base_url, request_rate=self.rate, warmup=0, progress=False)
+
+
+def drive(base_url: str, quick: bool, arrivals: Arrivals | None = None) -> dict[str, Any]:
     """Every workload against one server, and the CPU each process used an output
     token over each (this machine's processes: run nothing else beside it)."""
+    arrivals = arrivals or Arrivals()
     model = first_model(base_url, "")
     out: dict[str, Any] = {"model": model}
     for name, workload in workloads(quick).items():
         requests = build_requests(workload, model)
         warm = RunConfig(base_url, max_concurrency=1, warmup=0, progress=False)
         asyncio.run(run(warm, requests[:WARMUP]))
-        config = RunConfig(base_url, max_concurrency=CONCURRENCY, warmup=0, progress=False)
+        config = arrivals.config(base_url)
         before = CpuSnapshot.now()
-        out[name] = summarize(asyncio.run(run(config, requests)))
+        out[name] = summarize(asyncio.run(run(config, requests)), arrivals.slo)
         out[name]["cpu_us_per_token"] = before.per_token(out[name]["total_output_tokens"])
         print(f"  {name}: {out[name]['request_throughput']:.2f} req/s", flush=True)
     out["probe"] = asyncio.run(_probed(base_url, model, workloads(quick)["image"], probes(quick)))
@@ -219,8 +240,14 @@ def p(summary: dict[str, Any], metric: str, q: str) -> float:
 
 
 def figures(result: dict[str, Any]) -> dict[str, float]:
-    """The figures issues 14 and 36 set goals on, and each workload's latency."""
-    return {
+    """The figures issues 14 and 36 set goals on, each workload's latency, and
+    its goodput where SLOs were given."""
+    goodput = {
+        f"{w} goodput (req/s)": result[w]["goodput"]
+        for w in ("text", "image")
+        if "goodput" in result[w]
+    }
+    return goodput | {
         "text req/s": result["text"]["request_throughput"],
         "text output tok/s": result["text"]["output_throughput"],
         "text TPOT p50 (ms)": p(result["text"], "tpot", "median"),
@@ -369,6 +396,15 @@ def main() -> None:
     )
     parser.add_argument("--epd-arg", action="append", default=[], help="an `epd serve` flag")
     parser.add_argument("--quick", action="store_true", help="half the requests")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="send each workload at this many requests/s, Poisson (default: 16 in flight)",
+    )
+    parser.add_argument(
+        "--goodput", nargs="+", default=[], help="SLOs for goodput, e.g. ttft:3000 tpot:100"
+    )
     parser.add_argument("--json", help="write every summary here")
     parser.add_argument("--doc", action="store_true", help="write docs/performance.md's section")
     parser.add_argument("--arch", default=ARCHS[0], choices=ARCHS, help="the demo checkpoint's")
@@ -377,6 +413,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.doc and (args.arch != ARCHS[0] or args.checkpoint):
         parser.error(f"--doc writes the {ARCHS[0]} demo's section of docs/performance.md only")
+    if args.doc and (args.goodput or not math.isinf(args.request_rate)):
+        parser.error("--doc writes the closed-loop section; bench/goodput.py writes goodput's")
+    arrivals = Arrivals(args.request_rate, parse_slo(args.goodput) or None)
 
     checkpoint = args.checkpoint or cached_demo_checkpoint(args.size, args.arch)
     print(f"{machine()}\ncheckpoint: {checkpoint}", flush=True)
@@ -388,7 +427,7 @@ def main() -> None:
         # epd serve's own step budget (2048 tokens, as vLLM's CPU server's), not the report's
         with serve(Setup("epd", epd_args), Path(logs), max_num_batched_tokens=None) as (url, _pid):
             startup = time.monotonic() - started
-            results["epd"] = drive(url, args.quick) | {"startup_s": startup}
+            results["epd"] = drive(url, args.quick, arrivals) | {"startup_s": startup}
     dtype = build_parser().parse_args(["serve", *epd_args]).dtype  # what `epd serve` ran
     text = workloads(args.quick)["text"]
     ids = prompt_ids(checkpoint, text)
@@ -400,7 +439,7 @@ def main() -> None:
         shell(args.peer_start, checkpoint)
     try:
         startup = time.monotonic() - started if args.peer_start else math.nan
-        results["peer"] = drive(args.peer_url, args.quick) | {"startup_s": startup}
+        results["peer"] = drive(args.peer_url, args.quick, arrivals) | {"startup_s": startup}
     finally:
         if args.peer_stop:
             shell(args.peer_stop, checkpoint)

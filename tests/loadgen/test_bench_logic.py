@@ -308,3 +308,40 @@ def test_the_cpu_cost_names_each_process_and_all_but_the_engine() -> None:
         "VLLM::Worker 1400, client 75 (all but the engine, client included: 75)"
     )
     assert cpu_cost({"epd": {"text": {}}, "peer": {"text": {}}}, "vLLM") == ""
+
+
+def test_the_peer_runs_closed_or_open_loop_and_counts_goodput_where_asked() -> None:
+    """bench/peer.py: 16 in flight by default; --request-rate sends Poisson
+    arrivals with no cap on those in flight; --goodput adds each workload's
+    goodput to the figures."""
+    from bench.peer import CONCURRENCY, Arrivals, figures
+
+    closed, opened = Arrivals().config("u"), Arrivals(rate=0.8).config("u")
+    assert (closed.max_concurrency, closed.request_rate) == (CONCURRENCY, math.inf)
+    assert (opened.max_concurrency, opened.request_rate) == (None, 0.8)
+    summary = {"request_throughput": 1.0, "output_throughput": 1.0, "latency_ms": {}}
+    probe = {"probes": summary | {"failed": 0}, "load": summary | {"failed": 0}}
+    result = {"text": summary | {"failed": 0}, "image": summary | {"failed": 0, "goodput": 0.4}}
+    named = figures(result | {"probe": probe, "startup_s": 1.0})
+    assert named["image goodput (req/s)"] == 0.4 and "text goodput (req/s)" not in named
+
+
+def test_the_goodput_headline_is_at_the_peers_peak_and_each_class_has_its_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench import goodput
+    from bench.goodput import Point, headline, table, with_class_section
+
+    def points(goodputs: list[float]) -> list[Point]:
+        return [Point(0.5 * (i + 1), g, 10, 0, 1.0, 2.0, 3.0, 4.0) for i, g in enumerate(goodputs)]
+
+    epd, peer = points([0.5, 1.0, 1.4, 1.2]), points([0.5, 0.9, 0.7, 0.3])
+    assert headline(epd, peer) == (1.0, pytest.approx(1.0 / 0.9))
+    rows = table(epd, peer, "vLLM")
+    assert len(rows) == 2 + 4 and "| 1.50 | 1.40 | 0.70 | 2.00x |" in rows[4]
+    doc = "# Goodput\n"
+    for cpu, run in [("AVX2", 1), ("AVX512-BF16", 1), ("AVX2", 2)]:
+        monkeypatch.setattr(goodput, "cpu_class", lambda cpu=cpu: cpu)
+        doc = with_class_section(doc, f"{cpu}: run {run}", "small")
+    assert "AVX2: run 1" not in doc and doc.count("AVX2: run 2") == 1
+    assert doc.index("AVX2: run 2") < doc.index("AVX512-BF16: run 1")
