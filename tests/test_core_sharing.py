@@ -1,7 +1,8 @@
 """How `epd serve` has the language engine share one host's cores with the vision
 side: where they share all of them, its engine steps on half the threads while
-its requests await embeddings (--threads-while-encoding), decodes only every
-DECODE_INTERVAL_WHILE_ENCODING_MS meanwhile, and its OpenMP threads
+its requests await embeddings (--threads-while-encoding), paces its decode steps
+meanwhile by the TPOT target (--tpot-slo-ms, TPOT_SLO_MS unless given, or a fixed
+--decode-interval-while-encoding-ms), and its OpenMP threads
 spin between its operators (GOMP_SPINCOUNT over the stack's PASSIVE), and Triton
 runs one request a forward (configs/shared-cpu.pbtxt); where the cores are set
 apart, or several language instances share them, none of these."""
@@ -12,8 +13,8 @@ import os
 from pathlib import Path
 
 from services.launcher.serve import (
-    DECODE_INTERVAL_WHILE_ENCODING_MS,
     GOMP_DEFAULT_SPIN_COUNT,
+    TPOT_SLO_MS,
     Component,
     StackConfig,
     components,
@@ -44,18 +45,25 @@ def _interval_flag(part: Component) -> str | None:
     return _flag(part, "--decode-interval-while-encoding-ms")
 
 
+def _target_flag(part: Component) -> str | None:
+    return _flag(part, "--tpot-slo-ms")
+
+
 def test_one_language_instance_on_shared_cores_yields_them_while_encoding(tmp_path: Path) -> None:
     language = _language(StackConfig(tmp_path, "m", tmp_path))
     assert _threads_flag(language) == str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert language.spin_count == GOMP_DEFAULT_SPIN_COUNT
     assert _triton_config(StackConfig(tmp_path, "m", tmp_path)) == "shared-cpu"
-    assert _interval_flag(language) == str(DECODE_INTERVAL_WHILE_ENCODING_MS)
+    assert _target_flag(language) == str(TPOT_SLO_MS) and _interval_flag(language) is None
     given = _language(
         StackConfig(
             tmp_path, "m", tmp_path, threads_while_encoding=3, decode_interval_while_encoding_ms=7
         )
     )
     assert _threads_flag(given) == "3" and _interval_flag(given) == "7"
+    assert _target_flag(given) is None  # a fixed interval overrides the target
+    target = _language(StackConfig(tmp_path, "m", tmp_path, tpot_slo_ms=250))
+    assert _target_flag(target) == "250"
 
 
 def test_cores_set_apart_or_shared_by_two_language_instances_are_left_alone(
@@ -65,12 +73,12 @@ def test_cores_set_apart_or_shared_by_two_language_instances_are_left_alone(
     for config in (apart, StackConfig(tmp_path, "m", tmp_path, threads_while_encoding=0)):
         language = _language(config)
         assert _threads_flag(language) is None and language.spin_count == 0
-    assert _interval_flag(_language(apart)) is None
+    assert _interval_flag(_language(apart)) is None and _target_flag(_language(apart)) is None
     two = StackConfig(tmp_path, "m", tmp_path, num_languages=2)
     for part in components(two):
         if part.name.startswith("language"):
             assert _threads_flag(part) is None and part.spin_count == 0
-            assert _interval_flag(part) is None
+            assert _interval_flag(part) is None and _target_flag(part) is None
     assert _triton_config(apart) is None and _triton_config(two) is None
 
 

@@ -79,7 +79,14 @@ class LanguageMetrics:
         self.held_steps = Counter(
             "epd_language_held_steps",
             "Decode-only steps held while requests awaited their embeddings "
-            "(--decode-interval-while-encoding-ms)",
+            "(--tpot-slo-ms, or --decode-interval-while-encoding-ms)",
+            registry=registry,
+        )
+        self.pacing_unmet_steps = Counter(
+            "epd_language_pacing_unmet_steps",
+            "Decode-only steps while requests awaited their embeddings that the TPOT "
+            "target left no time to hold (a decode step alone takes it): the first tokens "
+            "and the TPOT target cannot both be kept",
             registry=registry,
         )
         self.held_seconds = Counter(
@@ -188,6 +195,8 @@ class LanguageMetrics:
         if stats.held_s:
             self.held_steps.inc()
             self.held_seconds.inc(stats.held_s)
+        if stats.pacing_unmet:
+            self.pacing_unmet_steps.inc()
         for value in stats.ttfts:
             self.ttft.observe(value)
         for value in stats.tpots:

@@ -423,7 +423,7 @@ ENGINE = (
         help="compute every prompt whole (by default a prompt's text before its first image "
         "reuses the KV pages of earlier prompts that began the same)",
     ),
-    # epd serve decides these two per instance (StackConfig)
+    # epd serve decides these per instance (StackConfig)
     Option(
         "threads_while_encoding",
         help="OpenMP threads of the language engine's steps while "
@@ -436,6 +436,12 @@ ENGINE = (
         "await their embeddings, run a step that only decodes this many ms after the last "
         "step ended: a vision tower on the same cores computes in between (earlier first "
         "tokens for images, a longer TPOT meanwhile; 0: back to back)",
+    ),
+    Option(
+        "tpot_slo_ms",
+        help="or pace those steps by this TPOT target (ms): a decode step waits what "
+        "the target leaves over its measured time (0: no target; a decode interval "
+        "overrides it)",
     ),
 )
 ENGINE_IMPLIED = (("dtype", "--dtype"),)
@@ -612,9 +618,16 @@ STACK = Table(
             "decode_interval_while_encoding_ms",
             parse=int,
             help="how long a step that only "
-            "decodes waits meanwhile (default: DECODE_INTERVAL_WHILE_ENCODING_MS in "
-            "services/launcher/serve.py where the vision side shares the language "
-            "instance's cores, as for --threads-while-encoding; else 0)",
+            "decodes waits meanwhile, fixed (default: paced by --tpot-slo-ms)",
+        ),
+        Option(
+            "tpot_slo_ms",
+            parse=int,
+            help="the running requests' TPOT target (ms): "
+            "where the vision side shares the language instance's cores (as for "
+            "--threads-while-encoding), a step that only decodes waits, while images "
+            "encode, what the target leaves over a decode step's measured time, and the "
+            "tower computes in between (0: back to back)",
         ),
         Option("monolithic", help="one process, no Triton and no broker: the baseline"),
         Option(

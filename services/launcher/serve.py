@@ -65,11 +65,10 @@ ROLES = ("broker", "triton", "encoder", "language", "gateway")
 GOMP_DEFAULT_SPIN_COUNT = 300_000  # libgomp's, where OMP_WAIT_POLICY is unset
 
 # Where the vision tower shares the language engine's cores, a step that only decodes
-# waits this many ms after the last step while images wait for the tower, which computes
-# in between. Small demo, 48 requests with one 448x448 image, 16 in flight, EPD alone
-# (2 cores, 2026-11-28, two runs): image TTFT p50 1.6-1.7 s against 4.6-4.7 s decoding
-# back to back, 3.65-3.67 against 3.15-3.24 requests/s, TPOT 39-40 against 7 ms.
-DECODE_INTERVAL_WHILE_ENCODING_MS = 40
+# waits, while images wait for the tower, what this TPOT target leaves over a decode
+# step's measured time (Pacing): the tower computes in between, and the running
+# requests' tokens stay inside the target. 100 ms a token is faster than people read.
+TPOT_SLO_MS = 100
 
 STOP_MARGIN_S = 5.0  # past the grace: what has not left by then is killed
 
@@ -271,9 +270,10 @@ class StackConfig:
     # the language engine's threads while its requests await embeddings (None: auto,
     # language_threads_while_encoding)
     threads_while_encoding: int | None = None
-    # and how long a step that only decodes waits meanwhile (None: auto,
-    # language_decode_interval_while_encoding_ms)
+    # and how long a step that only decodes waits meanwhile: a fixed interval
+    # (None: paced by the TPOT target: language_pacing)
     decode_interval_while_encoding_ms: int | None = None
+    tpot_slo_ms: int = TPOT_SLO_MS
     monolithic: bool = False
     metrics_offset: int = METRICS_OFFSET  # a gRPC component's metrics port: its own + this
     # CPU sets ("0-3") for the vision side (Triton, encoders) and the language
@@ -344,12 +344,18 @@ class StackConfig:
         return max(1, len(os.sched_getaffinity(0)) // 2) if self.vision_shares_cores else 0
 
     @property
-    def language_decode_interval_while_encoding_ms(self) -> int:
-        """As given, else DECODE_INTERVAL_WHILE_ENCODING_MS where the vision side
-        shares the language instance's cores, else 0."""
+    def language_pacing(self) -> list[str]:
+        """How a language instance paces its decode steps while the vision side
+        encodes: the interval as given; else, where the vision side shares its
+        cores, by the TPOT target; else not at all (back to back)."""
         if self.decode_interval_while_encoding_ms is not None:
-            return self.decode_interval_while_encoding_ms
-        return DECODE_INTERVAL_WHILE_ENCODING_MS if self.vision_shares_cores else 0
+            return [
+                "--decode-interval-while-encoding-ms",
+                str(self.decode_interval_while_encoding_ms),
+            ]
+        if self.vision_shares_cores and self.tpot_slo_ms:
+            return ["--tpot-slo-ms", str(self.tpot_slo_ms)]
+        return []
 
     def language_cpus_of(self, index: int) -> str:
         sets = self.language_cpus.split("/")
@@ -468,13 +474,10 @@ def _triton(config: StackConfig) -> Component:
 def _languages(config: StackConfig) -> list[Component]:
     parts = []
     yielding = config.language_threads_while_encoding
-    interval = config.language_decode_interval_while_encoding_ms
     for i, (name, role) in enumerate(config.languages):
-        extra = [*config.language_args, "--role", role]
+        extra = [*config.language_args, "--role", role, *config.language_pacing]
         if yielding:
             extra += ["--threads-while-encoding", str(yielding)]
-        if interval:
-            extra += ["--decode-interval-while-encoding-ms", str(interval)]
         cpus = config.language_cpus_of(i)
         language = _instance(config, "language", name, config.language_port + i, cpus, extra)
         # Its engine gives the vision side cores while it computes for it, so between

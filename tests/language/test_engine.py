@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.language.engine.pacing import Pacing
+from services.language.engine.pacing import MARGIN, Pacing
 from services.language.engine.request import Request, SamplingParams
 from services.loadgen.synthetic import random_image
 from tests.language.engine_fixtures import (
@@ -311,6 +311,43 @@ def test_decode_steps_wait_their_interval_while_the_vision_side_encodes(
     time.sleep(0.2)
     engine.abort_request("b")
     assert engine.step_delay() == 0.0  # the interval has passed
+
+
+def test_a_tpot_target_paces_decode_steps_by_what_it_leaves_over_a_measured_step(
+    tiny_checkpoint: Path,
+) -> None:
+    """tpot_slo_ms: while `encoding`, a decode-only step waits MARGIN x the target
+    less a decode step's measured time; where a decode step alone takes that,
+    it waits nothing and the step says the target left the tower no time."""
+    engine = make_engine(tiny_checkpoint)
+    engine.pacing = Pacing(dataclasses.replace(engine.config, tpot_slo_ms=100))
+    execute, pause = engine.runner.execute, [0.03]
+
+    def slow_execute(batch: Any) -> torch.Tensor:
+        time.sleep(pause[0])
+        return execute(batch)
+
+    engine.runner.execute = slow_execute  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
+    engine.pacing.encoding = True
+    for _ in range(3):  # the prompt, then decode steps of ~30 ms
+        engine.step()
+    measured = engine.pacing.decode_step_s
+    assert 0.03 <= measured < 0.06
+    assert engine.pacing.interval() == pytest.approx(MARGIN * 0.1 - measured)
+    assert MARGIN * 0.1 - measured - 0.01 < engine.step_delay() <= MARGIN * 0.1 - measured
+    pause[0] = 0.1  # decode steps now take more than the target's MARGIN
+    while engine.pacing.decode_step_s < MARGIN * 0.1:
+        time.sleep(engine.step_delay())
+        _, stats = engine.step()
+    assert engine.step_delay() == 0.0
+    _, stats = engine.step()
+    assert stats.pacing_unmet and not stats.held_s
+    engine.pacing.encoding = False
+    assert engine.step_delay() == 0.0
+    _, stats = engine.step()
+    assert not stats.pacing_unmet  # nothing awaits embeddings: nothing to give
 
 
 def test_decode_steps_run_on_the_decode_threads_and_prompts_on_all(

@@ -55,6 +55,11 @@ class EngineConfig:
     # vision tower on the same cores has them in between, however long a step
     # takes, so first tokens come sooner and the running requests' tokens later.
     decode_interval_while_encoding_ms: int = 0
+    # Or paced by a target: while requests await their embeddings, a step that only
+    # decodes waits what the running requests' TPOT target (ms) leaves over a decode
+    # step's measured time (Pacing.interval). 0: no target; a decode interval, when
+    # given, overrides it.
+    tpot_slo_ms: int = 0
     # OpenMP threads of a step that only decodes (0: all). `epd serve` on a small
     # host may leave a core to the processes that stream the tokens: on the small
     # demo (2 cores) one thread decodes as fast there as two, which stall on every

@@ -248,19 +248,20 @@ class LLMEngine:
         """One step of the request lifecycle (docs/architecture.md, step 8):
         schedule, execute, sample, postprocess."""
         self._encode_pixels()
-        held = self.pacing.take_held()
+        held, unmet = self.pacing.take_held(), self.pacing.take_unmet()
         batch, lost, stats = self._schedule()
-        if held:  # what the pacing cost the step, and each request (for its trace)
-            stats = replace(stats, held_s=held)
+        if held or unmet:  # what the pacing cost the step, and each request (for its trace)
+            stats = replace(stats, held_s=held, pacing_unmet=unmet)
             for s in batch:
                 s.request.held_seconds += held
         outputs: list[RequestOutput] = []
+        started, scheduled = time.monotonic(), batch
         if batch:
             logits = self.runner.execute(batch)
             batch, logits = self._fork(batch, logits)
             samples = self.sampler.sample(logits, [s.request for s in batch if s.samples])
             outputs, stats = self.postprocess(batch, samples, stats)
-        self.pacing.last_step = time.monotonic()
+        self.pacing.ended(time.monotonic() - started, scheduled)
         return lost + outputs, stats
 
     def _encode_pixels(self) -> None:

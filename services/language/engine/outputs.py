@@ -88,6 +88,7 @@ class StepStats:
     num_cached_media_tokens: int = 0  # of those, images' and videos'
     threads: int = 0  # the OpenMP threads it ran on
     held_s: float = 0.0  # how long it was held while the vision side encoded (Pacing)
+    pacing_unmet: bool = False  # it wanted a hold the TPOT target left no time for
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,15 @@
 """Pacing: how the engine's loop shares the cores while requests of this instance
 await their embeddings from a vision tower that computes on the same cores. Its
 steps take fewer threads then, and a step that would only decode waits a while
-after the last one ended, so that the tower has the cores in between."""
+after the last one ended, so that the tower has the cores in between.
+
+How long: a fixed interval where one is given; else what the running requests'
+TPOT target leaves. A decode step plus its wait may take MARGIN of the target
+(the rest is for the prefill chunks that join some steps, and jitter), so the
+wait is MARGIN x target minus a decode step's measured time: a faster machine
+or a smaller batch gives the tower more, a slower one less, and none where a
+decode step alone takes the target, which the engine then counts (`unmet`):
+the first tokens and the TPOT target cannot both be kept there."""
 
 from __future__ import annotations
 
@@ -13,10 +21,15 @@ import torch
 from services.language.engine.config import EngineConfig
 from services.language.engine.scheduler import Scheduled
 
+MARGIN = 0.8  # of the TPOT target a decode step and its wait may take
+SMOOTHING = 0.25  # the weight of the newest decode step in the measured time
+
 
 class Pacing:
     def __init__(self, config: EngineConfig) -> None:
-        self.interval_s = config.decode_interval_while_encoding_ms / 1000
+        self.interval_s = config.decode_interval_while_encoding_ms / 1000  # fixed, if given
+        self.tpot_s = config.tpot_slo_ms / 1000
+        self.decode_step_s = 0.0  # a decode-only step's time, smoothed
         self.threads_while_encoding = config.threads_while_encoding
         self.threads = torch.get_num_threads()
         self.decode_threads = min(config.decode_threads or self.threads, self.threads)
@@ -24,19 +37,45 @@ class Pacing:
         self.encoding = False
         self.last_step = 0.0  # when the last step ended (time.monotonic)
         self.held_since: float | None = None  # when the step now due was first held
+        self.unmet = False  # the step now due had no time to give the tower (take_unmet)
+
+    def interval(self) -> float:
+        """How long a decode-only step waits after the last step ended while
+        requests await their embeddings: the fixed interval, else what the TPOT
+        target leaves over a decode step (0.0: back to back)."""
+        if self.interval_s or not self.tpot_s:
+            return self.interval_s
+        return max(0.0, MARGIN * self.tpot_s - self.decode_step_s)
 
     def delay(self, prefill_work: bool) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
-        step that would only decode (no `prefill_work`) waits
-        EngineConfig.decode_interval_while_encoding_ms after the last one ended: a
-        vision tower on these cores gets that long however long a step takes."""
-        if not (self.interval_s and self.encoding) or prefill_work:
+        step that would only decode (no `prefill_work`) waits `interval()` after
+        the last one ended: a vision tower on these cores gets that long however
+        long a step takes."""
+        if not self.encoding or prefill_work:
+            return 0.0
+        interval = self.interval()
+        if not interval:
+            self.unmet = bool(self.tpot_s)
             return 0.0
         now = time.monotonic()
-        delay = max(0.0, self.last_step + self.interval_s - now)
+        delay = max(0.0, self.last_step + interval - now)
         if delay and self.held_since is None:
             self.held_since = now
         return delay
+
+    def ended(self, seconds: float, batch: Sequence[Scheduled]) -> None:
+        """A step took `seconds` (from its batch to its outputs): a decode-only
+        step's time joins the measured one."""
+        self.last_step = time.monotonic()
+        if batch and _decodes(batch):
+            known = self.decode_step_s
+            self.decode_step_s = seconds if not known else known + SMOOTHING * (seconds - known)
+
+    def take_unmet(self) -> bool:
+        """Whether the step that runs now wanted a wait the TPOT target left no time for."""
+        unmet, self.unmet = self.unmet, False
+        return unmet
 
     def take_held(self) -> float:
         """Seconds the step that runs now was held (0.0: it was not)."""
@@ -48,9 +87,13 @@ class Pacing:
         batch that only decodes, and at most threads_while_encoding while the
         vision side computes for us. torch.set_num_threads holds for the calling
         thread, which is the one that steps."""
-        decodes = bool(batch) and sum(s.num_tokens for s in batch) == len(batch)
-        threads = self.decode_threads if decodes else self.threads
+        threads = self.decode_threads if batch and _decodes(batch) else self.threads
         if self.encoding and self.threads_while_encoding:
             threads = min(threads, self.threads_while_encoding)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+def _decodes(batch: Sequence[Scheduled]) -> bool:
+    """Whether a batch only decodes (a token a request)."""
+    return sum(s.num_tokens for s in batch) == len(batch)
