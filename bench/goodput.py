@@ -23,7 +23,6 @@ class and demo size and its plot (docs/performance/goodput-CLASS-SIZE.png).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
@@ -35,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.peer import CONCURRENCY, WARMUP, p, shell, with_section, workloads
+from bench.peer import CONCURRENCY, WARMUP, p, peer_parser, shell, with_section, workloads
 from bench.report import FIGURES, REPO, Setup, cpu_class, machine, serve
 from services.loadgen.command import first_model, parse_slo, strict_json
 from services.loadgen.runner import RunConfig, run
@@ -191,14 +190,7 @@ def with_class_section(doc: str, body: str, size: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--peer-url", required=True, help="the peer's /v1 URL")
-    parser.add_argument("--peer-name", default="vLLM")
-    parser.add_argument("--peer-start", help="shell command that starts the peer and waits")
-    parser.add_argument("--peer-stop", help="shell command that stops the peer")
-    parser.add_argument("--epd-arg", action="append", default=[], help="an `epd serve` flag")
+    parser = peer_parser(__doc__)
     parser.add_argument("--goodput", nargs="+", default=list(SLO), help="SLOs, e.g. ttft:3000")
     parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES))
     parser.add_argument("--quick", action="store_true", help="half the requests")

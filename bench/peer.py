@@ -383,18 +383,24 @@ def shell(command: str, checkpoint: Path) -> None:
     subprocess.run(filled(command, checkpoint), shell=True, check=True)
 
 
-def main() -> None:
+def peer_parser(description: str | None) -> argparse.ArgumentParser:
+    """The options that name the peer and start and stop it (bench/goodput.py's too)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--peer-url", required=True, help="the peer's /v1 URL")
     parser.add_argument("--peer-name", default="vLLM")
     parser.add_argument("--peer-start", help="shell command that starts the peer and waits")
     parser.add_argument("--peer-stop", help="shell command that stops the peer")
+    parser.add_argument("--epd-arg", action="append", default=[], help="an `epd serve` flag")
+    return parser
+
+
+def main() -> None:
+    parser = peer_parser(__doc__)
     parser.add_argument(
         "--peer-engine-alone", help="shell command that measures the peer's engine alone"
     )
-    parser.add_argument("--epd-arg", action="append", default=[], help="an `epd serve` flag")
     parser.add_argument("--quick", action="store_true", help="half the requests")
     parser.add_argument(
         "--request-rate",
