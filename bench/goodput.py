@@ -30,7 +30,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,13 +149,17 @@ def plot(epd: list[Point], peer: list[Point], peer_name: str, path: Path) -> Non
     fig.savefig(path)
 
 
+def picture_path(size: str) -> Path:
+    """This CPU class's and demo size's plot."""
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{cpu_class()} {size}".lower()).strip("-")
+    return FIGURES / f"goodput-{slug}.png"
+
+
 def section(
     epd: list[Point], peer: list[Point], peer_name: str, capacity_rps: float, args: Any
 ) -> str:
     rate, ratio = headline(epd, peer)
-    slug = re.sub(r"[^a-z0-9]+", "-", f"{cpu_class()} {args.size}".lower()).strip("-")
-    picture = FIGURES / f"goodput-{slug}.png"
-    plot(epd, peer, peer_name, picture)
+    picture = picture_path(args.size)
     command = "python -m bench.goodput " + shlex.join(sys.argv[1:])
     return "\n".join(
         [
@@ -224,15 +228,13 @@ def main() -> None:
     rate, ratio = headline(epd, peer)
     print(f"goodput at {args.peer_name}'s peak ({rate:.2f} req/s): EPD / peer {ratio:.2f}x")
     if args.doc:
+        plot(epd, peer, args.peer_name, picture_path(args.size))
         body = section(epd, peer, args.peer_name, capacity_rps, args)
         DOC.write_text(with_class_section(DOC.read_text(), body, args.size))
     if args.json:
-        payload = {"machine": machine(), "capacity": capacity_rps, "epd": epd, "peer": peer}
-        Path(args.json).write_text(json.dumps(strict_json(_plain(payload)), indent=1))
-
-
-def _plain(payload: dict[str, Any]) -> dict[str, Any]:
-    return {k: [vars(q) for q in v] if isinstance(v, list) else v for k, v in payload.items()}
+        points = {"epd": [asdict(q) for q in epd], "peer": [asdict(q) for q in peer]}
+        payload = {"machine": machine(), "capacity": capacity_rps, **points}
+        Path(args.json).write_text(json.dumps(strict_json(payload), indent=1))
 
 
 if __name__ == "__main__":

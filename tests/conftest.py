@@ -32,7 +32,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # and containers one machine holds once. Every other module is a group of its
 # own. The longest groups start first, so that none is left alone at the end.
 SHARED = ("tests/gateway/", "tests/chaos/", "tests/multihost/")
-FIRST = (
+FIRST = (  # groups, as group() names them
     "tests/test_containers.py",
     "tests/multihost/",
     "tests/test_serve_epd.py",
@@ -64,8 +64,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> _Grouped:
 
 
 def _rank(item: pytest.Item) -> int:
-    path = item.nodeid.split("::", 1)[0]
-    return next((i for i, first in enumerate(FIRST) if path.startswith(first)), len(FIRST))
+    name = group(item.nodeid)
+    return FIRST.index(name) if name in FIRST else len(FIRST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

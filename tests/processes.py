@@ -40,23 +40,26 @@ def epd_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
 
 
 def family(root: int) -> dict[int, str]:
-    """Every live descendant of `root`: its command line, by pid."""
-    parents: dict[int, int] = {}
+    """Every live descendant of `root`: its command line (arguments joined by
+    spaces), by pid."""
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+                parent = int(stat.rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
     family, frontier = {}, [root]
     while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in family:
-                with contextlib.suppress(OSError):
-                    family[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes()).decode(
-                        errors="replace"
-                    )
-                    frontier.append(pid)
+        for pid in children.get(frontier.pop(), ()):
+            with contextlib.suppress(OSError):
+                family[pid] = (
+                    Path(f"/proc/{pid}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
+                frontier.append(pid)
     return family
 
 

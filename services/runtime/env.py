@@ -158,7 +158,7 @@ FREE_PORTS: EnvVar[range | None] = EnvVar(
     "EPD_FREE_PORTS",
     parse_port_range,
     lambda: None,
-    "where free_port() and `--port-base` pick free ports from, e.g. 20000-26000 "
+    "where free_port() and free_serve_ports() pick free ports from, e.g. 20000-26000 "
     "(default: outside the kernel's ephemeral range); processes that pick side by side "
     "take disjoint ranges and never race for one port",
 )

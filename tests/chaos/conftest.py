@@ -70,7 +70,7 @@ class Stack:
         found = [
             pid
             for pid, cmdline in family(self.process.pid).items()
-            if all(marker in cmdline.replace("\0", " ") for marker in markers)
+            if all(marker in cmdline for marker in markers)
         ]
         assert len(found) == 1, f"{markers}: {found}"
         return found[0]
