@@ -26,6 +26,9 @@ class BrokerConfig:
     encoder_routing: str = "cache"
     load_factor: float = 2.0
     load_slack: int = 2
+    # Whether an encoder routed an item another encoder holds (or is encoding)
+    # fetches it from that one instead of encoding it (placement.py, "peers").
+    peer_cache: bool = True
     # Which language instance takes a request: prefix (the one sent the longest
     # part of its chat before, within the same load bound) or least-loaded.
     language_routing: str = "prefix"

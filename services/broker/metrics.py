@@ -53,6 +53,12 @@ class BrokerMetrics:
             ["held"],
             registry=registry,
         )
+        self.peer_items = Counter(
+            "epd_broker_peer_items",
+            "Images and videos routed to an encoder with another encoder named to send them "
+            "from its cache (or its encode in progress) instead",
+            registry=registry,
+        )
         self.routed = Counter(
             "epd_broker_routed_requests",
             "Requests routed (not failovers), by whether they carry images or videos",

@@ -16,9 +16,13 @@ leaves it (CacheReport); a request names its items by content hash
 
 A request goes to one encoder: its items are not split across the encoders
 that hold them (docs/performance.md, "Encoder cache routing", says why).
-Text-only requests and requests without hashes go to the least loaded. The
-`least-loaded` and `round-robin` rules ignore caches: baselines to measure
-`cache` against.
+Peers (`Registry._holders`, on unless `--no-peer-cache`): for each item the
+chosen encoder does not hold, the route names another encoder that holds it,
+or that was routed it first and is encoding it; the chosen one fetches it
+from there instead of encoding it. The load bound then spreads encode work,
+and the cluster still encodes each item once. Text-only requests and requests
+without hashes go to the least loaded. The `least-loaded` and `round-robin`
+rules ignore caches for the choice: baselines to measure `cache` against.
 
 Language instances, `prefix` rule: a chat names its prefixes (the hash of its
 first message, of its first two, ...; RouteRequest.prefix_hashes), and the

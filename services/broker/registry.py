@@ -30,6 +30,9 @@ from services.wire.transport import Transport, choose_transport
 # The chat prefixes the broker remembers per language instance: a few thousand
 # conversations' worth, a few hundred KB.
 PREFIX_MEMORY = 4096
+# How long an encoder routed an item no encoder holds counts as its holder (it
+# is encoding it) before its cache report says it holds it: longer than an encode.
+CLAIM_S = 30.0
 
 
 @dataclass(slots=True)
@@ -65,6 +68,8 @@ class RouteChoice:
     transport: Transport | None
     decode: Session | None = None  # E/P/D: takes the request from the prefill instance
     prefix_depth: int = 0  # how many of the request's prefixes were routed to `language`
+    # per media key: another encoder to fetch the item from (None: `encoder` has it or encodes it)
+    holders: tuple[Session | None, ...] = ()
 
 
 class DuplicateInstanceError(ValueError):
@@ -99,13 +104,17 @@ class Registry:
         encoder_routing: EncoderRouting = EncoderRouting.CACHE,
         load_bound: LoadBound | None = None,
         prefix_routing: bool = True,
+        peer_cache: bool = True,
     ) -> None:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self.encoder_routing = encoder_routing
         self.prefix_routing = prefix_routing
         self.load_bound = load_bound or LoadBound()
+        self.peer_cache = peer_cache
         self._turn = 0  # round-robin's
+        # items routed to an encoder that held none of them: key -> (encoder id, when)
+        self._claims: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def add(self, registration: Register) -> Session:
         """A new session; DuplicateInstanceError while another stream holds the id
@@ -141,6 +150,9 @@ class Registry:
             return
         session.cached.difference_update(report.evicted)
         session.cached.update(report.added)
+        for key in report.added:
+            if self._claims.get(key, ("",))[0] == session.instance_id:
+                del self._claims[key]
 
     def stale(self, timeout_s: float) -> list[Session]:
         now = self._clock()
@@ -199,7 +211,8 @@ class Registry:
                 if chosen is not None:
                     chosen.routed_since_heartbeat += 1
             _remember(language, prefix_keys)
-            return RouteChoice(language, encoder, transport, decode, depth)
+            holders = self._holders(encoder, encoders, media_keys) if encoder else ()
+            return RouteChoice(language, encoder, transport, decode, depth, holders)
         if no_decode:
             raise NoRouteError(f"no decode instance of model {model!r} shares a transport")
         if not encoders:
@@ -238,6 +251,34 @@ class Registry:
         if self.encoder_routing is EncoderRouting.LEAST_LOADED:
             return least_loaded(candidates).instance_id
         return by_cache(candidates, keys, self.load_bound).instance_id
+
+    def _holders(
+        self, chosen: Session, encoders: list[Session], keys: Sequence[str]
+    ) -> tuple[Session | None, ...]:
+        """Per item, the encoder `chosen` fetches it from instead of encoding it:
+        the least loaded other one whose cache holds it, else the one encoding
+        it (routed it first, not yet reported: a claim); None where `chosen`
+        holds it or none does (`chosen` then encodes it, and claims it)."""
+        if not self.peer_cache:
+            return ()
+        now = self._clock()
+        while self._claims and next(iter(self._claims.values()))[1] < now - CLAIM_S:
+            self._claims.popitem(last=False)
+        others = sorted((e for e in encoders if e is not chosen), key=lambda s: s.score)
+        claimants = {e.instance_id: e for e in others}
+        holders: list[Session | None] = []
+        for key in keys:
+            holder = None
+            if key not in chosen.cached:
+                holder = next((e for e in others if key in e.cached), None)
+                claim = self._claims.get(key)
+                if holder is None and claim is not None:
+                    holder = claimants.get(claim[0])
+                if holder is None and (claim is None or claim[0] != chosen.instance_id):
+                    self._claims[key] = (chosen.instance_id, now)
+                    self._claims.move_to_end(key)
+            holders.append(holder)
+        return tuple(holders)
 
     def _serving(self, role: Role, model: str, exclude: str) -> list[Session]:
         """Of the role and model, available (not, say, draining), but `exclude`."""

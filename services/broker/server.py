@@ -32,6 +32,7 @@ class BrokerServer:
                 encoder_routing=EncoderRouting(config.encoder_routing),
                 load_bound=LoadBound(config.load_factor, config.load_slack),
                 prefix_routing=config.language_routing == "prefix",
+                peer_cache=config.peer_cache,
             ),
         )
         servicer = BrokerServicer(

@@ -91,6 +91,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                     "epd.language": reply.language_id,
                     "epd.encoder": reply.encoder_id,
                     "epd.prefix_depth": reply.prefix_depth,
+                    "epd.peer_items": sum(bool(h) for h in reply.holder_ids),
                 }
             )
             return reply
@@ -121,6 +122,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 encoder_id=encoder.instance_id,
                 encoder_address=encoder.registration.grpc_address,
                 transport=choice.transport,
+                holder_ids=tuple(h.instance_id if h else "" for h in choice.holders),
+                holder_addresses=tuple(
+                    h.registration.grpc_address if h else "" for h in choice.holders
+                ),
             )
         if choice.decode is not None:
             decode = choice.decode

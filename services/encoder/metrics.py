@@ -31,11 +31,7 @@ class EncoderMetrics:
             "Images neither encoded nor sent: the language instance's prefix cache held their KV",
             registry=registry,
         )
-        self.shared_encodes = Counter(
-            "epd_encoder_shared_encodes",
-            "Images that waited for another request's encode of the same image",
-            registry=registry,
-        )
+        self._sources(registry)
         self.cache_bytes = Gauge(
             "epd_encoder_cache_bytes", "Bytes in the embedding cache", registry=registry
         )
@@ -69,6 +65,48 @@ class EncoderMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=registry,
         )
+
+    def _sources(self, registry: CollectorRegistry) -> None:
+        """Where items not in the cache came from: Triton, another request's
+        encode, or (the cluster as one cache, peers.py) another encoder, by
+        outcome: fetched, missing there, failed; and the items sent to others."""
+        self.encoded_items = Counter(
+            "epd_encoder_encoded_items",
+            "Images and videos this encoder sent to Triton",
+            registry=registry,
+        )
+        self.shared_encodes = Counter(
+            "epd_encoder_shared_encodes",
+            "Images that waited for another request's encode of the same image",
+            registry=registry,
+        )
+        self.peer_fetches = Counter(
+            "epd_encoder_peer_fetches",
+            "Items fetched from another encoder's cache instead of encoded, by outcome",
+            ["outcome"],
+            registry=registry,
+        )
+        self.peer_fetch_bytes = Counter(
+            "epd_encoder_peer_fetch_bytes",
+            "Embedding bytes fetched from other encoders",
+            registry=registry,
+        )
+        self.peer_fetch_seconds = Histogram(
+            "epd_encoder_peer_fetch_seconds",
+            "Seconds per item fetched from another encoder",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+        self.peer_served = Counter(
+            "epd_encoder_peer_served",
+            "Fetches from other encoders, by outcome: sent, or missing here",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("fetched", "missing", "failed"):
+            self.peer_fetches.labels(outcome)
+        for outcome in ("sent", "missing"):
+            self.peer_served.labels(outcome)
 
     def expect_transports(self, transports: Iterable[Transport]) -> None:
         """Each transport's series exported at 0 before its first write (a series

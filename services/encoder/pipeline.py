@@ -11,7 +11,10 @@ the whole, bit for bit), so that a `Sink` has the first embeddings while the
 next are encoded (the language instance prefills them meanwhile). Items
 the sink says its receiver already holds (`Sink.held`: the language
 instance's prefix cache has their KV) are not encoded at all; only the items
-it may hold wait for its word, the others go to Triton at once.
+it may hold wait for its word, the others go to Triton at once. An item the
+route says another encoder holds is fetched from it first (`peers.py`), and
+encoded only if that fails; `cached` is that other side: what this encoder
+holds, or is encoding, for a peer.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from services.encoder.cache import EmbeddingCache, ImageEmbedding
 from services.encoder.metrics import EncoderMetrics
+from services.encoder.peers import Peers
 from services.encoder.preprocess import PreprocessedImage, Preprocessor
 from services.encoder.triton_client import VitClient
 from services.media.decode import check_count
@@ -162,6 +166,7 @@ class EncodePipeline:
         limits: ImageLimits,
         metrics: EncoderMetrics,
         one_by_one: bool = False,
+        peers: Peers | None = None,
     ) -> None:
         self.preprocessor = preprocessor
         self.vit = vit
@@ -170,8 +175,10 @@ class EncodePipeline:
         self.metrics = metrics
         self.one_by_one = one_by_one  # a Triton request per item, not per request
         self.merge_size = preprocessor.rule.merge_size
+        self.peers = peers or Peers(metrics)
         # Items being encoded, by content hash: the encode's result, for others to share.
         self._pending: dict[str, asyncio.Future[ImageEmbedding]] = {}
+        self._fetching: set[str] = set()  # of those, the ones fetched from a peer
         # for the broker (Heartbeat): items looked up and found, encodes in progress,
         # and when each of the last RECENT_S's encodes ended and how long it took
         self.num_lookups = self.num_hits = self.num_encoding = 0
@@ -183,15 +190,17 @@ class EncodePipeline:
         videos: Set[int] = frozenset(),
         sink: Sink | None = None,
         salt: str = "",
+        peers: Sequence[str] = (),
     ) -> Encoded:
         """`images`: the request's images and videos in order; `videos`: which are
         videos; `sink`: told the grids, then each item as it is ready; `salt`: the
         client's cache scope (media_key): the cache serves only what it encoded
-        under the same."""
+        under the same; `peers`: per item, another encoder's address to fetch
+        it from ("": none)."""
         self.num_encoding += 1
         started = time.monotonic()
         try:
-            return await self._encode(images, videos, sink, salt)
+            return await self._encode(images, videos, sink, salt, peers)
         finally:
             self.num_encoding -= 1
             ended = time.monotonic()
@@ -204,8 +213,27 @@ class EncodePipeline:
             self._recent.popleft()
         return sum(s for _, s in self._recent) / len(self._recent) if self._recent else 0.0
 
+    async def cached(self, key: str, wait_s: float) -> ImageEmbedding | None:
+        """An item for a peer encoder: from the cache, or from its encode in
+        progress here (waited for at most `wait_s`); None if neither, or if it
+        is being fetched from a peer itself (two encoders never wait on each other)."""
+        entry = self.cache.get(key)
+        pending = self._pending.get(key)
+        if entry is not None or pending is None or key in self._fetching:
+            return entry
+        try:
+            async with asyncio.timeout(wait_s):
+                return await asyncio.shield(pending)
+        except (TimeoutError, RuntimeError):  # slow, failed, or its receiver held it
+            return None
+
     async def _encode(
-        self, images: Sequence[bytes], videos: Set[int], sink: Sink | None, salt: str
+        self,
+        images: Sequence[bytes],
+        videos: Set[int],
+        sink: Sink | None,
+        salt: str,
+        peers: Sequence[str] = (),
     ) -> Encoded:
         """Every item from the cache, from another request's encode of it, or
         through Triton here; the sink told the grids, then each item as it lands."""
@@ -218,7 +246,7 @@ class EncodePipeline:
             )
         items = self._look_up(await self.preprocessor.keys(images, salt), _Report(sink))
         try:
-            grids = await self._gather(images, videos, items, salt)
+            grids = await self._gather(images, videos, items, salt, peers)
         except BaseException as exc:
             items.fail(exc)
             raise
@@ -240,18 +268,25 @@ class EncodePipeline:
         return encoded
 
     async def _gather(
-        self, images: Sequence[bytes], videos: Set[int], items: _Items, salt: str
+        self,
+        images: Sequence[bytes],
+        videos: Set[int],
+        items: _Items,
+        salt: str,
+        peers: Sequence[str],
     ) -> list[MediaGrid]:
-        """This request's items preprocessed and encoded (`_encode_mine`) while it
-        waits for those another request encodes; the grids told once all are
-        known. Returns each item's grid."""
-        pre = await self._preprocess(images, videos, items.mine) if items.mine else []
-        encoding = asyncio.ensure_future(self._encode_mine(pre, items))
+        """This request's items fetched from peers, the rest preprocessed and
+        encoded (`_encode_mine`) while it waits for those another request
+        encodes; the grids told once all are known. Returns each item's grid."""
+        fetched = await self._fetch(items, peers)
+        todo = [i for i in items.mine if i not in fetched]
+        pre = await self._preprocess(images, videos, todo) if todo else []
+        encoding = asyncio.ensure_future(self._encode_mine(todo, pre, items))
         try:
             for index, entry in (await self._shared(images, videos, items.theirs, salt)).items():
                 items.landed(index, entry)
-            grids = {i: e.grid for i, e in items.found.items() if i not in items.mine}
-            grids |= {i: p.grid for i, p in zip(items.mine, pre, strict=True)}
+            grids = {i: e.grid for i, e in items.found.items() if i not in todo}
+            grids |= {i: p.grid for i, p in zip(todo, pre, strict=True)}
             ordered = [grids[i] for i in range(len(images))]
             await items.report.announce(ordered)
             await encoding
@@ -260,6 +295,29 @@ class EncodePipeline:
                 encoding.cancel()
                 await asyncio.wait([encoding])
         return ordered
+
+    async def _fetch(self, items: _Items, peers: Sequence[str]) -> set[int]:
+        """The items of this request's own (`mine`) that a peer holds, fetched
+        from it, cached here and told as they land: their indices. Not those
+        the receiver may hold (they wait for its word, `_encode_mine`)."""
+        may_hold = items.report.may_hold
+        wanted = {
+            i: (peers[i], items.keys[i])
+            for i in items.mine
+            if i < len(peers) and peers[i] and i >= may_hold
+        }
+        if not wanted:
+            return set()
+        keys = {key for _, key in wanted.values()}
+        self._fetching |= keys
+        try:
+            got = await self.peers.fetch_all(wanted)
+        finally:
+            self._fetching -= keys
+        for index, entry in got.items():
+            items.report.landed(index, entry)
+            items.encoded(index, entry, self.cache)
+        return set(got)
 
     def _look_up(self, keys: list[str], report: _Report) -> _Items:
         """Each item's place: cached (found), encoded by this request (mine: its
@@ -308,13 +366,15 @@ class EncodePipeline:
             done.update((i, e) for i, e in zip(retry, again.images, strict=True) if e is not None)
         return done
 
-    async def _encode_mine(self, pre: list[PreprocessedImage], items: _Items) -> None:
-        """Triton for the preprocessed items but those the receiver holds: the
-        items it cannot hold at once, meanwhile those it may hold (the route's
+    async def _encode_mine(
+        self, indices: list[int], pre: list[PreprocessedImage], items: _Items
+    ) -> None:
+        """Triton for the preprocessed items (`indices`) but those the receiver holds:
+        the items it cannot hold at once, meanwhile those it may hold (the route's
         leading ones, `Sink.may_hold`) once it says which it does (`Sink.held`)."""
         may_hold = items.report.may_hold
-        asked = [(index, p) for index, p in zip(items.mine, pre, strict=True) if index < may_hold]
-        rest = [(index, p) for index, p in zip(items.mine, pre, strict=True) if index >= may_hold]
+        asked = [(index, p) for index, p in zip(indices, pre, strict=True) if index < may_hold]
+        rest = [(index, p) for index, p in zip(indices, pre, strict=True) if index >= may_hold]
         now = asyncio.ensure_future(self._infer_items(rest, items))
         try:
             if asked:
@@ -336,6 +396,7 @@ class EncodePipeline:
         it themselves."""
         if not todo:
             return
+        self.metrics.encoded_items.inc(len(todo))
         if not self.one_by_one:
             entries = await self._infer([p for _, p in todo])
             for (index, _), entry in zip(todo, entries, strict=True):

@@ -162,4 +162,5 @@ class EncoderServer(InstanceServer):
 
     async def release(self) -> None:
         await self.vit.close()
+        await self.pipeline.peers.close()
         self.preprocessor.close()

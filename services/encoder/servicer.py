@@ -11,6 +11,7 @@ import grpc
 from services.broker.client import BrokerUnavailableError
 from services.encoder.cache import ImageEmbedding
 from services.encoder.metrics import EncoderMetrics
+from services.encoder.peers import FETCH_TIMEOUT_S, to_reply
 from services.encoder.pipeline import Encoded, EncodePipeline
 from services.encoder.send_buffer import SendBuffer, SendBufferFullError
 from services.encoder.triton_client import TritonRequestError, TritonUnavailableError
@@ -219,7 +220,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             raise ValueError("request_id is required to send embeddings to a language instance")
         images, videos = list(request.images), set(request.video_indices)
         if not target:
-            encoded = await self.pipeline.encode(images, videos, salt=request.cache_salt)
+            encoded = await self.pipeline.encode(
+                images, videos, salt=request.cache_salt, peers=request.peer_addresses
+            )
             reply = self._reply(request.request_id, encoded)
             dtype = self.buffer.pool.layout.dtype
             reply.data.extend(tensor_bytes(plane.to(dtype)) for plane in encoded.planes)
@@ -227,7 +230,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         peer = await self.sender.peer(target)
         sending = _Sending(self, request.request_id, peer, request.held_items)
         try:
-            encoded = await self.pipeline.encode(images, videos, sending, request.cache_salt)
+            encoded = await self.pipeline.encode(
+                images, videos, sending, request.cache_salt, request.peer_addresses
+            )
         except BaseException as exc:
             sending.give_up(f"the encode failed: {exc}")
             raise
@@ -238,6 +243,20 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.sender.abort(request.request_id, "the encode caller went away")
             raise
         return self._reply(request.request_id, encoded)
+
+    async def Fetch(
+        self, request: encoder_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.FetchReply:
+        """An item for a peer encoder (peers.py): cached, or encoded here now."""
+        entry = await self.pipeline.cached(request.key, FETCH_TIMEOUT_S)
+        if entry is None:
+            self.metrics.peer_served.labels("missing").inc()
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"item {request.key!r} is neither in this encoder's cache nor being encoded here",
+            )
+        self.metrics.peer_served.labels("sent").inc()
+        return to_reply(entry)
 
     def _reply(self, request_id: str, encoded: Encoded) -> encoder_pb2.EncodeReply:
         layout = self.buffer.pool.layout

@@ -462,8 +462,10 @@ class Backend:
         request_id = request.request_id
         encoder_id, address = route.encoder_id, route.encoder_address
         held_items = request.held_items
+        peers = route.holder_addresses
         for attempt in range(self.max_failovers + 1):
             call.record.encoder = encoder_id
+            call.record.peer_items = sum(bool(p) for p in peers)
             encoder = encoder_pb2_grpc.EncoderStub(await self._channel(address))
             try:
                 with tracing.span("gateway.encode", kind=CLIENT, encoder=encoder_id):
@@ -474,6 +476,7 @@ class Backend:
                         tuple(i for i, m in enumerate(call.media) if m.is_video),
                         held_items,
                         request.cache_salt,
+                        peers,
                     )
                     await encoder.Encode(to_proto(encode), timeout=self.encode_timeout_s)
                 return
@@ -497,6 +500,7 @@ class Backend:
                 )
             )
             encoder_id, address = failover.encoder_id, failover.encoder_address
+            peers = failover.holder_addresses
             held_items = len(call.media)  # landed ones are held: the preallocation says
 
     async def _abort(self, language: language_pb2_grpc.LanguageStub, request_id: str) -> None:

@@ -31,6 +31,7 @@ class RequestRecord:
     language: str = "-"  # the instance that generated
     prefix_depth: int = 0  # the chat's messages the broker had sent it before (routing)
     encoder: str = "-"  # the one that encoded (the last, after failovers)
+    peer_items: int = 0  # items it was to fetch from other encoders' caches, not encode
     error: str = ""
     component: str = ""  # what raised the error: gateway, broker, an instance
     trace_id: str = ""  # with tracing on: the request's trace (`epd trace` shows it)

@@ -278,6 +278,15 @@ BROKER = Table(
         ),
         Option("load_factor", serve=SAME, help="cache routing's load bound: x the least"),
         Option("load_slack", serve=SAME, help="cache routing's load bound: + this"),
+        Option(
+            "peer_cache",
+            "--no-peer-cache",
+            negated=True,
+            serve=SAME,
+            help="encode an item on the encoder routed its request even where another "
+            "encoder's cache holds it (by default that one sends it: one encode per item in "
+            "the cluster)",
+        ),
     ),
 )
 

@@ -385,6 +385,9 @@ class RouteReply:
     decode_id: str = ""
     decode_address: str = ""
     prefix_depth: int = 0  # how many of the prefix hashes the language instance was sent before
+    # per media hash: another encoder that holds (or is encoding) the item, "" for none
+    holder_ids: tuple[str, ...] = ()
+    holder_addresses: tuple[str, ...] = ()
 
 
 # What an instance sends on its Attach stream, and what the broker sends back.

@@ -205,6 +205,8 @@ class EncodeRequest:
     # preallocation comes before they are encoded, and says which it holds
     held_items: int = 0
     cache_salt: str = ""  # the client's cache scope: it enters each item's key
+    # per item: another encoder to fetch it from instead of encoding it ("": none)
+    peer_addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -206,6 +206,46 @@ async def test_route_can_ignore_caches() -> None:
     await server.stop()
 
 
+@pytest.mark.parametrize("peer_cache", [True, False])
+async def test_the_route_names_the_encoder_that_holds_or_encodes_an_item(peer_cache: bool) -> None:
+    """An item another encoder holds, or was routed first and is encoding, comes
+    with that encoder's id and address (the routed one fetches it from there);
+    none for an item the routed encoder holds or encodes itself, for one whose
+    holder left, and with --no-peer-cache none at all."""
+    server = await start_broker(
+        heartbeat_interval_s=0.1, encoder_routing="round-robin", peer_cache=peer_cache
+    )
+    peers = [await attach(server, language("L-peer"))]
+    peers += [await attach(server, encoder(f"pc-{i}")) for i in range(3)]
+    peers[1].link.send(CacheReport(added=("held",), full=True))
+    await wait_for(lambda: server.broker.registry.get("pc-0").cached == {"held"})  # type: ignore[union-attr]
+    stub = broker_stub(server)
+
+    async def route(*keys: str) -> tuple[str, list[str], list[str]]:
+        request = broker_pb2.RouteRequest(model="m", needs_encoder=True, media_hashes=keys)
+        reply = await stub.Route(request)
+        return reply.encoder_id, list(reply.holder_ids), list(reply.holder_addresses)
+
+    first, second, third = [await route("held", "new") for _ in range(3)]
+    if not peer_cache:
+        assert [first[1:], second[1:], third[1:]] == [([], [])] * 3
+        assert server.broker.metrics.peer_items._value.get() == 0
+    else:
+        # round-robin: pc-1, pc-2, pc-0; "new" is claimed by the first that encodes it
+        assert [r[0] for r in (first, second, third)] == ["pc-1", "pc-2", "pc-0"]
+        assert first[1:] == (["pc-0", ""], ["pc-0:1", ""])
+        assert second[1:] == (["pc-0", "pc-1"], ["pc-0:1", "pc-1:1"])
+        assert third[1:] == (["", "pc-1"], ["", "pc-1:1"])
+        assert server.broker.metrics.peer_items._value.get() == 4
+        await peers[2].link.close()  # pc-1 leaves: its claim names nobody
+        await wait_for(lambda: server.broker.registry.get("pc-1") is None)
+        encoder_id, holders, _ = await route("new")
+        assert holders == [""] and encoder_id != "pc-1"
+    for peer in peers:
+        await peer.link.close()
+    await server.stop()
+
+
 @pytest.mark.parametrize("routing", ["prefix", "least-loaded"])
 async def test_a_conversation_s_turns_go_where_its_earlier_turns_went(routing: str) -> None:
     """With prefix routing the next turn (its prefixes extend the last turn's)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"\x90\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x1c\n\x14language_instance_id\x18\x03 \x01(\t\x12\x15\n\rvideo_indices\x18\x04 \x03(\r\x12\x12\n\nheld_items\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xd3\x01\n\x0b\x45ncodeReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\x12 \n\x05grids\x18\x03 \x03(\x0b\x32\x11.epd.v1.MediaGrid\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\x15\n\rcached_images\x18\x07 \x01(\r\x12\x1d\n\x06planes\x18\n \x03(\x0b\x32\r.epd.v1.Plane\x12\x0c\n\x04\x64\x61ta\x18\x0b \x03(\x0cJ\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n2?\n\x07\x45ncoder\x12\x34\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x13.epd.v1.EncodeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"\xa8\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\x12\x1c\n\x14language_instance_id\x18\x03 \x01(\t\x12\x15\n\rvideo_indices\x18\x04 \x03(\r\x12\x12\n\nheld_items\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x16\n\x0epeer_addresses\x18\x07 \x03(\t\"\xd3\x01\n\x0b\x45ncodeReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\x12 \n\x05grids\x18\x03 \x03(\x0b\x32\x11.epd.v1.MediaGrid\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.epd.v1.DType\x12\x15\n\rcached_images\x18\x07 \x01(\r\x12\x1d\n\x06planes\x18\n \x03(\x0b\x32\r.epd.v1.Plane\x12\x0c\n\x04\x64\x61ta\x18\x0b \x03(\x0cJ\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"\x1b\n\x0c\x46\x65tchRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"i\n\nFetchReply\x12\x1f\n\x04grid\x18\x01 \x01(\x0b\x32\x11.epd.v1.MediaGrid\x12\x1c\n\x05\x64type\x18\x02 \x01(\x0e\x32\r.epd.v1.DType\x12\x0e\n\x06widths\x18\x03 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x03(\x0c\x32r\n\x07\x45ncoder\x12\x34\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x13.epd.v1.EncodeReply\x12\x31\n\x05\x46\x65tch\x12\x14.epd.v1.FetchRequest\x1a\x12.epd.v1.FetchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.encoder_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEREQUEST']._serialized_start=54
-  _globals['_ENCODEREQUEST']._serialized_end=198
-  _globals['_ENCODEREPLY']._serialized_start=201
-  _globals['_ENCODEREPLY']._serialized_end=412
-  _globals['_ENCODER']._serialized_start=414
-  _globals['_ENCODER']._serialized_end=477
+  _globals['_ENCODEREQUEST']._serialized_end=222
+  _globals['_ENCODEREPLY']._serialized_start=225
+  _globals['_ENCODEREPLY']._serialized_end=436
+  _globals['_FETCHREQUEST']._serialized_start=438
+  _globals['_FETCHREQUEST']._serialized_end=465
+  _globals['_FETCHREPLY']._serialized_start=467
+  _globals['_FETCHREPLY']._serialized_end=572
+  _globals['_ENCODER']._serialized_start=574
+  _globals['_ENCODER']._serialized_end=688
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,11 @@ class EncoderStub:
                 request_serializer=epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_encoder__pb2.EncodeReply.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/epd.v1.Encoder/Fetch',
+                request_serializer=epd_dot_v1_dot_encoder__pb2.FetchRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_encoder__pb2.FetchReply.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer:
@@ -53,6 +58,16 @@ class EncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """An item's embedding from this encoder's cache, for another encoder that was
+        routed a request about it (EncodeRequest.peer_addresses): one encode per
+        item in the cluster. An item this encoder is encoding right now is sent
+        once encoded; NOT_FOUND for one it neither holds nor encodes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +75,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=epd_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
                     response_serializer=epd_dot_v1_dot_encoder__pb2.EncodeReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=epd_dot_v1_dot_encoder__pb2.FetchRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_encoder__pb2.FetchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +109,33 @@ class Encoder:
             '/epd.v1.Encoder/Encode',
             epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
             epd_dot_v1_dot_encoder__pb2.EncodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Encoder/Fetch',
+            epd_dot_v1_dot_encoder__pb2.FetchRequest.SerializeToString,
+            epd_dot_v1_dot_encoder__pb2.FetchReply.FromString,
             options,
             channel_credentials,
             insecure,
