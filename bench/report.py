@@ -46,8 +46,9 @@ MONOLITHIC = REPO / "docs" / "performance-monolithic.md"  # this script's
 TEMPLATE = Path(__file__).with_name("performance.md.in")
 FIGURES = REPO / "docs" / "performance"
 FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE"}
-# bench/peer.py, bench/pd.py, bench/encoder_cache.py, bench/encoder_planner.py and
-# bench/tracing.py write their sections of DOC between these.
+# bench/peer.py, bench/pd.py, bench/encoder_planner.py and bench/tracing.py write
+# their sections of DOC between these; bench/encoder_cache.py its of ENCODER_CACHE_DOC.
+ENCODER_CACHE_DOC = REPO / "docs" / "encoder-cache.md"
 START, END = "<!-- bench/peer.py: start -->", "<!-- bench/peer.py: end -->"
 PD_START, PD_END = "<!-- bench/pd.py: start -->", "<!-- bench/pd.py: end -->"
 CACHE_START = "<!-- bench/encoder_cache.py: start -->"

@@ -94,6 +94,14 @@ def _media_arguments(p: argparse.ArgumentParser) -> None:
         help="draw each request's images from a pool of K (repeats across requests, as "
         "caches see them); 0: every image new",
     )
+    p.add_argument(
+        "--image-skew",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --distinct-images: draw the pool's k-th image with weight 1/k**S "
+        "(Zipf: a few popular images among many); 0: evenly",
+    )
     p.add_argument("--image-size", default="448x448", help="WIDTHxHEIGHT of random images")
     p.add_argument("--image-format", default="jpeg", choices=("jpeg", "png", "webp"))
     p.add_argument("--image-dir", help="use these images instead of random ones")
@@ -160,6 +168,7 @@ def workload_of(args: argparse.Namespace) -> Workload:
         image_ratio=args.image_ratio,
         images_per_request=args.images_per_request,
         distinct_images=args.distinct_images,
+        image_skew=args.image_skew,
         image_size=(int(width), int(height)),
         image_format=args.image_format,
         image_dir=Path(args.image_dir) if args.image_dir else None,

@@ -106,6 +106,9 @@ class Workload:
     # > 0: each request's images are drawn from a pool of this many (repeats
     # across requests, as a cache sees them); 0: every image is new
     distinct_images: int = 0
+    # > 0: the pool's images are drawn with Zipf weights 1 / rank ** image_skew (a
+    # few popular images among many); 0: each as likely as the next
+    image_skew: float = 0.0
     image_size: tuple[int, int] = (448, 448)
     image_format: str = "jpeg"
     image_dir: Path | None = None
@@ -142,6 +145,8 @@ class Workload:
             raise ValueError("num_prompts and output_len must be positive")
         if self.distinct_images and self.distinct_images < self.images_per_request:
             raise ValueError("distinct_images must be 0 or at least images_per_request")
+        if self.image_skew < 0 or (self.image_skew and not self.distinct_images):
+            raise ValueError("image_skew must be >= 0, and needs distinct_images")
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +242,20 @@ def _body(
     return body
 
 
+def _from_pool(draw: random.Random, workload: Workload) -> list[int]:
+    """A request's images from the pool, none twice: evenly, or by Zipf weights."""
+    pool, wanted = workload.distinct_images, workload.images_per_request
+    if not workload.image_skew:
+        return draw.sample(range(pool), wanted)
+    weights = [1 / (rank + 1) ** workload.image_skew for rank in range(pool)]
+    picks: list[int] = []
+    while len(picks) < wanted:
+        (pick,) = draw.choices(range(pool), weights)
+        if pick not in picks:
+            picks.append(pick)
+    return picks
+
+
 def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
     rng = random.Random(workload.seed)
     with_images = set(
@@ -259,8 +278,8 @@ def build_requests(workload: Workload, model: str) -> list[BenchRequest]:
         text = " ".join(rng.choice(WORDS) for _ in range(workload.input_len))
         content: list[dict[str, Any]] = []
         if index in with_images:
-            if workload.distinct_images:  # from the pool, none twice in one request
-                picks = draw.sample(range(workload.distinct_images), workload.images_per_request)
+            if workload.distinct_images:
+                picks = _from_pool(draw, workload)
             else:
                 picks = list(range(used, used + workload.images_per_request))
                 used += workload.images_per_request

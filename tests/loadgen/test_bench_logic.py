@@ -7,6 +7,7 @@ import itertools
 import math
 import statistics
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,6 +75,36 @@ def test_distinct_images_draw_from_a_pool_and_recur() -> None:
     )
     with pytest.raises(ValueError, match="distinct_images"):
         Workload(images_per_request=3, distinct_images=2)
+
+
+def test_a_skewed_pool_has_a_few_popular_images_among_many() -> None:
+    """--image-skew S: the pool's k-th image comes with weight 1/k**S: the most
+    popular one far more often than the median one; still none twice in a request."""
+    workload = Workload(
+        num_prompts=400, distinct_images=40, image_skew=1.2, image_size=(16, 16), seed=3
+    )
+    urls = [
+        p["image_url"]["url"]
+        for r in build_requests(workload, "m")
+        for p in r.body["messages"][0]["content"]
+        if "image_url" in p
+    ]
+    counts = sorted(Counter(urls).values(), reverse=True)
+    assert counts[0] > 10 * counts[len(counts) // 2]
+    even = Counter(
+        p["image_url"]["url"]
+        for r in build_requests(replace(workload, image_skew=0.0), "m")
+        for p in r.body["messages"][0]["content"]
+        if "image_url" in p
+    )
+    assert len(even) == 40 and 4 * max(even.values()) < counts[0]  # evenly: no image that popular
+    pairs = build_requests(replace(workload, images_per_request=2, num_prompts=50), "m")
+    assert all(
+        len({p["image_url"]["url"] for p in r.body["messages"][0]["content"][:2]}) == 2
+        for r in pairs
+    )
+    with pytest.raises(ValueError, match="image_skew"):
+        Workload(image_skew=1.0)
 
 
 def test_other_seed_other_workload() -> None:
