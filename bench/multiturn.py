@@ -30,7 +30,6 @@ import base64
 import math
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peer import shell, with_section
-from bench.report import DOC, MULTITURN_END, MULTITURN_START, Setup, machine, serve
+from bench.report import DOC, MULTITURN_END, MULTITURN_START, Setup, head_commit, machine, serve
 from services.loadgen.client import RequestResult, send
 from services.loadgen.synthetic import encode_image, random_image
 from services.loadgen.workload import BenchRequest
@@ -255,9 +254,7 @@ def markdown(
     routed: dict[str, dict[str, Any]],
     command: str,
 ) -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = head_commit()
     lines = [
         "## Conversations about images",
         "",

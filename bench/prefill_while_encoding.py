@@ -30,7 +30,6 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from typing import Any
 import aiohttp
 
 from bench.peer import with_section
-from bench.report import DOC, STREAMED_END, STREAMED_START, Setup, machine, serve
+from bench.report import DOC, STREAMED_END, STREAMED_START, Setup, head_commit, machine, serve
 from services.loadgen.client import RequestResult, send
 from services.loadgen.synthetic import encode_image, random_image, random_video
 from services.loadgen.workload import BenchRequest
@@ -196,9 +195,7 @@ def ratios(rows: dict[str, dict[str, Any]]) -> str:
 
 
 def markdown(args: argparse.Namespace, rows: dict[str, dict[str, Any]], command: str) -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = head_commit()
     return "\n".join(
         [
             "## Prefill while the images arrive",

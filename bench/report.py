@@ -220,6 +220,13 @@ def cpu_class() -> str:
     return " + ".join(found[:2]) if found else "no AVX2"
 
 
+def head_commit() -> str:
+    """The checked-out commit, short, that a report names."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+
+
 def machine() -> str:
     cpu = _proc("/proc/cpuinfo", "model name") or platform.processor()
     cpu = f"{cpu} ({cpu_class()})"
@@ -350,9 +357,7 @@ def write(
     doc, figures = outputs(arch)
     figures.mkdir(parents=True, exist_ok=True)
     spec = SIZES["small"]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    commit = head_commit()
     mixed = all_cases[-1]
     sections: list[str] = []
     for case in all_cases:

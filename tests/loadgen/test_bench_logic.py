@@ -376,3 +376,18 @@ def test_the_goodput_headline_is_at_the_peers_peak_and_each_class_has_its_sectio
         doc = with_class_section(doc, f"{cpu}: run {run}", "small")
     assert "AVX2: run 1" not in doc and doc.count("AVX2: run 2") == 1
     assert doc.index("AVX2: run 2") < doc.index("AVX512-BF16: run 1")
+
+
+def test_the_decode_bandwidth_row_of_a_class_replaces_only_its_own() -> None:
+    """bench/decode_bandwidth.py --doc: a class's new row takes the place of its
+    old one; the other classes' rows stay."""
+    from bench.decode_bandwidth import END, START, _section
+
+    avx2 = "| AVX2 | 2026-11-01 | abc | torch.float32 | 20.0 | 81% | 60% |"
+    old = "| AVX512-BF16 + AVX-512 | 2026-11-02 | def | torch.bfloat16 | 30.0 | 80% | 40% |"
+    new = "| AVX512-BF16 + AVX-512 | 2026-11-29 | 123 | torch.bfloat16 | 33.0 | 88% | 47% |"
+    doc = f"# Performance\n\n{START}\n{_section('', avx2)}\n{END}\n"
+    doc = doc.replace(avx2, f"{avx2}\n{old}")
+    section = _section(doc, new)
+    assert avx2 in section and new in section and old not in section
+    assert section.count("| CPU class") == 1

@@ -1,0 +1,186 @@
+"""Decode near the memory limit: the bytes a decode step reads over its time,
+as a share of the machine's read bandwidth, on the medium demo.
+
+    .venv/bin/python -m bench.decode_bandwidth [--size medium] [--dtype auto]
+
+The baseline, in the same run on the same threads: torch.sum over 512 MiB, the
+median of several before the steps and after them (a read of memory at the rate
+this machine gives one process).
+A decode step reads every weight of the decoder layers and the LM head once,
+and each sequence's KV once. Two figures:
+
+- weights: batch 1 at a 16-token context, (weights + KV) / step time;
+- KV: batch B at a long context L against the same batch at 16 tokens: the KV
+  bytes added over the time added.
+
+The dtype is what `epd serve` picks on this CPU (`--dtype auto`: bfloat16 with
+AVX512-BF16 or AMX, else float32); the CPU class is named in the output. `--doc`
+writes this class's line of docs/performance.md's section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.engine import TOPICS, load_engine
+from bench.peer import with_section
+from bench.report import DOC, cpu_class, head_commit, machine
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import LLMEngine
+from services.language.engine.request import SamplingParams, new_request
+from services.language.engine.scheduler import SchedulerConfig
+from services.model.demo import SIZES, cached_demo_checkpoint
+from services.model.spec import TextSpec
+from services.wire.dtypes import AUTO, resolve_dtype
+
+READ_MIB = 512
+START = "<!-- bench/decode_bandwidth.py: start -->"
+END = "<!-- bench/decode_bandwidth.py: end -->"
+HEADER = (
+    "## Decode against the memory limit",
+    "",
+    "A decode step's bytes read over its time, as a share of the read bandwidth "
+    "(torch.sum over 512 MiB on the same threads, the same run): the weights at batch 1 "
+    "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens; the medium demo in "
+    "the dtype `--dtype auto` picks. `python -m bench.decode_bandwidth --doc` rewrites this "
+    "class's row.",
+    "",
+    "| CPU class | date | commit | dtype | read GB/s | weights | KV |",
+    "|---|---|---|---|---:|---:|---:|",
+)
+SHORT = 16  # tokens of context where the weights dominate
+STEPS = 24  # decode steps timed a point (after 4 untimed)
+
+
+def read_seconds(dtype: torch.dtype, times: int = 9) -> list[float]:
+    """Seconds of each of `times` torch.sum over READ_MIB of `dtype`."""
+    x = torch.ones(READ_MIB * 2**20 // dtype.itemsize, dtype=dtype)
+    seconds = []
+    for _ in range(times):
+        started = time.perf_counter()
+        x.sum()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def weight_bytes(text: TextSpec, dtype: torch.dtype) -> int:
+    """What a decode step reads of the weights: each layer's projections and
+    norms, the final norm and the LM head (the embedding table: one row a token)."""
+    h, heads, kv, d, inter = (
+        text.hidden_size,
+        text.num_heads,
+        text.num_kv_heads,
+        text.head_dim,
+        text.intermediate_size,
+    )
+    attention = h * heads * d * 2 + h * kv * d * 2  # q and o; k and v
+    layer = attention + 3 * h * inter + 2 * h
+    return (text.num_layers * layer + h + text.vocab_size * h) * dtype.itemsize
+
+
+def kv_bytes(text: TextSpec, dtype: torch.dtype, tokens: int) -> int:
+    return 2 * text.num_layers * text.num_kv_heads * text.head_dim * tokens * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Point:
+    batch: int
+    context: int
+    step_s: float
+
+
+def decode_step_s(engine: LLMEngine, batch: int, context: int) -> Point:
+    """The median decode-only step of `batch` sequences at about `context` tokens."""
+    words = engine.tokenizer.encode(" ".join(TOPICS * 64))
+    for i in range(batch):
+        ids = [words[(7 * i + j) % len(words)] for j in range(context)]  # text, other a row
+        engine.add_request(
+            new_request(
+                f"bw{time.monotonic_ns()}-{i}",
+                ids,
+                SamplingParams(max_tokens=STEPS + 8, ignore_eos=True),
+                engine.spec,
+            )
+        )
+    times = []
+    while engine.has_work():
+        started = time.perf_counter()
+        _, stats = engine.step()
+        if stats.num_tokens == batch == stats.num_generated:  # decode-only
+            times.append(time.perf_counter() - started)
+    return Point(batch, context, statistics.median(times[4 : 4 + STEPS]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="medium", choices=tuple(SIZES))
+    parser.add_argument("--dtype", default=AUTO)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--doc", action="store_true", help="write this class's row")
+    args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype)
+    folder = cached_demo_checkpoint(args.size)
+    engine = load_engine(
+        folder,
+        EngineConfig(
+            max_model_len=args.context + 64,
+            kv_cache_bytes=1 << 30,
+            scheduler=SchedulerConfig(max_num_seqs=64),
+            dtype=dtype,
+            prefix_caching=False,
+        ),
+    )
+    engine.warm_up()
+    text = engine.spec.text
+    reads = read_seconds(dtype)
+    one = decode_step_s(engine, 1, SHORT)
+    short = decode_step_s(engine, args.batch, SHORT)
+    long = decode_step_s(engine, args.batch, args.context)
+    reads += read_seconds(dtype)  # before and after: this machine's neighbours come and go
+    bandwidth = READ_MIB * 2**20 / statistics.median(reads)
+    print(f"{machine()}; demo {args.size}, {dtype}, torch threads {torch.get_num_threads()}")
+    print(
+        f"read bandwidth (torch.sum over {READ_MIB} MiB, the median of {len(reads)} before and "
+        f"after): {bandwidth / 1e9:.1f} GB/s"
+    )
+    weights = weight_bytes(text, dtype) + kv_bytes(text, dtype, SHORT)
+    print(
+        f"weights: batch 1, {SHORT} tokens: {one.step_s * 1e3:.2f} ms a step, "
+        f"{weights / 2**20:.0f} MiB read: {weights / one.step_s / 1e9:.1f} GB/s, "
+        f"{weights / one.step_s / bandwidth:.0%} of the read bandwidth"
+    )
+    added = args.batch * kv_bytes(text, dtype, args.context - SHORT)
+    rate = added / (long.step_s - short.step_s)
+    print(
+        f"KV: batch {args.batch}, {SHORT} -> {args.context} tokens: {short.step_s * 1e3:.2f} -> "
+        f"{long.step_s * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
+        f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth"
+    )
+    if args.doc:
+        row = (
+            f"| {cpu_class()} | {time.strftime('%Y-%m-%d')} | {head_commit()} | {dtype} "
+            f"| {bandwidth / 1e9:.1f} | {weights / one.step_s / bandwidth:.0%} "
+            f"| {rate / bandwidth:.0%} |"
+        )
+        DOC.write_text(with_section(DOC.read_text(), _section(DOC.read_text(), row), START, END))
+
+
+def _section(doc: str, row: str) -> str:
+    """The section with `row` in place of its class's earlier one."""
+    cls = row.split("|")[1]
+    old = doc.partition(START)[2].partition(END)[0].splitlines()
+    rows = [line for line in old if line.startswith("| ") and line.split("|")[1] != cls]
+    rows = [r for r in rows if not r.startswith("| CPU class")]
+    return "\n".join([*HEADER, *sorted([*rows, row])])
+
+
+if __name__ == "__main__":
+    main()
