@@ -15,7 +15,9 @@ them the peer must already be serving at `--peer-url`). Workloads (issue 14's):
   and 64 output tokens (ignore_eos), 16 in flight;
 - image: 32 requests with one 448x448 image and 64 output tokens, 16 in flight;
 - probe: the image workload again with one-token text probes beside it (2/s,
-  Poisson): what a short text request waits behind a burst of images.
+  Poisson): what a short text request waits behind a burst of images;
+- alone: requests with one image, then with four (448x448, each new, 16 output
+  tokens), one at a time: the image path's own latency, with no queue to blame.
 
 Then, for each stack's own cost: the language engine alone, in this process, on
 the text workload's prompts, 16 at a time (EPD's output tokens/s over it); and,
@@ -89,6 +91,16 @@ def workloads(quick: bool) -> dict[str, Workload]:
     return {
         "text": Workload(num_prompts=64 // scale, input_len=100, output_len=64, image_ratio=0.0),
         "image": Workload(num_prompts=32 // scale, input_len=8, output_len=64, image_ratio=1.0),
+    }
+
+
+def alone(quick: bool) -> dict[str, Workload]:
+    """The image path one request at a time: one image, and four, each new."""
+    scale = 2 if quick else 1
+    one = Workload(num_prompts=8 // scale, input_len=8, output_len=16, image_ratio=1.0, seed=11)
+    return {
+        "one image alone": one,
+        "four images alone": replace(one, num_prompts=6 // scale, images_per_request=4, seed=12),
     }
 
 
@@ -185,6 +197,10 @@ def drive(base_url: str, quick: bool, arrivals: Arrivals | None = None) -> dict[
         print(f"  {name}: {out[name]['request_throughput']:.2f} req/s", flush=True)
     out["probe"] = asyncio.run(_probed(base_url, model, workloads(quick)["image"], probes(quick)))
     print(f"  probe p99: {p(out['probe']['probes'], 'e2e', 'p99'):.0f} ms", flush=True)
+    one_at_a_time = RunConfig(base_url, max_concurrency=1, warmup=0, progress=False)
+    for name, workload in alone(quick).items():
+        out[name] = summarize(asyncio.run(run(one_at_a_time, build_requests(workload, model))))
+        print(f"  {name}: TTFT p50 {p(out[name], 'ttft', 'median'):.0f} ms", flush=True)
     return out
 
 
@@ -262,11 +278,14 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
         "image latency p50 (ms)": p(result["image"], "e2e", "median"),
         "probe p50 (ms)": p(result["probe"]["probes"], "e2e", "median"),
         "probe p99 (ms)": p(result["probe"]["probes"], "e2e", "p99"),
+        "one image alone TTFT p50 (ms)": p(result["one image alone"], "ttft", "median"),
+        "four images alone TTFT p50 (ms)": p(result["four images alone"], "ttft", "median"),
         "start-up (s)": result["startup_s"],
         "failed": float(
             sum(result[w]["failed"] for w in ("text", "image"))
             + result["probe"]["load"]["failed"]
             + result["probe"]["probes"]["failed"]
+            + sum(result[w]["failed"] for w in alone(False))
         ),
     }
 
@@ -357,7 +376,8 @@ def markdown(
         f"the {size} demo checkpoint; 16 requests in flight, 64 output tokens (ignore_eos); "
         f"text: {text} requests of 223 prompt tokens; image: {image} requests with one "
         "448x448 image (303 prompt tokens); probe: one-token text requests at 2/s beside "
-        "the image workload.",
+        "the image workload; alone: one request at a time with one new image, then four, "
+        "16 output tokens.",
         "",
         "```",
         command,

@@ -353,8 +353,11 @@ def test_the_peer_runs_closed_or_open_loop_and_counts_goodput_where_asked() -> N
     summary = {"request_throughput": 1.0, "output_throughput": 1.0, "latency_ms": {}}
     probe = {"probes": summary | {"failed": 0}, "load": summary | {"failed": 0}}
     result = {"text": summary | {"failed": 0}, "image": summary | {"failed": 0, "goodput": 0.4}}
-    named = figures(result | {"probe": probe, "startup_s": 1.0})
+    one_at_a_time = {"latency_ms": {"ttft": {"median": 700.0}}, "failed": 1}
+    alone = {"one image alone": one_at_a_time, "four images alone": one_at_a_time}
+    named = figures(result | alone | {"probe": probe, "startup_s": 1.0})
     assert named["image goodput (req/s)"] == 0.4 and "text goodput (req/s)" not in named
+    assert named["one image alone TTFT p50 (ms)"] == 700.0 and named["failed"] == 2
 
 
 def test_the_goodput_headline_is_at_the_peers_peak_and_each_class_has_its_section(
