@@ -3,9 +3,10 @@
 Cached items (by content hash) skip everything; an item another request is
 encoding right now waits for that encode (one encode per item at a time; if
 that one fails, this request encodes the item itself); the rest are decoded
-and preprocessed in the worker pool, then sent to Triton: as one request (a
-video's temporal patches in the same forward as the images), or, `one_by_one`,
-each item on its own, in prompt order, and a video in parts of VIDEO_PART
+and preprocessed in the worker pool, each item on its own, and sent to Triton:
+as one request once all are preprocessed (a video's temporal patches in the
+same forward as the images), or, `one_by_one`, each item on its own as soon
+as it is preprocessed, in prompt order, and a video in parts of VIDEO_PART
 temporal patches (the tower attends within a temporal patch: the parts equal
 the whole, bit for bit), so that a `Sink` has the first embeddings while the
 next are encoded (the language instance prefills them meanwhile). Items
@@ -280,13 +281,13 @@ class EncodePipeline:
         encodes; the grids told once all are known. Returns each item's grid."""
         fetched = await self._fetch(items, peers)
         todo = [i for i in items.mine if i not in fetched]
-        pre = await self._preprocess(images, videos, todo) if todo else []
+        pre = self._preprocess(images, videos, todo)
         encoding = asyncio.ensure_future(self._encode_mine(todo, pre, items))
         try:
+            grids = {i: p.grid for i, p in zip(todo, await asyncio.gather(*pre), strict=True)}
             for index, entry in (await self._shared(images, videos, items.theirs, salt)).items():
                 items.landed(index, entry)
-            grids = {i: e.grid for i, e in items.found.items() if i not in todo}
-            grids |= {i: p.grid for i, p in zip(todo, pre, strict=True)}
+            grids |= {i: e.grid for i, e in items.found.items() if i not in todo}
             ordered = [grids[i] for i in range(len(images))]
             await items.report.announce(ordered)
             await encoding
@@ -294,6 +295,11 @@ class EncodePipeline:
             if not encoding.done():
                 encoding.cancel()
                 await asyncio.wait([encoding])
+            for future in pre:  # what a failure left: cancelled, or its error read
+                if future.done() and not future.cancelled():
+                    future.exception()
+                else:
+                    future.cancel()
         return ordered
 
     async def _fetch(self, items: _Items, peers: Sequence[str]) -> set[int]:
@@ -367,7 +373,7 @@ class EncodePipeline:
         return done
 
     async def _encode_mine(
-        self, indices: list[int], pre: list[PreprocessedImage], items: _Items
+        self, indices: list[int], pre: list[asyncio.Future[PreprocessedImage]], items: _Items
     ) -> None:
         """Triton for the preprocessed items (`indices`) but those the receiver holds:
         the items it cannot hold at once, meanwhile those it may hold (the route's
@@ -389,21 +395,24 @@ class EncodePipeline:
                 now.cancel()
                 await asyncio.wait([now])
 
-    async def _infer_items(self, todo: list[tuple[int, PreprocessedImage]], items: _Items) -> None:
-        """These items through Triton: all in one request, or one by one in prompt
-        order (a video in parts, each told the sink as it comes); each item cached
-        and given to its waiters. The waiters for an item not encoded here encode
-        it themselves."""
+    async def _infer_items(
+        self, todo: list[tuple[int, asyncio.Future[PreprocessedImage]]], items: _Items
+    ) -> None:
+        """These items through Triton once preprocessed: all in one request, or one
+        by one in prompt order (a video in parts, each told the sink as it comes);
+        each item cached and given to its waiters. The waiters for an item not
+        encoded here encode it themselves."""
         if not todo:
             return
         self.metrics.encoded_items.inc(len(todo))
         if not self.one_by_one:
-            entries = await self._infer([p for _, p in todo])
+            entries = await self._infer(await asyncio.gather(*(p for _, p in todo)))
             for (index, _), entry in zip(todo, entries, strict=True):
                 items.report.landed(index, entry, 0)
                 items.encoded(index, entry, self.cache)
             return
-        for index, item in todo:
+        for index, preprocessing in todo:
+            item = await preprocessing
             parts: list[ImageEmbedding] = []
             for part in self._parts(item):
                 (encoded,) = await self._infer([part])
@@ -431,13 +440,24 @@ class EncodePipeline:
             for first in range(0, grid.t, VIDEO_PART)
         ]
 
-    async def _preprocess(
+    def _preprocess(
         self, images: Sequence[bytes], videos: Set[int], indices: list[int]
-    ) -> list[PreprocessedImage]:
+    ) -> list[asyncio.Future[PreprocessedImage]]:
+        """Each item's preprocessing, started now in the worker pool: Triton may
+        take the first while the next are preprocessed. The span and the metric
+        cover them all."""
+        if not indices:
+            return []
         started = time.perf_counter()
-        with tracing.span("encoder.preprocess", items=len(indices)):
-            pre = await self.preprocessor.preprocess([(i, images[i]) for i in indices], videos)
-        self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
+        span = tracing.start("encoder.preprocess", items=len(indices))
+        pre = self.preprocessor.start([(i, images[i]) for i in indices], videos)
+
+        def done(all_of_them: asyncio.Future[list[PreprocessedImage | BaseException]]) -> None:
+            failed = next((r for r in all_of_them.result() if isinstance(r, BaseException)), None)
+            tracing.end(span, failed)
+            self.metrics.preprocess_seconds.observe(time.perf_counter() - started)
+
+        asyncio.gather(*pre, return_exceptions=True).add_done_callback(done)
         return pre
 
     async def _infer(self, pre: Sequence[PreprocessedImage]) -> list[ImageEmbedding]:

@@ -61,17 +61,22 @@ class Preprocessor:
         keys = (loop.run_in_executor(self._pool, media_key, d, salt) for d in images)
         return list(await asyncio.gather(*keys))
 
-    async def preprocess(
+    def start(
         self, images: Sequence[tuple[int, bytes]], videos: Set[int] = frozenset()
-    ) -> list[PreprocessedImage]:
-        """(request index, bytes) pairs -> preprocessed images and videos (the
-        indices in `videos`); BadImageError names the index."""
+    ) -> list[asyncio.Future[PreprocessedImage]]:
+        """(request index, bytes) pairs -> each one's preprocessing, started in the
+        pool (the indices in `videos` are videos); BadImageError names the index."""
         loop = asyncio.get_running_loop()
-        futures = [
+        return [
             loop.run_in_executor(self._pool, self._run_video if i in videos else self._run, d, i)
             for i, d in images
         ]
-        results = await asyncio.gather(*futures, return_exceptions=True)
+
+    async def preprocess(
+        self, images: Sequence[tuple[int, bytes]], videos: Set[int] = frozenset()
+    ) -> list[PreprocessedImage]:
+        """`start`'s, all of them once done; the first item's error in order."""
+        results = await asyncio.gather(*self.start(images, videos), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
