@@ -49,7 +49,8 @@ from services.loadgen.workload import Workload, build_requests
 from services.runtime.ports import METRICS_OFFSET, free_serve_ports
 
 CACHE_MB = 64  # each of the three encoders'; the single one gets 3x
-COUNTERS = ("cache_hits", "encoded_items", "shared_encodes", "peer_fetches")
+COUNTERS = ("cache_hits", "encoded_items", "shared_encodes", "peer_fetches", "peer_fetch_bytes")
+FETCH_SECONDS = "peer_fetch_seconds"  # a histogram: its _sum and _count are summed too
 SKEW = 1.1  # the skewed pool's Zipf exponent
 OVERLOAD = 3.0  # the skewed arrivals' rate, x one encoder's capacity (--overload)
 
@@ -81,8 +82,8 @@ def stacks() -> list[Stack]:
 
 
 def counters(ports: list[int]) -> dict[str, float]:
-    """The encoders' cache counters, summed."""
-    totals = dict.fromkeys(COUNTERS, 0.0)
+    """The encoders' cache counters, summed, and their fetches' seconds (sum, count)."""
+    totals = dict.fromkeys((*COUNTERS, "fetch_s", "fetches_timed"), 0.0)
     for port in ports:
         url = f"http://127.0.0.1:{port + METRICS_OFFSET}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
@@ -95,6 +96,12 @@ def counters(ports: list[int]) -> dict[str, float]:
                     for s in family.samples
                     if s.name.endswith("_total") and s.labels.get("outcome", "fetched") == "fetched"
                 )
+            if name == FETCH_SECONDS:
+                for s in family.samples:
+                    if s.name.endswith("_sum"):
+                        totals["fetch_s"] += s.value
+                    elif s.name.endswith("_count"):
+                        totals["fetches_timed"] += s.value
     return totals
 
 
@@ -118,7 +125,7 @@ def measure(
         )
         result = asyncio.run(run(config, requests))
         after = counters(encoder_ports)
-    got = {name: after[name] - before[name] for name in COUNTERS}
+    got = {name: after[name] - before[name] for name in after}
     distinct = len({u for r in requests for u in _image_urls(r.body)})
     images = workload.num_prompts * workload.images_per_request
     summary = summarize(result)
@@ -218,9 +225,12 @@ def skewed(
     for stack in skewed_stacks():
         print(f"== {stack.setup.name}, skewed, {overload * capacity:.2f} req/s", flush=True)
         r = results[stack.setup.name] = measure(stack, pool, None, overload * capacity)
+        fetched = max(r["fetches_timed"], 1)
         print(
             f"   encodes per distinct image {r['encodes_per_image']:.3f} "
-            f"({int(r['encoded_items'])} of {r['distinct']}), fetched {int(r['peer_fetches'])}, "
+            f"({int(r['encoded_items'])} of {r['distinct']}), fetched {int(r['peer_fetches'])} "
+            f"({r['peer_fetch_bytes'] / fetched / 1024:.0f} KiB, "
+            f"{r['fetch_s'] / fetched * 1e3:.1f} ms each), "
             f"{r['request_throughput']:.2f} req/s, TTFT p50/p99 {r['ttft_p50']:.0f}/"
             f"{r['ttft_p99']:.0f} ms, failed {r['failed']}",
             flush=True,
