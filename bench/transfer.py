@@ -17,6 +17,11 @@ Control plane: a 64-token image, from the encoder announcing it
 -> pairing with the language side's Prealloc -> Prealloc relayed -> write ->
 TransferDone. p50/p99 over `requests`.
 
+Peer fetch: the same `mib` MiB from another encoder's embedding cache over
+`Encoder.Fetch` (what the peers' cache does instead of an encode; both encoders
+in this process, the call over loopback gRPC), against the memcpy; median of
+`repeats`, bit-exact.
+
 `--across-hosts` (root: network namespaces, tests/multihost/hosts.py): the
 broker and the language instance on one namespace host, this process on
 another; NIXL and the gRPC stream against a raw TCP stream of the same bytes
@@ -43,8 +48,13 @@ import grpc
 import torch
 
 from services.broker.client import BrokerLink
+from services.broker.instance import InstanceConfig
 from services.encoder.cache import ImageEmbedding
+from services.encoder.config import EncoderConfig
+from services.encoder.metrics import EncoderMetrics
+from services.encoder.peers import Peers
 from services.encoder.send_buffer import SendBuffer
+from services.encoder.server import EncoderServer
 from services.loadgen.stats import percentile
 from services.model.demo import cached_demo_checkpoint
 from services.proto import (
@@ -55,7 +65,7 @@ from services.proto import (
     language_pb2_grpc,
 )
 from services.runtime import env
-from services.runtime.grpc_server import channel
+from services.runtime.grpc_server import channel, metrics_registry
 from services.runtime.ports import free_port
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
@@ -360,6 +370,41 @@ async def run(args: argparse.Namespace) -> None:  # Long: the two processes' fla
             await stubs.no_encoder()
 
 
+async def peer_fetch(mib: int, repeats: int) -> None:
+    """An embedding of `mib` MiB fetched from another encoder's cache."""
+    folder = cached_demo_checkpoint("tiny")
+    holder = EncoderServer(
+        EncoderConfig(
+            checkpoint=folder,
+            model_name="bench",
+            instance=InstanceConfig(Role.ENCODER, port=0),
+            triton_url=f"127.0.0.1:{free_port()}",  # none: the item is put in its cache
+            cache_bytes=2 * mib * 2**20,
+        )
+    )
+    await holder.start()
+    tokens = mib * 2**20 // (HIDDEN * 4)
+    entry = ImageEmbedding((torch.randn(tokens, HIDDEN),), MediaGrid(1, 2, 2 * tokens))
+    holder.pipeline.cache.put("bench-item", entry)
+    peers = Peers(EncoderMetrics(metrics_registry()))
+    seconds = []
+    try:
+        for _ in range(repeats + 1):  # the first connects
+            started = time.perf_counter()
+            got = await peers.fetch(holder.grpc.address, "bench-item")
+            seconds.append(time.perf_counter() - started)
+            assert got is not None and torch.equal(got.planes[0], entry.planes[0])
+    finally:
+        await peers.close()
+        await holder.stop()
+    rate = entry.nbytes / statistics.median(seconds[1:]) / 1e9
+    print(
+        f"peer fetch: {mib} MiB from another encoder's cache in "
+        f"{statistics.median(seconds[1:]) * 1e3:.1f} ms, {rate:.2f} GB/s, "
+        f"{rate / memcpy_gbps(entry.nbytes, repeats):.2f}x memcpy"
+    )
+
+
 async def control_plane(stubs: Stubs, side: EncoderSide, peer: Register, requests: int) -> None:
     small = MediaGrid(1, 16, 16)
     for i in range(20):
@@ -387,6 +432,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.across_hosts:
         asyncio.run(run(args))
+        asyncio.run(peer_fetch(args.mib, args.repeats))
         return
     from tests.multihost.hosts import make_network, remove_network
 
