@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -139,7 +140,7 @@ def _reference(checkpoint: Path, picture: Image.Image, lead: str) -> list[str]:
 
 
 async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
-    stack: Stack, tiny_checkpoint: Path
+    stack: Stack, tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     picture, url, key = _picture(seed=4242)
     encoded, sent = stack.counts("encoded_items"), stack.counts("peer_served", "sent")
@@ -152,7 +153,10 @@ async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
     fetch_bytes = stack.counts("peer_fetch_bytes")
 
     # round-robin: the next request goes to the other encoder, which fetches the image
-    assert await _ask(stack, url, "Second:") == _reference(tiny_checkpoint, picture, "Second:")
+    with caplog.at_level(logging.INFO, logger="epd.requests"):
+        assert await _ask(stack, url, "Second:") == _reference(tiny_checkpoint, picture, "Second:")
+    (logged,) = [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
+    assert logged["peer_items"] == 1  # the request's log line says it was sent from a peer
     assert stack.counts("encoded_items") == after_first  # no Triton request anywhere
     assert stack.counts("peer_fetches", "fetched")[other] == fetched[other] + 1
     assert stack.counts("peer_served", "sent")[holder] == sent[holder] + 1
