@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -142,6 +143,7 @@ def _reference(checkpoint: Path, picture: Image.Image, lead: str) -> list[str]:
 async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
     stack: Stack, tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="epd.requests")
     picture, url, key = _picture(seed=4242)
     encoded, sent = stack.counts("encoded_items"), stack.counts("peer_served", "sent")
     assert await _ask(stack, url, "First:") == _reference(tiny_checkpoint, picture, "First:")
@@ -153,10 +155,13 @@ async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
     fetch_bytes = stack.counts("peer_fetch_bytes")
 
     # round-robin: the next request goes to the other encoder, which fetches the image
-    with caplog.at_level(logging.INFO, logger="epd.requests"):
-        assert await _ask(stack, url, "Second:") == _reference(tiny_checkpoint, picture, "Second:")
-    (logged,) = [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
-    assert logged["peer_items"] == 1  # the request's log line says it was sent from a peer
+    assert await _ask(stack, url, "Second:") == _reference(tiny_checkpoint, picture, "Second:")
+    # each request's log line: the second's says its image came from a peer
+    await until(lambda: len(_logged(caplog)) == 2, 10)
+    assert {r["encoder"]: r["peer_items"] for r in _logged(caplog)} == {
+        stack.encoders[holder].instance_id: 0,
+        stack.encoders[other].instance_id: 1,
+    }
     assert stack.counts("encoded_items") == after_first  # no Triton request anywhere
     assert stack.counts("peer_fetches", "fetched")[other] == fetched[other] + 1
     assert stack.counts("peer_served", "sent")[holder] == sent[holder] + 1
@@ -168,6 +173,10 @@ async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
     assert stack.counts("encoded_items") == after_first
     assert stack.counts("peer_fetches", "fetched")[other] == fetched[other] + 1
     await until(stack.whole, 10)
+
+
+def _logged(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [r.fields for r in caplog.records if r.name == "epd.requests"]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("fault", ["stalled", "killed"])
