@@ -92,8 +92,8 @@ def main() -> None:
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     flags = [a for f in args.epd_arg for a in f.split()]
-    setup = Setup("traced", ("--otlp-endpoint", endpoint, "--triton-otlp-endpoint", endpoint))
-    setup = Setup(setup.name, (*setup.args, *flags))
+    traced = ("--otlp-endpoint", endpoint, "--triton-otlp-endpoint", endpoint)
+    setup = Setup("traced", (*traced, *flags))
     workload = Workload(
         num_prompts=args.requests + 1,
         input_len=8,
@@ -101,13 +101,13 @@ def main() -> None:
         images_per_request=args.images,
         seed=21,
     )
-    one_at_a_time = dict(max_concurrency=1, warmup=0, progress=False)
     with serve(setup, Path("/tmp/epd-breakdown")) as (url, _):
+        one_at_a_time = RunConfig(url, max_concurrency=1, warmup=0, progress=False)
         requests = build_requests(workload, "demo-small")
-        asyncio.run(run(RunConfig(url, **one_at_a_time), requests[:1]))  # type: ignore[arg-type]
+        asyncio.run(run(one_at_a_time, requests[:1]))
         with sink.lock:
             sink.by_trace.clear()
-        result = asyncio.run(run(RunConfig(url, **one_at_a_time), requests[1:]))  # type: ignore[arg-type]
+        result = asyncio.run(run(one_at_a_time, requests[1:]))
     server.stop(None)
     ttfts = [1000 * r.ttft for r in result.results if r.ttft is not None]
     print(f"{machine()}; the small demo; {args.images} image(s) a request, one at a time")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -87,14 +86,7 @@ def kv_bytes(text: TextSpec, dtype: torch.dtype, tokens: int) -> int:
     return 2 * text.num_layers * text.num_kv_heads * text.head_dim * tokens * dtype.itemsize
 
 
-@dataclass(frozen=True)
-class Point:
-    batch: int
-    context: int
-    step_s: float
-
-
-def decode_step_s(engine: LLMEngine, batch: int, context: int) -> Point:
+def decode_step_s(engine: LLMEngine, batch: int, context: int) -> float:
     """The median decode-only step of `batch` sequences at about `context` tokens."""
     words = engine.tokenizer.encode(" ".join(TOPICS * 64))
     for i in range(batch):
@@ -113,7 +105,7 @@ def decode_step_s(engine: LLMEngine, batch: int, context: int) -> Point:
         _, stats = engine.step()
         if stats.num_tokens == batch == stats.num_generated:  # decode-only
             times.append(time.perf_counter() - started)
-    return Point(batch, context, statistics.median(times[4 : 4 + STEPS]))
+    return statistics.median(times[4 : 4 + STEPS])
 
 
 def main() -> None:
@@ -153,21 +145,21 @@ def main() -> None:
     )
     weights = weight_bytes(text, dtype) + kv_bytes(text, dtype, SHORT)
     print(
-        f"weights: batch 1, {SHORT} tokens: {one.step_s * 1e3:.2f} ms a step, "
-        f"{weights / 2**20:.0f} MiB read: {weights / one.step_s / 1e9:.1f} GB/s, "
-        f"{weights / one.step_s / bandwidth:.0%} of the read bandwidth"
+        f"weights: batch 1, {SHORT} tokens: {one * 1e3:.2f} ms a step, "
+        f"{weights / 2**20:.0f} MiB read: {weights / one / 1e9:.1f} GB/s, "
+        f"{weights / one / bandwidth:.0%} of the read bandwidth"
     )
     added = args.batch * kv_bytes(text, dtype, args.context - SHORT)
-    rate = added / (long.step_s - short.step_s)
+    rate = added / (long - short)
     print(
-        f"KV: batch {args.batch}, {SHORT} -> {args.context} tokens: {short.step_s * 1e3:.2f} -> "
-        f"{long.step_s * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
+        f"KV: batch {args.batch}, {SHORT} -> {args.context} tokens: {short * 1e3:.2f} -> "
+        f"{long * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
         f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth"
     )
     if args.doc:
         row = (
             f"| {cpu_class()} | {time.strftime('%Y-%m-%d')} | {head_commit()} | {dtype} "
-            f"| {bandwidth / 1e9:.1f} | {weights / one.step_s / bandwidth:.0%} "
+            f"| {bandwidth / 1e9:.1f} | {weights / one / bandwidth:.0%} "
             f"| {rate / bandwidth:.0%} |"
         )
         DOC.write_text(with_section(DOC.read_text(), _section(DOC.read_text(), row), START, END))

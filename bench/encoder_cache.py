@@ -24,7 +24,7 @@ images among many) sent as Poisson arrivals past one encoder's capacity (its
 closed-loop req/s on new images, measured first), to three encoders with the
 peers' cache (the default: an encoder fetches what another holds) and without
 (`--no-peer-cache`: the load bound alone). `--doc` writes the section of
-docs/performance.md.
+docs/encoder-cache.md.
 """
 
 from __future__ import annotations

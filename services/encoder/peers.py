@@ -8,8 +8,9 @@ memory copy, an encode a few hundred milliseconds of a core. A fetch that
 fails (the holder evicted the item, died or stalls past FETCH_TIMEOUT_S) costs
 that wait, never the request: the item is encoded after all.
 
-The holder's side is `serve`: an item from the cache, or from the encode in
-progress here (waited for), as a FetchReply; bit-exact either way.
+The holder's side is the servicer's `Fetch`: an item from its cache, or from
+its encode in progress (`EncodePipeline.cached`), as a FetchReply (`to_reply`);
+bit-exact either way.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 # How long a fetch may take, a wait for the holder's encode in progress
 # included: about what encoding the item here would take under load.
 FETCH_TIMEOUT_S = 3.0
+NOT_FOUND = grpc.StatusCode.NOT_FOUND  # the holder has neither the item nor its encode
 
 
 def to_reply(entry: ImageEmbedding) -> encoder_pb2.FetchReply:
@@ -79,13 +81,8 @@ class Peers:
                 )
                 entry = from_reply(reply)
             except (grpc.aio.AioRpcError, ValueError) as exc:
-                outcome = (
-                    "missing"
-                    if isinstance(exc, grpc.aio.AioRpcError)
-                    and exc.code() == grpc.StatusCode.NOT_FOUND
-                    else "failed"
-                )
-                self.metrics.peer_fetches.labels(outcome).inc()
+                missing = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == NOT_FOUND
+                self.metrics.peer_fetches.labels("missing" if missing else "failed").inc()
                 logger.info("fetching %s from %s: %s; encoding it here", key[:12], address, exc)
                 return None
         self.metrics.peer_fetches.labels("fetched").inc()
