@@ -230,6 +230,7 @@ def test_the_language_package_holds_the_service_and_the_engine_loop_only() -> No
         "frontend.py",
         "kv_handoff.py",
         "metrics.py",
+        "prefix_moves.py",
         "server.py",
         "servicer.py",
     }

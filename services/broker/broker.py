@@ -214,6 +214,7 @@ class Broker:
                 self.routed_text += 1
             self.metrics.routed.labels("yes" if needs_encoder else "no").inc()
             self.metrics.peer_items.inc(sum(h is not None for h in choice.holders))
+            self.metrics.prefix_moves.inc(choice.prefix_holder is not None)
             if prefix_keys:
                 held = "yes" if choice.prefix_depth else "no"
                 self.metrics.prefix_routes.labels(held).inc()

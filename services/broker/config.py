@@ -32,6 +32,9 @@ class BrokerConfig:
     # Which language instance takes a request: prefix (the one sent the longest
     # part of its chat before, within the same load bound) or least-loaded.
     language_routing: str = "prefix"
+    # Whether a language instance routed a chat turn that another one holds more of
+    # fetches the chat's KV pages from that one instead of computing them.
+    prefix_moves: bool = True
     # A Route that finds no instance to take it waits this long for one to attach
     # (they attach again within a second or two of a broker restart) before 503.
     route_wait_s: float = 3.0

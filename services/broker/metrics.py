@@ -46,6 +46,17 @@ class BrokerMetrics:
             "Mean recent encode time over the encoders that encoded lately",
             registry=registry,
         )
+        self._reuse(registry)
+        self.routed = Counter(
+            "epd_broker_routed_requests",
+            "Requests routed (not failovers), by whether they carry images or videos",
+            ["media"],
+            registry=registry,
+        )
+
+    def _reuse(self, registry: CollectorRegistry) -> None:
+        """What the routes do to reuse work already done: a chat's prefix cache, a
+        peer encoder's embeddings, a chat's KV pages moved."""
         self.prefix_routes = Counter(
             "epd_broker_prefix_routes",
             "Chat requests routed (not failovers), by whether their language instance "
@@ -59,9 +70,9 @@ class BrokerMetrics:
             "from its cache (or its encode in progress) instead",
             registry=registry,
         )
-        self.routed = Counter(
-            "epd_broker_routed_requests",
-            "Requests routed (not failovers), by whether they carry images or videos",
-            ["media"],
+        self.prefix_moves = Counter(
+            "epd_broker_prefix_moves",
+            "Chat requests routed to a language instance with another named to send it the "
+            "chat's KV pages (the one holding them was past the load bound)",
             registry=registry,
         )

@@ -70,6 +70,9 @@ class RouteChoice:
     prefix_depth: int = 0  # how many of the request's prefixes were routed to `language`
     # per media key: another encoder to fetch the item from (None: `encoder` has it or encodes it)
     holders: tuple[Session | None, ...] = ()
+    # another language instance sent more of the chat's prefixes: `language` fetches its KV pages
+    prefix_holder: Session | None = None
+    prefix_holder_depth: int = 0
 
 
 class DuplicateInstanceError(ValueError):
@@ -105,6 +108,7 @@ class Registry:
         load_bound: LoadBound | None = None,
         prefix_routing: bool = True,
         peer_cache: bool = True,
+        prefix_moves: bool = True,
     ) -> None:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
@@ -112,6 +116,7 @@ class Registry:
         self.prefix_routing = prefix_routing
         self.load_bound = load_bound or LoadBound()
         self.peer_cache = peer_cache
+        self.prefix_moves = prefix_moves
         self._turn = 0  # round-robin's
         # items routed to an encoder that held none of them: key -> (encoder id, when)
         self._claims: OrderedDict[str, tuple[str, float]] = OrderedDict()
@@ -169,13 +174,13 @@ class Registry:
         encoder_loads: Mapping[str, int] | None = None,
         prefix_keys: Sequence[str] = (),
     ) -> RouteChoice:
-        """A language instance that takes requests (or the pinned one), in the
-        order `_by_prefix` gives, and for images an available encoder that shares
-        a transport with it, as `encoder_routing` picks (`media_keys`: the items'
-        content hashes; `encoder_loads`: each encoder's unfinished requests, in
-        place of its heartbeat's). A prefill instance comes with the least-loaded
-        decode instance it shares a transport with (none when pinned: an encoder
-        failover keeps the request where it is). `exclude_language`: neither."""
+        """A language instance that takes requests (or the pinned one), in the order
+        `_by_prefix` gives, and for images an available encoder sharing a transport
+        with it, as `encoder_routing` picks (`media_keys`: the items' hashes;
+        `encoder_loads`: each encoder's unfinished requests, for its heartbeat's). A
+        prefill instance comes with the least-loaded decode instance it shares a
+        transport with (none when pinned: an encoder failover keeps the request where
+        it is); and the holders to fetch from. `exclude_language`: neither."""
         languages = [
             s
             for s in self._serving(Role.LANGUAGE, model, exclude_language)
@@ -207,12 +212,12 @@ class Registry:
                 if needs_encoder
                 else (None, None)
             )
-            for chosen in (language, encoder, decode):
-                if chosen is not None:
-                    chosen.routed_since_heartbeat += 1
+            for chosen in (c for c in (language, encoder, decode) if c is not None):
+                chosen.routed_since_heartbeat += 1
+            moved = self._prefix_holder(language, depth, languages, prefix_keys)
             _remember(language, prefix_keys)
             holders = self._holders(encoder, encoders, media_keys) if encoder else ()
-            return RouteChoice(language, encoder, transport, decode, depth, holders)
+            return RouteChoice(language, encoder, transport, decode, depth, holders, *moved)
         if no_decode:
             raise NoRouteError(f"no decode instance of model {model!r} shares a transport")
         if not encoders:
@@ -232,6 +237,21 @@ class Registry:
             return depths
         limit = self.load_bound.limit(ordered[0].score)
         return sorted(depths, key=lambda sd: -sd[1] if sd[0].score <= limit else 1)
+
+    def _prefix_holder(
+        self, chosen: Session, depth: int, languages: list[Session], keys: Sequence[str]
+    ) -> tuple[Session | None, int]:
+        """The language instance `chosen` fetches the chat's KV pages from: the one
+        sent the most of its prefixes, more than `chosen` was (the least loaded of
+        those; it is past the load bound, or it would have been chosen), and how
+        many; (None, 0) for none."""
+        if not self.prefix_moves or not keys:
+            return None, 0
+        best: tuple[Session | None, int] = (None, depth)
+        for other in sorted(languages, key=lambda s: s.score):
+            if other is not chosen and (d := prefix_depth(other.prefixes.keys(), keys)) > best[1]:
+                best = (other, d)
+        return best if best[0] is not None else (None, 0)
 
     def _pick_encoder(
         self,

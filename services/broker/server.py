@@ -33,6 +33,7 @@ class BrokerServer:
                 load_bound=LoadBound(config.load_factor, config.load_slack),
                 prefix_routing=config.language_routing == "prefix",
                 peer_cache=config.peer_cache,
+                prefix_moves=config.prefix_moves,
             ),
         )
         servicer = BrokerServicer(

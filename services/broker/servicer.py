@@ -92,6 +92,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                     "epd.encoder": reply.encoder_id,
                     "epd.prefix_depth": reply.prefix_depth,
                     "epd.peer_items": sum(bool(h) for h in reply.holder_ids),
+                    "epd.prefix_holder": reply.prefix_holder_id,
                 }
             )
             return reply
@@ -115,6 +116,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             language.registration.grpc_address,
             prefix_depth=choice.prefix_depth,
         )
+        if (holder := choice.prefix_holder) is not None:
+            reply = replace(
+                reply,
+                prefix_holder_id=holder.instance_id,
+                prefix_holder_address=holder.registration.grpc_address,
+                prefix_holder_depth=choice.prefix_holder_depth,
+            )
         if choice.encoder is not None and choice.transport is not None:
             encoder = choice.encoder
             reply = replace(

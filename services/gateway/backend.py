@@ -388,10 +388,7 @@ class Backend:
         """The request on the routed language instance (and encoder; in E/P/D the
         decode instance streams, the prefill instance hands it the KV pages);
         _NothingProduced if an instance is unavailable before the first response."""
-        call.record.language = route.language_id
-        call.record.prefix_depth = route.prefix_depth
-        # the items in the prefix the broker sent L before: its prefix cache may hold them
-        request = replace(request, held_items=request.media_in(route.prefix_depth))
+        request = _as_routed(call, request, route)
         streaming_id, address = route.language_id, route.language_address
         to_prefill = request
         if route.decode_id:
@@ -511,3 +508,16 @@ class Backend:
                 language_pb2.AbortRequest(request_id=request_id, reason="the client went away"),
                 timeout=2,
             )
+
+
+def _as_routed(call: GenerateCall, request: GenerateRequest, route: RouteReply) -> GenerateRequest:
+    """The request for the language instance the route names, noted in its log
+    record: the items in the prefix the broker sent it before (or the instance it
+    fetches the chat's KV pages from) are ones its prefix cache may hold."""
+    call.record.language = route.language_id
+    call.record.prefix_depth = route.prefix_depth
+    call.record.prefix_from = route.prefix_holder_id
+    depth = max(route.prefix_depth, route.prefix_holder_depth)
+    return replace(
+        request, held_items=request.media_in(depth), prefix_holder=route.prefix_holder_address
+    )

@@ -25,11 +25,13 @@ class RequestRecord:
     status: int = 0
     media: int = 0  # images and videos
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, the ones whose KV the prefix cache held
     completion_tokens: int = 0
     ttft_ms: float | None = None
     total_ms: float = 0.0
     language: str = "-"  # the instance that generated
     prefix_depth: int = 0  # the chat's messages the broker had sent it before (routing)
+    prefix_from: str = ""  # the language instance it was to fetch the chat's KV pages from
     encoder: str = "-"  # the one that encoded (the last, after failovers)
     peer_items: int = 0  # items it was to fetch from other encoders' caches, not encode
     error: str = ""

@@ -148,6 +148,7 @@ def count(
     if response.index == 0:
         metrics.prompt_tokens.inc(done.prompt_tokens)
         call.record.prompt_tokens += done.prompt_tokens
+        call.record.cached_tokens += done.cached_tokens
     metrics.completion_tokens.inc(done.completion_tokens)
     call.record.completion_tokens += done.completion_tokens
 

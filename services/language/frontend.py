@@ -43,9 +43,11 @@ from typing import Any
 import torch
 
 from services.language.engine.interface import Engine
+from services.language.engine.kv_cache import prefix_digests
 from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, new_request, prefilled_request
 from services.language.kv_handoff import KVHandoff, KVObserver
+from services.language.prefix_moves import PrefixPeers
 from services.model.spec import ModelSpec
 from services.model.tokenizer import (
     ChatMessages,
@@ -105,6 +107,7 @@ class Rendered:
     grids: tuple[MediaGrid, ...] | None = None
     held_items: int = 0  # the leading items the prefix cache may hold (GenerateRequest's)
     cache_salt: str = ""  # the client's cache scope (GenerateRequest's)
+    prefix_holder: str = ""  # another instance that holds the chat's KV pages (GenerateRequest's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +286,7 @@ class Frontend:
         on_kv_received: KVObserver = lambda transport, tokens, seconds: None,
         on_media_held: Callable[[int], None] = lambda tokens: None,
         prefill_while_encoding: bool = True,
+        prefix_peers: PrefixPeers | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -295,6 +299,7 @@ class Frontend:
         self._on_kv_received = on_kv_received
         self._on_media_held = on_media_held  # media tokens a preallocation skipped
         self.prefill_while_encoding = prefill_while_encoding
+        self.prefix_peers = prefix_peers  # None: a chat's KV pages never move here
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._awaiting_media = 0  # requests in `receive`: the engine is told when any are
 
@@ -322,6 +327,7 @@ class Frontend:
         rendered = await self.rebuild(rendered, media.grids) if rendered.hints else rendered
         engine_request = self.engine_request(rendered, media)
         engine_request.hold_kv = hold_kv
+        await self._move_prefix(rendered, engine_request)
         async for pair in self.outputs(engine_request):
             yield pair
 
@@ -334,6 +340,7 @@ class Frontend:
         assert rendered.grids is not None
         engine_request = self.engine_request(rendered, Media(rendered.grids), streamed=True)
         engine_request.hold_kv = hold_kv
+        await self._move_prefix(rendered, engine_request)
         held = asyncio.get_running_loop().create_future() if engine_request.pin_prefix else None
         feeding = asyncio.create_task(self.feed(rendered, held))
         try:
@@ -350,6 +357,15 @@ class Frontend:
             if not feeding.done():
                 feeding.cancel()
                 await asyncio.wait([feeding])
+
+    async def _move_prefix(self, rendered: Rendered, request: Request) -> None:
+        """Where the route named another instance that holds the chat's KV pages,
+        those of the prompt's prefix come from there (prefix_moves.py): the engine
+        adopts them as it adds the request, which then computes only what follows."""
+        if not rendered.prefix_holder or self.prefix_peers is None:
+            return
+        digests = prefix_digests(request, self.prefix_peers.shape.page_size)
+        request.moved_prefix = await self.prefix_peers.fetch(rendered.prefix_holder, digests)
 
     async def prefill(self, request: GenerateRequest) -> PrefillReply:
         """E/P/D, on a prefill instance: the path of `generate` up to each choice's
@@ -459,6 +475,7 @@ class Frontend:
             grids,
             request.held_items,
             request.cache_salt,
+            request.prefix_holder,
         )
 
     async def receive(self, rendered: Rendered) -> Media:

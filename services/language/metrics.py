@@ -50,18 +50,6 @@ class LanguageMetrics:
             "Prompt tokens computed (recomputation included)",
             registry=registry,
         )
-        self.prefix_cached_tokens = Counter(
-            "epd_language_prefix_cache_hit_tokens",
-            "Tokens whose KV pages came from the prefix cache (not computed), by kind: "
-            "text, or an image's or video's",
-            ["kind"],
-            registry=registry,
-        )
-        self.media_tokens_held = Counter(
-            "epd_language_media_tokens_held",
-            "Image and video tokens asked of no encoder: the prefix cache held their KV",
-            registry=registry,
-        )
         self.requests = Counter(
             "epd_language_requests", "Finished requests by reason", ["reason"], registry=registry
         )
@@ -74,6 +62,70 @@ class LanguageMetrics:
         self._latencies(registry)
         self._kv_transfers(registry)
         self._pacing(registry)
+        self._reuse(registry)
+
+    def _reuse(self, registry: CollectorRegistry) -> None:
+        """Work not done again: the prefix cache's hits, and a chat's KV pages
+        moved between instances (prefix_moves.py)."""
+        self.prefix_cached_tokens = Counter(
+            "epd_language_prefix_cache_hit_tokens",
+            "Tokens whose KV pages came from the prefix cache (not computed), by kind: "
+            "text, or an image's or video's",
+            ["kind"],
+            registry=registry,
+        )
+        self.media_tokens_held = Counter(
+            "epd_language_media_tokens_held",
+            "Image and video tokens asked of no encoder: the prefix cache held their KV",
+            registry=registry,
+        )
+        self.prefix_fetches = Counter(
+            "epd_language_prefix_fetches",
+            "Fetches of a chat's KV pages from the instance that holds them, by outcome: "
+            "fetched, missing (it held none), failed (unreachable, late or unfit), skipped "
+            "(too few pages for a fetch to beat computing them)",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("fetched", "missing", "failed", "skipped"):
+            self.prefix_fetches.labels(outcome)
+        self.prefix_fetch_pages = Counter(
+            "epd_language_prefix_fetch_pages", "KV pages fetched", registry=registry
+        )
+        self.prefix_fetch_bytes = Counter(
+            "epd_language_prefix_fetch_bytes", "KV bytes fetched", registry=registry
+        )
+        self.prefix_fetch_seconds = Histogram(
+            "epd_language_prefix_fetch_seconds",
+            "Seconds per fetch that brought pages",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefix_move_min_pages = Gauge(
+            "epd_language_prefix_move_min_pages",
+            "The fewest KV pages a fetch must bring to beat computing them (the crossover, "
+            "from the measured prefill and fetch rates), as of the last turn that could move",
+            registry=registry,
+        )
+        self.prefix_served = Counter(
+            "epd_language_prefix_served",
+            "Fetches of KV pages other instances made here, by outcome: sent, missing",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("sent", "missing"):
+            self.prefix_served.labels(outcome)
+        self.prefix_served_pages = Counter(
+            "epd_language_prefix_served_pages",
+            "KV pages sent to other instances",
+            registry=registry,
+        )
+
+    def prefix_fetched(self, pages: int, num_bytes: int, seconds: float) -> None:
+        self.prefix_fetches.labels("fetched").inc()
+        self.prefix_fetch_pages.inc(pages)
+        self.prefix_fetch_bytes.inc(num_bytes)
+        self.prefix_fetch_seconds.observe(seconds)
 
     def _pacing(self, registry: CollectorRegistry) -> None:
         self.held_steps = Counter(

@@ -13,11 +13,13 @@ from services.language.config import LanguageConfig
 from services.language.engine.async_engine import AsyncEngine
 from services.language.engine.engine import LLMEngine
 from services.language.engine.interface import Engine
-from services.language.engine.kv_cache import device_memory
+from services.language.engine.kv_cache import device_memory, kv_page_bytes, kv_planes
+from services.language.engine.outputs import StepStats
 from services.language.engine.process import EngineProcess
 from services.language.frontend import Frontend
 from services.language.kv_handoff import KVHandoff, KVPages, KVSource, LanguageDrivers
 from services.language.metrics import LanguageMetrics
+from services.language.prefix_moves import MoveCost, PageShape, PrefixPeers
 from services.language.servicer import LanguageServicer, add_to_server
 from services.model.checkpoint import load_language_weights
 from services.model.processor import ImageTokenRule
@@ -58,6 +60,11 @@ class LanguageServer(InstanceServer):
         registry = metrics_registry()
         self.metrics = LanguageMetrics(registry)
         self.metrics.expect_steps()
+        engine_config = config.engine
+        self.move_cost = MoveCost(
+            engine_config.page_size,
+            kv_page_bytes(self.spec.text, engine_config.page_size, engine_config.dtype),
+        )
         if self.role is not LanguageRole.BOTH:
             direction = "sent" if self.role is LanguageRole.PREFILL else "received"
             self.metrics.expect_kv(direction, config.instance.transports)
@@ -70,7 +77,7 @@ class LanguageServer(InstanceServer):
                 config.engine,
                 self.spec,
                 self.tokenizer,
-                self.metrics.on_step,
+                self._on_step,
                 on_engine_lost,
             )
             self.pool, self.ends = self._embedding_receive_side()
@@ -81,7 +88,7 @@ class LanguageServer(InstanceServer):
             decode = self.role is LanguageRole.DECODE
             kv_memory = self._kv_receive_side if decode else device_memory
             llm = LLMEngine(self.spec, weights, self.tokenizer, config.engine, kv_memory=kv_memory)
-            self.engine = engine = AsyncEngine(llm, self.metrics.on_step)
+            self.engine = engine = AsyncEngine(llm, self._on_step)
             self.kv_layout = llm.runner.kv_cache.pool.layout
             if decode:
                 self.pool = llm.runner.kv_cache.pool
@@ -113,7 +120,18 @@ class LanguageServer(InstanceServer):
             on_kv_received=partial(self._kv_observed, "received"),
             on_media_held=self.metrics.media_tokens_held.inc,
             prefill_while_encoding=self.config.prefill_while_encoding,
+            prefix_peers=PrefixPeers(self._page_shape(), self.move_cost, self.metrics),
         )
+
+    def _page_shape(self) -> PageShape:
+        engine = self.config.engine
+        widths = tuple(plane.width for plane in kv_planes(self.spec.text))
+        return PageShape(engine.page_size, engine.dtype, widths)
+
+    def _on_step(self, stats: StepStats, seconds: float) -> None:
+        """After every engine step (on the engine's thread, or the pipe's reader)."""
+        self.metrics.on_step(stats, seconds)
+        self.move_cost.on_step(stats, seconds)
 
     def _embedding_receive_side(self) -> tuple[EmbeddingPool, dict[Transport, ReceiveEnd]]:
         config = self.config
@@ -231,6 +249,8 @@ class LanguageServer(InstanceServer):
 
     async def release(self) -> None:
         await self.engine.stop()
+        if self.frontend.prefix_peers is not None:
+            await self.frontend.prefix_peers.close()
         self.frontend.close()
         for end in self.ends.values():
             end.close()

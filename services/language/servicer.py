@@ -6,7 +6,8 @@ Prefill and a decode instance Generate with the prefill instance named.
 GenerateStream runs many Generate calls on one stream (the gateway's), each
 as its own call would run, their responses batched as they come ready.
 PushEmbeddings is the gRPC data plane (embeddings, or a decode instance's KV
-pages); Abort ends a request wherever it is.
+pages); FetchPrefix sends a chat's KV pages to another instance; Abort ends a
+request wherever it is.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import grpc
 from services.language.engine.outputs import EngineLostError, RequestFailedError
 from services.language.frontend import Frontend, MediaMismatchError
 from services.language.metrics import LanguageMetrics
+from services.language.prefix_moves import FETCH_TIMEOUT_S, to_reply
 from services.proto import language_pb2, language_pb2_grpc
 from services.runtime import tracing
 from services.transfer.receiver_driver import ReceiverDriver
@@ -206,6 +208,20 @@ class LanguageServicer(language_pb2_grpc.LanguageServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             received += chunk.num_tokens
         return language_pb2.PushEmbeddingsReply(received_tokens=received)
+
+    async def FetchPrefix(
+        self, request: language_pb2.FetchPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> language_pb2.FetchPrefixReply:
+        """A chat's KV pages for another instance (prefix_moves.py): those cached
+        here that the digests begin with, none if fewer than min_pages."""
+        digests = list(request.digests)
+        try:
+            pages = await self.engine.export_prefix(digests, request.min_pages, FETCH_TIMEOUT_S)
+        except (TimeoutError, EngineLostError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine did not answer: {exc}")
+        self.metrics.prefix_served.labels("sent" if pages.num_pages else "missing").inc()
+        self.metrics.prefix_served_pages.inc(pages.num_pages)
+        return to_reply(pages)
 
     async def Abort(
         self, request: language_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -287,6 +287,15 @@ BROKER = Table(
             "encoder's cache holds it (by default that one sends it: one encode per item in "
             "the cluster)",
         ),
+        Option(
+            "prefix_moves",
+            "--no-prefix-moves",
+            negated=True,
+            serve=SAME,
+            help="compute a chat's KV again on the language instance routed its turn even "
+            "where another instance holds it (by default, where moving the pages is cheaper, "
+            "that one sends them: a busy instance's conversations move with their KV)",
+        ),
     ),
 )
 

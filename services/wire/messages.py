@@ -388,6 +388,10 @@ class RouteReply:
     # per media hash: another encoder that holds (or is encoding) the item, "" for none
     holder_ids: tuple[str, ...] = ()
     holder_addresses: tuple[str, ...] = ()
+    # another language instance sent a longer prefix of the chat: the pages move from it
+    prefix_holder_id: str = ""
+    prefix_holder_address: str = ""
+    prefix_holder_depth: int = 0
 
 
 # What an instance sends on its Attach stream, and what the broker sends back.

@@ -159,6 +159,8 @@ class GenerateRequest:
     held_items: int = 0
     # the client's cache scope: requests with other salts share no KV page with it
     cache_salt: str = ""
+    # another language instance that holds the chat's KV pages (its address)
+    prefix_holder: str = ""
 
     @property
     def is_completion(self) -> bool:

@@ -246,13 +246,20 @@ async def test_the_route_names_the_encoder_that_holds_or_encodes_an_item(peer_ca
     await server.stop()
 
 
-@pytest.mark.parametrize("routing", ["prefix", "least-loaded"])
-async def test_a_conversation_s_turns_go_where_its_earlier_turns_went(routing: str) -> None:
+@pytest.mark.parametrize(
+    ("routing", "moves"), [("prefix", True), ("least-loaded", True), ("prefix", False)]
+)
+async def test_a_conversation_s_turns_go_where_its_earlier_turns_went(
+    routing: str, moves: bool
+) -> None:
     """With prefix routing the next turn (its prefixes extend the last turn's)
     goes to the instance that served the last one, while that one is within the
     load bound, and moves with the turns once it is not; by load alone it goes to
-    the least loaded."""
-    server = await start_broker(heartbeat_interval_s=0.1, language_routing=routing)
+    the least loaded. Where a turn goes elsewhere than the instance sent most of
+    its chat, the route names that one (its KV pages move), unless moves are off."""
+    server = await start_broker(
+        heartbeat_interval_s=0.1, language_routing=routing, prefix_moves=moves
+    )
     peers = [await attach(server, language(n), load=load) for n, load in (("A", 3), ("B", 2))]
     await asyncio.sleep(0.3)  # heartbeats carry the loads
     stub = broker_stub(server)
@@ -261,23 +268,34 @@ async def test_a_conversation_s_turns_go_where_its_earlier_turns_went(routing: s
         request = broker_pb2.RouteRequest(model="m", prefix_hashes=list(prefixes))
         return await stub.Route(request)
 
+    def holder(reply: Any) -> tuple[str, str, int]:
+        return reply.prefix_holder_id, reply.prefix_holder_address, reply.prefix_holder_depth
+
     first = await turn("c1")
     assert (first.language_id, first.prefix_depth) == ("B", 0)  # the least loaded
+    assert holder(first) == ("", "", 0)
     peers[1].load = Heartbeat(num_requests=3)  # as busy as A: within the bound (2 x 3 + 2)
     await asyncio.sleep(0.3)
     second = await turn("c1", "c1-2", "c1-3")
     if routing == "least-loaded":
         assert (second.language_id, second.prefix_depth) == ("A", 0)  # first of the tied
+        assert holder(second) == ("B", "B:1", 1)  # B was sent the chat's first message
     else:
         assert (second.language_id, second.prefix_depth) == ("B", 1)
+        assert holder(second) == ("", "", 0)
         peers[1].load = Heartbeat(num_requests=30)  # past the bound: the chat moves, and stays
         await asyncio.sleep(0.3)
         third = await turn("c1", "c1-2", "c1-3", "c1-4", "c1-5")
         assert (third.language_id, third.prefix_depth) == ("A", 0)
+        assert holder(third) == (("B", "B:1", 3) if moves else ("", "", 0))
         peers[1].load = Heartbeat(num_requests=3)
         await asyncio.sleep(0.3)
         fourth = await turn("c1", "c1-2", "c1-3", "c1-4", "c1-5", "c1-6", "c1-7")
         assert (fourth.language_id, fourth.prefix_depth) == ("A", 5)
+        assert holder(fourth) == ("", "", 0)  # B holds less of it than A
+    assert server.broker.metrics.prefix_moves._value.get() == (
+        int(moves) if routing == "prefix" else 1
+    )
     for peer in peers:
         await peer.link.close()
     await server.stop()

@@ -15,7 +15,15 @@ import torch
 from services.language.engine import loop
 from services.language.engine.engine import LLMEngine
 from services.language.engine.interface import EngineHost, OutputQueue
-from services.language.engine.loop import AbortRequest, AddMedia, AddRequest, Encoding, Reply
+from services.language.engine.kv_cache import PrefixPages
+from services.language.engine.loop import (
+    AbortRequest,
+    AddMedia,
+    AddRequest,
+    Encoding,
+    ExportPrefix,
+    Reply,
+)
 from services.language.engine.outputs import RequestOutput, StepStats
 from services.language.engine.request import Request
 from services.transfer.state import PoolExhaustedError
@@ -71,6 +79,7 @@ class _FreePages:
 
 _Message = (
     AddRequest
+    | ExportPrefix
     | AddMedia
     | _AddPrefilled
     | AbortRequest
@@ -131,6 +140,9 @@ class AsyncEngine(EngineHost):
 
     def _deliver(self, items: list[Reply]) -> None:
         for request_id, item in items:
+            if self._answered(request_id, item):
+                continue
+            assert not isinstance(item, PrefixPages)
             q = self._queues.get(request_id)
             if q is not None:
                 q.put_nowait(item)
@@ -257,6 +269,10 @@ class AsyncEngine(EngineHost):
 
     def set_encoding(self, busy: bool) -> None:
         self._inbox.put(Encoding(busy))
+        self._wake.set()
+
+    def _post(self, message: ExportPrefix) -> None:
+        self._inbox.put(message)
         self._wake.set()
 
     def release(self, request_id: str) -> None:

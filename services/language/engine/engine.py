@@ -20,6 +20,7 @@ from services.language.engine.kv_cache import (
     KVCache,
     KVCacheConfig,
     KVMemory,
+    PrefixPages,
     device_memory,
 )
 from services.language.engine.outputs import (
@@ -114,6 +115,9 @@ class LLMEngine:
         not be sent (RequestOutput.num_media_held)."""
         self._stalled = False
         self._register(request)
+        if request.moved_prefix is not None:
+            self.adopt_prefix(request.moved_prefix)
+            request.moved_prefix = None
         self.scheduler.add(request)
         if not request.pin_prefix:
             return []
@@ -122,6 +126,29 @@ class LLMEngine:
             choice.num_media_ready = choice.num_media_held = held
         answer = RequestOutput(request.request_id, [], "", [], None, request.num_prompt_tokens, 0)
         return [replace(answer, num_cached_tokens=request.num_computed_tokens, num_media_held=held)]
+
+    def export_prefix(self, digests: Sequence[bytes], min_pages: int = 1) -> PrefixPages:
+        """The cached pages the digests begin with, for another instance
+        (prefix_moves.py); none if fewer than `min_pages`."""
+        pages = self.blocks.leading_cached(digests)
+        if not pages or len(pages) < min_pages:
+            return PrefixPages((), self.blocks.page_size)
+        planes = self.runner.kv_cache.read_pages(pages)
+        return PrefixPages(tuple(digests[: len(pages)]), self.blocks.page_size, planes)
+
+    def adopt_prefix(self, moved: PrefixPages) -> None:
+        """Pages another instance computed, into the prefix cache as if computed
+        here: the request they came for (added next) takes them as a hit."""
+        self._stalled = False
+        if moved.page_size != self.blocks.page_size or not moved.num_pages:
+            return
+        adopted = self.blocks.adopt(moved.digests)
+        if not adopted:
+            return
+        rows = [torch.arange(i * moved.page_size, (i + 1) * moved.page_size) for i, _ in adopted]
+        index = torch.cat(rows)
+        planes = tuple(p[index] for p in moved.planes)
+        self.runner.kv_cache.write_pages([page for _, page in adopted], planes)
 
     def _register(self, request: Request) -> None:
         """Its choices, and a detokenizer each."""

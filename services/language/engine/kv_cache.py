@@ -33,13 +33,18 @@ renders, a conversation's earlier turns, their images and answers included). An
 item without a hash ends what a request may share. A cached page no request
 holds stays until its memory is wanted: pages are taken from the free list
 first, then from the least recently used of those.
+
+Pages move between instances by their digests (services/language/prefix_moves.py):
+`export` reads the cached pages a list of digests begins with, `adopt` takes
+such pages into this cache as if computed here, idle until a request takes
+them. The digests are content addresses, so the pages mean the same here.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +68,7 @@ class KVCacheConfig:
     def from_budget(
         cls, spec: TextSpec, budget_bytes: int, page_size: int, dtype: torch.dtype
     ) -> KVCacheConfig:
-        element = torch.empty((), dtype=dtype).element_size()
-        page_bytes = spec.num_layers * 2 * page_size * spec.num_kv_heads * spec.head_dim * element
+        page_bytes = kv_page_bytes(spec, page_size, dtype)
         num_pages = budget_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(
@@ -75,6 +79,31 @@ class KVCacheConfig:
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
+
+
+def kv_page_bytes(spec: TextSpec, page_size: int, dtype: torch.dtype) -> int:
+    """Every layer's keys and values of one page."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return spec.num_layers * 2 * page_size * spec.num_kv_heads * spec.head_dim * element
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPages:
+    """Full KV pages of a prompt's prefix, as they move between instances: each
+    page's digest, in order, and per plane (k0, v0, k1, ...) their tokens' rows,
+    [len(digests) * page_size, width] in the cache's dtype."""
+
+    digests: tuple[bytes, ...]
+    page_size: int
+    planes: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.digests)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.planes)
 
 
 def kv_planes(spec: TextSpec) -> tuple[Plane, ...]:
@@ -121,6 +150,13 @@ class KVCache:
         for keys, values in self.layers:
             keys[dst] = keys[src]
             values[dst] = values[src]
+
+    def read_pages(self, pages: list[int]) -> tuple[torch.Tensor, ...]:
+        """Copies of the pages' rows, per plane (on the CPU)."""
+        return tuple(r.cpu() for r in self.pool.read(pages, 0, len(pages) * self.config.page_size))
+
+    def write_pages(self, pages: list[int], planes: tuple[torch.Tensor, ...]) -> None:
+        self.pool.write(pages, 0, planes)
 
     def close(self) -> None:
         self.layers = []
@@ -216,6 +252,36 @@ class KVBlockManager:
                 self.hash_of[page] = hashes[index]
         request.num_cached_pages = max(request.num_cached_pages, done)
 
+    def leading_cached(self, digests: Sequence[bytes]) -> list[int]:
+        """The cached pages of the digests' leading run."""
+        pages = []
+        for digest in digests:
+            page = self.cached.get(digest)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def adopt(self, digests: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Cache pages for the digests this cache lacks, as if computed here:
+        each (index in `digests`, page) to write, idle (the most recently used)
+        until a request takes them. Nothing if pages are short: the request
+        then computes them."""
+        if not self.prefix_caching:
+            return []
+        for digest in digests:  # those it has stay: they come first in the request
+            if (page := self.cached.get(digest)) is not None and page in self.idle:
+                self.idle.move_to_end(page)
+        missing = [i for i, d in enumerate(digests) if d not in self.cached]
+        pages = self.allocate_pages(len(missing)) if missing else []
+        if pages is None:
+            return []
+        for i, page in zip(missing, pages, strict=True):
+            self.cached[digests[i]] = page
+            self.hash_of[page] = digests[i]
+            self.idle[page] = None
+        return list(zip(missing, pages, strict=True))
+
     @property
     def num_shared_pages(self) -> int:
         return len(self.refs)
@@ -280,6 +346,12 @@ class KVBlockManager:
         self._release(request.block_table[num_pages:])
         request.block_table = request.block_table[:num_pages]  # a step's metadata may hold the old
         request.num_cached_pages = min(request.num_cached_pages, num_pages)
+
+
+def prefix_digests(request: Request, page_size: int) -> list[bytes]:
+    """The digests of the full pages of the request's prompt the cache may share
+    (all but its last token: its logits give the first output)."""
+    return _prefix_hashes(request, page_size, request.num_prompt_tokens - 1)
 
 
 def _cache_tokens(request: Request) -> list[object]:

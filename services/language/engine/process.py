@@ -46,7 +46,15 @@ from services.language.engine.config import EngineConfig
 from services.language.engine.engine import LLMEngine
 from services.language.engine.grammar import Grammars
 from services.language.engine.interface import EngineHost, OutputQueue
-from services.language.engine.loop import AbortRequest, AddMedia, AddRequest, Encoding, Reply
+from services.language.engine.kv_cache import PrefixPages
+from services.language.engine.loop import (
+    AbortRequest,
+    AddMedia,
+    AddRequest,
+    Encoding,
+    ExportPrefix,
+    Reply,
+)
 from services.language.engine.outputs import EngineLoad, EngineLostError, RequestOutput, StepStats
 from services.language.engine.request import Request
 from services.model.spec import ModelSpec
@@ -81,8 +89,9 @@ class _Timing:
     output_token_ids: list[int]
 
 
-# an output (or the error that ends the request), and with a request's last, its timing
-_Item = tuple[str, RequestOutput | Exception, _Timing | None]
+# an output (or the error that ends the request), and with a request's last, its
+# timing; or an export's pages (or its error)
+_Item = tuple[str, RequestOutput | PrefixPages | Exception, _Timing | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +237,10 @@ class _Child:
                 _Outputs([self._item(*reply) for reply in replies], self.engine.load(), step),
             )
 
-    def _item(self, request_id: str, item: RequestOutput | Exception) -> _Item:
+    def _item(self, request_id: str, item: RequestOutput | PrefixPages | Exception) -> _Item:
         timing = None
+        if isinstance(item, PrefixPages):
+            return request_id, item, None
         if isinstance(item, Exception) or (item.finished and item.index == 0):
             request = self.requests.pop(request_id, None)
             if request is not None and not isinstance(item, Exception):
@@ -320,6 +331,9 @@ class EngineProcess(EngineHost):
             self._died()
             return
         for request_id, item, timing in outputs.items:
+            if self._answered(request_id, item):
+                continue
+            assert not isinstance(item, PrefixPages)
             if (q := self._queues.get(request_id)) is not None:
                 if timing is not None:
                     _apply(timing, self._requests[request_id])
@@ -337,9 +351,15 @@ class EngineProcess(EngineHost):
         logger.error("the engine process died (exit code %s): failing its requests", code)
         for q in self._queues.values():
             q.put_nowait(EngineLostError("the engine process died"))
+        for future in self._exports.values():
+            if not future.done():
+                future.set_exception(EngineLostError("the engine process died"))
         self._on_lost()
 
-    def _send(self, message: AddRequest | AbortRequest) -> None:
+    def _post(self, message: ExportPrefix) -> None:
+        self._send(message)
+
+    def _send(self, message: AddRequest | AbortRequest | ExportPrefix) -> None:
         if self._lost or self._conn is None:
             raise EngineLostError("the engine process is not running")
         _put(self._conn, message)

@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xgrammar as xgr
@@ -15,6 +15,9 @@ from services.model.mrope import mrope_positions
 from services.model.spec import ModelSpec
 from services.wire.messages import MediaGrid
 from services.wire.request import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from services.language.engine.kv_cache import PrefixPages
 
 
 class RequestStatus(enum.IntEnum):
@@ -102,6 +105,9 @@ class Request:
     prefix_hashes: list[bytes] = field(default_factory=list)
     num_cached_pages: int = 0
     num_cached_tokens: int = 0  # of the prompt's, taken from the cache when admitted
+    # Pages of its prefix another instance computed (prefix_moves.py): the engine
+    # adopts them into its prefix cache as it adds the request.
+    moved_prefix: PrefixPages | None = None
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:

@@ -273,7 +273,7 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., needs_encoder: _Optional[bool] = ..., language_id: _Optional[str] = ..., failed_encoder_id: _Optional[str] = ..., failed_language_id: _Optional[str] = ..., media_hashes: _Optional[_Iterable[str]] = ..., prefix_hashes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport", "decode_id", "decode_address", "prefix_depth", "holder_ids", "holder_addresses")
+    __slots__ = ("encoder_id", "encoder_address", "language_id", "language_address", "transport", "decode_id", "decode_address", "prefix_depth", "holder_ids", "holder_addresses", "prefix_holder_id", "prefix_holder_address", "prefix_holder_depth")
     ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,9 @@ class RouteReply(_message.Message):
     PREFIX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     HOLDER_IDS_FIELD_NUMBER: _ClassVar[int]
     HOLDER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOLDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOLDER_DEPTH_FIELD_NUMBER: _ClassVar[int]
     encoder_id: str
     encoder_address: str
     language_id: str
@@ -294,7 +297,10 @@ class RouteReply(_message.Message):
     prefix_depth: int
     holder_ids: _containers.RepeatedScalarFieldContainer[str]
     holder_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, encoder_id: _Optional[str] = ..., encoder_address: _Optional[str] = ..., language_id: _Optional[str] = ..., language_address: _Optional[str] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prefix_depth: _Optional[int] = ..., holder_ids: _Optional[_Iterable[str]] = ..., holder_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_holder_id: str
+    prefix_holder_address: str
+    prefix_holder_depth: int
+    def __init__(self, encoder_id: _Optional[str] = ..., encoder_address: _Optional[str] = ..., language_id: _Optional[str] = ..., language_address: _Optional[str] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., decode_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., prefix_depth: _Optional[int] = ..., holder_ids: _Optional[_Iterable[str]] = ..., holder_addresses: _Optional[_Iterable[str]] = ..., prefix_holder_id: _Optional[str] = ..., prefix_holder_address: _Optional[str] = ..., prefix_holder_depth: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ("role",)

@@ -72,7 +72,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "prompt", "prompt_token_ids", "decode_instance_id", "prefill_instance_id", "tools", "held_items", "cache_salt")
+    __slots__ = ("request_id", "messages", "sampling", "prompt", "prompt_token_ids", "decode_instance_id", "prefill_instance_id", "tools", "held_items", "cache_salt", "prefix_holder")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     HELD_ITEMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOLDER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _common_pb2.SamplingParams
@@ -93,7 +94,30 @@ class GenerateRequest(_message.Message):
     tools: str
     held_items: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., tools: _Optional[str] = ..., held_items: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    prefix_holder: str
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., tools: _Optional[str] = ..., held_items: _Optional[int] = ..., cache_salt: _Optional[str] = ..., prefix_holder: _Optional[str] = ...) -> None: ...
+
+class FetchPrefixRequest(_message.Message):
+    __slots__ = ("digests", "min_pages")
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    min_pages: int
+    def __init__(self, digests: _Optional[_Iterable[bytes]] = ..., min_pages: _Optional[int] = ...) -> None: ...
+
+class FetchPrefixReply(_message.Message):
+    __slots__ = ("num_pages", "page_size", "dtype", "widths", "data")
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WIDTHS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    page_size: int
+    dtype: _common_pb2.DType
+    widths: _containers.RepeatedScalarFieldContainer[int]
+    data: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., widths: _Optional[_Iterable[int]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("num_prompt_tokens",)

@@ -59,6 +59,11 @@ class LanguageStub:
                 request_serializer=epd_dot_v1_dot_language__pb2.AbortRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_language__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.FetchPrefix = channel.unary_unary(
+                '/epd.v1.Language/FetchPrefix',
+                request_serializer=epd_dot_v1_dot_language__pb2.FetchPrefixRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_language__pb2.FetchPrefixReply.FromString,
+                _registered_method=True)
 
 
 class LanguageServicer:
@@ -105,6 +110,14 @@ class LanguageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPrefix(self, request, context):
+        """A chat's KV pages for another language instance (services/language/prefix_moves.py):
+        the cached pages the digests begin with, copied out between two engine steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LanguageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +145,11 @@ def add_LanguageServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=epd_dot_v1_dot_language__pb2.AbortRequest.FromString,
                     response_serializer=epd_dot_v1_dot_language__pb2.AbortReply.SerializeToString,
+            ),
+            'FetchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchPrefix,
+                    request_deserializer=epd_dot_v1_dot_language__pb2.FetchPrefixRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_language__pb2.FetchPrefixReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +287,33 @@ class Language:
             '/epd.v1.Language/Abort',
             epd_dot_v1_dot_language__pb2.AbortRequest.SerializeToString,
             epd_dot_v1_dot_language__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Language/FetchPrefix',
+            epd_dot_v1_dot_language__pb2.FetchPrefixRequest.SerializeToString,
+            epd_dot_v1_dot_language__pb2.FetchPrefixReply.FromString,
             options,
             channel_credentials,
             insecure,
