@@ -20,6 +20,17 @@ share of later turns routed to an instance that served the conversation before
 Targets (issue 58): later-turn TTFT p50 at most 0.5x EPD's own first-turn TTFT and
 at most the peer's; requests/s at least the peer's; with two instances, at least
 90 % of later turns on the instance of the turn before with prefix routing.
+
+`--uneven` runs another case instead (issue 76): two language instances, and chats
+in two families, each family's chats beginning with its own long system prompt
+and picture, one family twice as many chats as the other, so prefix routing sends
+twice the load to one instance. Under one load bound (`--load-factor 1.5
+--load-slack 1`, so that the busy instance is past it), three routings in one run:
+by prefix with the chat's KV moved where a turn goes elsewhere, by prefix alone
+(the turn computes its history again), and by load alone. Reported for each:
+later-turn TTFT p50 and p99, requests/s, and what moved (turns, pages, bytes, the
+fetches' mean time, the instances' crossover in pages); `--doc` writes
+docs/kv-moves.md.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import argparse
 import asyncio
 import base64
 import math
+import random
 import shlex
 import statistics
 import sys
@@ -41,12 +53,23 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peer import shell, with_section
-from bench.report import DOC, MULTITURN_END, MULTITURN_START, Setup, head_commit, machine, serve
+from bench.report import (
+    DOC,
+    MULTITURN_END,
+    MULTITURN_START,
+    REPO,
+    Setup,
+    head_commit,
+    machine,
+    serve,
+)
 from services.loadgen.client import RequestResult, send
 from services.loadgen.synthetic import encode_image, random_image
 from services.loadgen.workload import BenchRequest
 from services.model.demo import cached_demo_checkpoint
 from services.runtime.ports import METRICS_OFFSET, free_serve_ports
+
+KV_MOVES_DOC = REPO / "docs" / "kv-moves.md"
 
 QUESTIONS = (
     "What is in this picture?",
@@ -66,6 +89,13 @@ def image_part(session: int, turn: int) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": image_url(session, turn)}}
 
 
+def family_prompt(family: int, words: int = 400) -> str:
+    """A chat family's system prompt: a document of its own (~1.3 tokens a word)."""
+    rng = random.Random(family)
+    vocabulary = ("catalogue", "item", "colour", "size", "price", "shelf", "order", "label")
+    return f"Family {family}. " + " ".join(rng.choice(vocabulary) for _ in range(words))
+
+
 async def converse(
     http: aiohttp.ClientSession,
     base_url: str,
@@ -75,13 +105,19 @@ async def converse(
     output_len: int,
     run_start: float,
     new_images: bool = False,
+    family: int | None = None,
 ) -> list[tuple[int, RequestResult]]:
-    """One session's turns, in order: (turn, its result)."""
+    """One session's turns, in order: (turn, its result). In a `family`, the chat
+    begins with the family's system prompt and picture, then its own question."""
     messages: list[dict[str, Any]] = []
+    if family is not None:
+        messages.append({"role": "system", "content": family_prompt(family)})
     out = []
     for turn in range(turns):
-        question = {"type": "text", "text": QUESTIONS[turn % len(QUESTIONS)]}
-        image = [image_part(session, turn)] if turn == 0 or new_images else []
+        text = QUESTIONS[(turn + session) % len(QUESTIONS)] if family is not None else ""
+        question = {"type": "text", "text": text or QUESTIONS[turn % len(QUESTIONS)]}
+        picture = image_part(session if family is None else -family - 1, turn)
+        image = [picture] if turn == 0 or new_images else []
         messages.append({"role": "user", "content": [*image, question]})
         body = {
             "model": model,
@@ -109,8 +145,11 @@ async def conversations(
     output_len: int,
     concurrency: int,
     new_images: bool = False,
+    families: bool = False,
 ) -> dict[str, Any]:
-    """Every session, `concurrency` at a time; TTFT p50 of first and later turns, req/s."""
+    """Every session, `concurrency` at a time; TTFT p50 of first and later turns
+    (and p99 of later ones), req/s. `families`: two of them, two chats of the
+    first for one of the second, interleaved."""
     gate = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -121,8 +160,9 @@ async def conversations(
 
         async def one(session: int) -> list[tuple[int, RequestResult]]:
             async with gate:
+                family = (0 if session % 3 < 2 else 1) if families else None
                 return await converse(
-                    http, base_url, model, session, turns, output_len, start, new_images
+                    http, base_url, model, session, turns, output_len, start, new_images, family
                 )
 
         done = await asyncio.gather(*(one(s) for s in range(sessions)))
@@ -133,10 +173,16 @@ async def conversations(
     return {
         "first_ttft_ms": 1000 * statistics.median(first) if first else math.nan,
         "later_ttft_ms": 1000 * statistics.median(later) if later else math.nan,
+        "later_ttft_p99_ms": 1000 * _p99(later) if later else math.nan,
         "req_s": sum(r.ok for _, r in results) / elapsed,
         "failed": sum(not r.ok for _, r in results),
         "requests": len(results),
     }
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def run(args: argparse.Namespace, base_url: str, model: str) -> dict[str, Any]:
@@ -150,6 +196,7 @@ def run(args: argparse.Namespace, base_url: str, model: str) -> dict[str, Any]:
             args.output_len,
             args.concurrency,
             args.new_images,
+            args.uneven,
         )
     )
 
@@ -186,6 +233,58 @@ def epd(args: argparse.Namespace, checkpoint: Path, languages: int, routing: str
     return result
 
 
+# The uneven case's routings: (name, `epd serve` flags), one load bound for all.
+UNEVEN_BOUND = ("--load-factor", "1.5", "--load-slack", "1")
+UNEVEN = (
+    ("prefix, KV moved", ("--language-routing", "prefix")),
+    ("prefix alone", ("--language-routing", "prefix", "--no-prefix-moves")),
+    ("load alone", ("--language-routing", "least-loaded", "--no-prefix-moves")),
+)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page by its name, summed over its labels."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def uneven(args: argparse.Namespace, checkpoint: Path, flags: tuple[str, ...]) -> dict[str, Any]:
+    """The uneven case under one routing: the conversations, then what moved."""
+    ports = free_serve_ports(encoders=1, languages=2)
+    setup = Setup("epd", ("--model", str(checkpoint), "--languages", "2", *UNEVEN_BOUND, *flags))
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        serve(setup, Path(logs), max_num_batched_tokens=None, ports=ports) as (url, _),
+    ):
+        result = run(args, url, checkpoint.name)
+        metrics = "http://127.0.0.1:{}/metrics"
+        broker = scrape(metrics.format(ports["broker-port"] + METRICS_OFFSET))
+        port = ports["language-port"] + METRICS_OFFSET
+        languages = [scrape(metrics.format(port + i)) for i in range(2)]
+
+    def summed(name: str) -> float:
+        return sum(language.get(name, 0.0) for language in languages)
+
+    fetched = summed("epd_language_prefix_fetch_seconds_count")
+    result |= {
+        "moved_turns": broker.get("epd_broker_prefix_moves_total", 0.0),
+        "fetched": fetched,
+        "pages": summed("epd_language_prefix_fetch_pages_total"),
+        "mib": summed("epd_language_prefix_fetch_bytes_total") / 2**20,
+        "fetch_ms": 1000 * summed("epd_language_prefix_fetch_seconds_sum") / max(1.0, fetched),
+        "crossover": [
+            language.get("epd_language_prefix_move_min_pages", 0) for language in languages
+        ],
+        "computed_tokens": summed("epd_language_prompt_tokens_total"),
+    }
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -202,10 +301,16 @@ def main() -> None:
     parser.add_argument(
         "--new-images", action="store_true", help="each later turn brings a new image too"
     )
+    parser.add_argument(
+        "--uneven", action="store_true", help="the uneven case instead (the module's doc)"
+    )
     parser.add_argument("--doc", action="store_true", help="write docs/performance.md's section")
     args = parser.parse_args()
     checkpoint = cached_demo_checkpoint(args.size)
     print(f"{machine()}\ncheckpoint: {checkpoint}", flush=True)
+    if args.uneven:
+        main_uneven(args, checkpoint)
+        return
     rows = {"EPD": epd(args, checkpoint, 1, "prefix")}
     print(f"  EPD: {rows['EPD']}", flush=True)
     if args.peer_url:
@@ -246,6 +351,64 @@ def main() -> None:
     if args.doc:
         body = markdown(args, rows, routed, "python -m bench.multiturn " + shlex.join(sys.argv[1:]))
         DOC.write_text(with_section(DOC.read_text(), body, MULTITURN_START, MULTITURN_END))
+
+
+def main_uneven(args: argparse.Namespace, checkpoint: Path) -> None:
+    rows = {}
+    for name, flags in UNEVEN:
+        rows[name] = uneven(args, checkpoint, flags)
+        print(f"  {name}: {rows[name]}", flush=True)
+    table = uneven_table(rows)
+    print("\n".join(table))
+    if args.doc:
+        command = "python -m bench.multiturn " + shlex.join(sys.argv[1:])
+        KV_MOVES_DOC.write_text(uneven_markdown(args, table, command) + "\n")
+
+
+def uneven_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    moved = rows[UNEVEN[0][0]]
+    lines = [
+        "| routing | later-turn TTFT p50 (ms) | p99 (ms) | req/s | prompt tokens computed "
+        "| turns moved | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {name} | {row['later_ttft_ms']:.0f} | {row['later_ttft_p99_ms']:.0f} | "
+            f"{row['req_s']:.2f} | {row['computed_tokens']:.0f} | {row['moved_turns']:.0f} | "
+            f"{row['failed']} |"
+            for name, row in rows.items()
+        ),
+        "",
+        f"With the KV moved: {moved['fetched']:.0f} fetches brought {moved['pages']:.0f} pages "
+        f"({moved['mib']:.1f} MiB), {moved['fetch_ms']:.1f} ms each on average; the "
+        f"instances' crossover at the end: {moved['crossover']} pages. Ratios against the "
+        "KV moved: "
+        + "; ".join(
+            f"{name}: later-turn TTFT p99 "
+            f"{moved['later_ttft_p99_ms'] / row['later_ttft_p99_ms']:.2f}x, "
+            f"req/s {moved['req_s'] / row['req_s']:.2f}x"
+            for name, row in list(rows.items())[1:]
+        )
+        + ".",
+    ]
+    return lines
+
+
+def uneven_markdown(args: argparse.Namespace, table: list[str], command: str) -> str:
+    return "\n".join(
+        [
+            "# A conversation moves with its KV",
+            "",
+            f"Generated by `bench/multiturn.py --uneven` on {time.strftime('%Y-%m-%d')} at "
+            f"{head_commit()}: {machine()}; the {args.size} demo; two language instances, one "
+            f"encoder; {args.sessions} chats of {args.turns} turns in two families (each chat "
+            "begins with its family's ~500-token system prompt and 448x448 picture; two chats "
+            f"of the first family for one of the second), {args.output_len} output tokens, "
+            f"{args.concurrency} chats at once; load bound {' '.join(UNEVEN_BOUND)}: "
+            f"`{command}`.",
+            "",
+            *table,
+        ]
+    )
 
 
 def markdown(
