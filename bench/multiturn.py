@@ -280,6 +280,10 @@ def uneven(args: argparse.Namespace, checkpoint: Path, flags: tuple[str, ...]) -
         "crossover": [
             language.get("epd_language_prefix_move_min_pages", 0) for language in languages
         ],
+        "prefill_ms_per_page": [
+            1000 * 16 * language.get("epd_language_prefill_token_seconds", 0)
+            for language in languages
+        ],
         "computed_tokens": summed("epd_language_prompt_tokens_total"),
     }
     return result
@@ -380,7 +384,10 @@ def uneven_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         "",
         f"With the KV moved: {moved['fetched']:.0f} fetches brought {moved['pages']:.0f} pages "
         f"({moved['mib']:.1f} MiB), {moved['fetch_ms']:.1f} ms each on average; the "
-        f"instances' crossover at the end: {moved['crossover']} pages. Ratios against the "
+        f"instances' crossover at the end: {moved['crossover']} pages (a page's measured "
+        f"prefill: {', '.join(f'{ms:.1f}' for ms in moved['prefill_ms_per_page'])} ms; "
+        f"fetched: {moved['fetch_ms'] / max(1.0, moved['pages'] / max(1.0, moved['fetched'])):.1f}"
+        " ms). Ratios against the "
         "KV moved: "
         + "; ".join(
             f"{name}: later-turn TTFT p99 "

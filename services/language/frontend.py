@@ -47,7 +47,7 @@ from services.language.engine.kv_cache import prefix_digests
 from services.language.engine.outputs import RequestOutput
 from services.language.engine.request import Request, new_request, prefilled_request
 from services.language.kv_handoff import KVHandoff, KVObserver
-from services.language.prefix_moves import PrefixPeers
+from services.language.prefix_moves import FETCH_TIMEOUT_S, PrefixPeers
 from services.model.spec import ModelSpec
 from services.model.tokenizer import (
     ChatMessages,
@@ -365,7 +365,10 @@ class Frontend:
         if not rendered.prefix_holder or self.prefix_peers is None:
             return
         digests = prefix_digests(request, self.prefix_peers.shape.page_size)
-        request.moved_prefix = await self.prefix_peers.fetch(rendered.prefix_holder, digests)
+        held = await self.engine.export_prefix(digests, 1, FETCH_TIMEOUT_S, with_planes=False)
+        missing = digests[held.num_pages :]  # those it holds (a shared system prompt) stay
+        if missing:
+            request.moved_prefix = await self.prefix_peers.fetch(rendered.prefix_holder, missing)
 
     async def prefill(self, request: GenerateRequest) -> PrefillReply:
         """E/P/D, on a prefill instance: the path of `generate` up to each choice's

@@ -107,6 +107,11 @@ class LanguageMetrics:
             "from the measured prefill and fetch rates), as of the last turn that could move",
             registry=registry,
         )
+        self.prefill_token_seconds = Gauge(
+            "epd_language_prefill_token_seconds",
+            "A prompt token's measured prefill time, which a fetch's time is weighed against",
+            registry=registry,
+        )
         self.prefix_served = Counter(
             "epd_language_prefix_served",
             "Fetches of KV pages other instances made here, by outcome: sent, missing",

@@ -161,6 +161,7 @@ class PrefixPeers:
         answer in time."""
         min_pages = self.cost.min_pages()
         self.metrics.prefix_move_min_pages.set(min_pages)
+        self.metrics.prefill_token_seconds.set(self.cost.prefill_s_per_token)
         if len(digests) < min_pages:
             self.metrics.prefix_fetches.labels("skipped").inc()
             return None

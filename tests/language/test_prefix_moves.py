@@ -98,6 +98,50 @@ def test_a_turn_on_another_engine_takes_the_moved_pages_and_answers_as_hf(
     mover.blocks.allocator.check_integrity()
 
 
+def test_a_mover_that_holds_the_system_prompt_fetches_only_the_rest(
+    tiny_checkpoint: Path,
+) -> None:
+    """Engine B already served another chat with the same system prompt: it holds
+    those pages, says so (an export without planes), and takes only the pages
+    after them from A; the pages it held stay while it adopts the others (a
+    cache with no free page evicts its idle ones), and turn 2 is HF's."""
+    holder = make_engine(tiny_checkpoint)
+    first = make_request(tiny_checkpoint, "t1", TURN_1, [IMAGE], GREEDY, media_keys=KEYS)
+    answer = holder.tokenizer.decode(tokens(run_to_completion(holder, [first])["t1"]))
+    chat = _turn_2(answer)
+    whole = make_request(tiny_checkpoint, "t2", chat, [IMAGE], GREEDY, media_keys=KEYS)
+    assert whole.media_embeds is not None
+    request = _streamed(whole, tiny_checkpoint)
+    digests = prefix_digests(request, holder.blocks.page_size)
+
+    other = [TURN_1[0], {"role": "user", "content": [{"type": "text", "text": "Hello."}]}]
+    mover = make_engine(tiny_checkpoint)
+    run_to_completion(mover, [make_request(tiny_checkpoint, "o", other, [], GREEDY)])
+    held = mover.export_prefix(digests, with_planes=False)
+    assert held.num_pages and not held.planes  # the system prompt's pages
+    moved = holder.export_prefix(digests[held.num_pages :])
+    assert moved.num_pages and moved.digests[0] == digests[held.num_pages]
+    # so few free pages that adopting takes every idle page but the system prompt's
+    # (cached first, so the least recently used: what it would take first unkept)
+    others = len(mover.blocks.idle) - held.num_pages
+    assert 0 < others <= moved.num_pages
+    hog = mover.blocks.allocate_pages(
+        mover.blocks.allocator.num_free_blocks - moved.num_pages + others
+    )
+    assert hog is not None
+
+    request.moved_prefix = moved
+    (told,) = mover.add_request(request)
+    assert told.num_media_held == whole.media_positions.numel()  # type: ignore[union-attr]
+    mover.blocks.allocator.free(hog)  # room to compute the rest
+    assert (
+        mover.add_media("t2", told.num_media_held, whole.media_embeds[told.num_media_held :]) == []
+    )
+    out = run_to_completion(mover, [])
+    assert tokens(out["t2"]) == hf_greedy(tiny_checkpoint, chat, [IMAGE], 8)
+    assert request.num_cached_tokens == (held.num_pages + moved.num_pages) * 16
+
+
 def test_an_export_below_its_minimum_gives_no_page(tiny_checkpoint: Path) -> None:
     engine = make_engine(tiny_checkpoint)
     first = make_request(tiny_checkpoint, "t1", TURN_1, [IMAGE], GREEDY, media_keys=KEYS)

@@ -116,7 +116,7 @@ class LLMEngine:
         self._stalled = False
         self._register(request)
         if request.moved_prefix is not None:
-            self.adopt_prefix(request.moved_prefix)
+            self.adopt_prefix(request.moved_prefix, request.prefix_hashes)
             request.moved_prefix = None
         self.scheduler.add(request)
         if not request.pin_prefix:
@@ -127,22 +127,28 @@ class LLMEngine:
         answer = RequestOutput(request.request_id, [], "", [], None, request.num_prompt_tokens, 0)
         return [replace(answer, num_cached_tokens=request.num_computed_tokens, num_media_held=held)]
 
-    def export_prefix(self, digests: Sequence[bytes], min_pages: int = 1) -> PrefixPages:
+    def export_prefix(
+        self, digests: Sequence[bytes], min_pages: int = 1, with_planes: bool = True
+    ) -> PrefixPages:
         """The cached pages the digests begin with, for another instance
-        (prefix_moves.py); none if fewer than `min_pages`."""
+        (prefix_moves.py); none if fewer than `min_pages`. Without planes: only
+        which they are (what a fetch need not bring)."""
         pages = self.blocks.leading_cached(digests)
         if not pages or len(pages) < min_pages:
             return PrefixPages((), self.blocks.page_size)
+        if not with_planes:
+            return PrefixPages(tuple(digests[: len(pages)]), self.blocks.page_size)
         planes = self.runner.kv_cache.read_pages(pages)
         return PrefixPages(tuple(digests[: len(pages)]), self.blocks.page_size, planes)
 
-    def adopt_prefix(self, moved: PrefixPages) -> None:
+    def adopt_prefix(self, moved: PrefixPages, keep: Sequence[bytes] = ()) -> None:
         """Pages another instance computed, into the prefix cache as if computed
-        here: the request they came for (added next) takes them as a hit."""
+        here: the request they came for (added next) takes them as a hit, after
+        its pages this cache held (`keep`: their digests, kept)."""
         self._stalled = False
         if moved.page_size != self.blocks.page_size or not moved.num_pages:
             return
-        adopted = self.blocks.adopt(moved.digests)
+        adopted = self.blocks.adopt(moved.digests, keep)
         if not adopted:
             return
         rows = [torch.arange(i * moved.page_size, (i + 1) * moved.page_size) for i, _ in adopted]

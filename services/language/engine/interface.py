@@ -71,9 +71,10 @@ class Engine(Protocol):
     def has_request(self, request_id: str) -> bool: ...
 
     async def export_prefix(
-        self, digests: Sequence[bytes], min_pages: int, timeout_s: float
+        self, digests: Sequence[bytes], min_pages: int, timeout_s: float, with_planes: bool = True
     ) -> PrefixPages:
-        """The cached pages the digests begin with (none if fewer than min_pages)."""
+        """The cached pages the digests begin with (none if fewer than min_pages;
+        without planes, only which they are)."""
 
     def add_media(
         self, request_id: str, start: int, embeds: torch.Tensor, deepstack: torch.Tensor | None
@@ -136,15 +137,16 @@ class EngineHost:
         raise NotImplementedError
 
     async def export_prefix(
-        self, digests: Sequence[bytes], min_pages: int, timeout_s: float
+        self, digests: Sequence[bytes], min_pages: int, timeout_s: float, with_planes: bool = True
     ) -> PrefixPages:
         """The cached pages the digests begin with, copied out by the loop between
-        two steps (none if fewer than min_pages); TimeoutError past timeout_s."""
+        two steps (none if fewer than min_pages; without planes, only which they
+        are); TimeoutError past timeout_s."""
         call_id = f"\0export-{next(self._calls)}"  # no request's id: a NUL never comes in one
         future = asyncio.get_running_loop().create_future()
         self._exports[call_id] = future
         try:
-            self._post(ExportPrefix(call_id, tuple(digests), min_pages))
+            self._post(ExportPrefix(call_id, tuple(digests), min_pages, with_planes))
             async with asyncio.timeout(timeout_s):
                 return await future
         finally:

@@ -262,14 +262,15 @@ class KVBlockManager:
             pages.append(page)
         return pages
 
-    def adopt(self, digests: Sequence[bytes]) -> list[tuple[int, int]]:
+    def adopt(self, digests: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[tuple[int, int]]:
         """Cache pages for the digests this cache lacks, as if computed here:
         each (index in `digests`, page) to write, idle (the most recently used)
         until a request takes them. Nothing if pages are short: the request
-        then computes them."""
+        then computes them. The cached pages of `keep` (the request's, before
+        those) are not among the pages taken for them."""
         if not self.prefix_caching:
             return []
-        for digest in digests:  # those it has stay: they come first in the request
+        for digest in (*keep, *digests):  # those it has stay: the request needs them first
             if (page := self.cached.get(digest)) is not None and page in self.idle:
                 self.idle.move_to_end(page)
         missing = [i for i, d in enumerate(digests) if d not in self.cached]

@@ -65,6 +65,7 @@ class ExportPrefix:
     call_id: str
     digests: tuple[bytes, ...]
     min_pages: int = 1
+    with_planes: bool = True
 
 
 # a request's output, or the error that ends it; an export's pages, by its call id
@@ -129,9 +130,9 @@ def apply(engine: LLMEngine, message: object) -> list[Reply]:
         case Encoding(busy):
             engine.pacing.encoding = busy
             return []
-        case ExportPrefix(call_id, digests, min_pages):
+        case ExportPrefix(call_id, digests, min_pages, with_planes):
             try:
-                return [(call_id, engine.export_prefix(digests, min_pages))]
+                return [(call_id, engine.export_prefix(digests, min_pages, with_planes))]
             except Exception as exc:  # a bug: the caller hears of it, the loop goes on
                 logger.exception("exporting a prefix failed")
                 return [(call_id, exc)]
