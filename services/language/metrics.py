@@ -65,8 +65,7 @@ class LanguageMetrics:
         self._reuse(registry)
 
     def _reuse(self, registry: CollectorRegistry) -> None:
-        """Work not done again: the prefix cache's hits, and a chat's KV pages
-        moved between instances (prefix_moves.py)."""
+        """Work not done again: the prefix cache's hits, and pages moved."""
         self.prefix_cached_tokens = Counter(
             "epd_language_prefix_cache_hit_tokens",
             "Tokens whose KV pages came from the prefix cache (not computed), by kind: "
@@ -79,6 +78,10 @@ class LanguageMetrics:
             "Image and video tokens asked of no encoder: the prefix cache held their KV",
             registry=registry,
         )
+        self._prefix_moves(registry)
+
+    def _prefix_moves(self, registry: CollectorRegistry) -> None:
+        """A chat's KV pages moved between instances (prefix_moves.py)."""
         self.prefix_fetches = Counter(
             "epd_language_prefix_fetches",
             "Fetches of a chat's KV pages from the instance that holds them, by outcome: "

@@ -156,6 +156,33 @@ def test_an_export_below_its_minimum_gives_no_page(tiny_checkpoint: Path) -> Non
     assert engine.blocks.num_used_pages == 0  # reading pages holds none
 
 
+def test_an_export_beside_a_step_drops_a_page_taken_while_it_was_read(
+    tiny_checkpoint: Path,
+) -> None:
+    """Exports run beside the engine's steps. A step that takes a cached page for
+    other tokens while an export reads it (simulated: its digest dropped during
+    the read) ends the export before that page: what was read whole is sent."""
+    engine = make_engine(tiny_checkpoint)
+    first = make_request(tiny_checkpoint, "t1", TURN_1, [IMAGE], GREEDY, media_keys=KEYS)
+    run_to_completion(engine, [first])
+    digests = prefix_digests(first, engine.blocks.page_size)
+    assert len(digests) > 3
+    cache = engine.runner.kv_cache
+    read = cache.read_pages
+
+    def read_while_a_step_evicts(pages: list[int]) -> tuple[torch.Tensor, ...]:
+        planes = read(pages)
+        del engine.blocks.cached[engine.blocks.hash_of.pop(pages[2])]
+        return planes
+
+    cache.read_pages = read_while_a_step_evicts  # type: ignore[method-assign]
+    moved = engine.export_prefix(digests)
+    assert moved.digests == tuple(digests[:2])
+    assert all(len(p) == 2 * engine.blocks.page_size for p in moved.planes)
+    cache.read_pages = read  # type: ignore[method-assign]
+    assert engine.export_prefix(digests, min_pages=3).num_pages == 0  # the chain breaks at 2
+
+
 def test_a_full_cache_adopts_nothing_and_the_turn_computes_its_pages(
     tiny_checkpoint: Path,
 ) -> None:

@@ -16,14 +16,7 @@ from services.language.engine import loop
 from services.language.engine.engine import LLMEngine
 from services.language.engine.interface import EngineHost, OutputQueue
 from services.language.engine.kv_cache import PrefixPages
-from services.language.engine.loop import (
-    AbortRequest,
-    AddMedia,
-    AddRequest,
-    Encoding,
-    ExportPrefix,
-    Reply,
-)
+from services.language.engine.loop import AbortRequest, AddMedia, AddRequest, Encoding, Reply
 from services.language.engine.outputs import RequestOutput, StepStats
 from services.language.engine.request import Request
 from services.transfer.state import PoolExhaustedError
@@ -79,7 +72,6 @@ class _FreePages:
 
 _Message = (
     AddRequest
-    | ExportPrefix
     | AddMedia
     | _AddPrefilled
     | AbortRequest
@@ -140,9 +132,6 @@ class AsyncEngine(EngineHost):
 
     def _deliver(self, items: list[Reply]) -> None:
         for request_id, item in items:
-            if self._answered(request_id, item):
-                continue
-            assert not isinstance(item, PrefixPages)
             q = self._queues.get(request_id)
             if q is not None:
                 q.put_nowait(item)
@@ -271,9 +260,13 @@ class AsyncEngine(EngineHost):
         self._inbox.put(Encoding(busy))
         self._wake.set()
 
-    def _post(self, message: ExportPrefix) -> None:
-        self._inbox.put(message)
-        self._wake.set()
+    async def export_prefix(
+        self, digests: Sequence[bytes], min_pages: int, timeout_s: float, with_planes: bool = True
+    ) -> PrefixPages:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.to_thread(
+                self.engine.export_prefix, digests, min_pages, with_planes
+            )
 
     def release(self, request_id: str) -> None:
         """Frees the pages a prefilled (hold_kv) request kept."""

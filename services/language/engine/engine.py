@@ -132,14 +132,26 @@ class LLMEngine:
     ) -> PrefixPages:
         """The cached pages the digests begin with, for another instance
         (prefix_moves.py); none if fewer than `min_pages`. Without planes: only
-        which they are (what a fetch need not bring)."""
+        which they are (what a fetch need not bring).
+
+        Callable from another thread while the loop steps (a busy instance's step
+        may take a second): a cached page is full and never written, unless it is
+        evicted and taken for other tokens, which drops its digest first; so a
+        page that still has its digest once read was read whole."""
+        size = self.blocks.page_size
         pages = self.blocks.leading_cached(digests)
-        if not pages or len(pages) < min_pages:
-            return PrefixPages((), self.blocks.page_size)
         if not with_planes:
-            return PrefixPages(tuple(digests[: len(pages)]), self.blocks.page_size)
+            return PrefixPages(tuple(digests[: len(pages)]), size)
+        if not pages or len(pages) < min_pages:
+            return PrefixPages((), size)
         planes = self.runner.kv_cache.read_pages(pages)
-        return PrefixPages(tuple(digests[: len(pages)]), self.blocks.page_size, planes)
+        hash_of = self.blocks.hash_of
+        read = zip(pages, digests[: len(pages)], strict=True)
+        kept = next((i for i, (p, d) in enumerate(read) if hash_of.get(p) != d), len(pages))
+        if not kept or kept < min_pages:
+            return PrefixPages((), size)
+        rows = kept * size
+        return PrefixPages(tuple(digests[:kept]), size, tuple(p[:rows] for p in planes))
 
     def adopt_prefix(self, moved: PrefixPages, keep: Sequence[bytes] = ()) -> None:
         """Pages another instance computed, into the prefix cache as if computed

@@ -6,7 +6,6 @@ they share (EngineHost); the loop itself is loop.py's."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -16,7 +15,6 @@ import torch
 from services.language.engine.config import EngineConfig, RequestChecks
 from services.language.engine.grammar import Grammars
 from services.language.engine.kv_cache import PrefixPages
-from services.language.engine.loop import ExportPrefix
 from services.language.engine.outputs import EngineLoad, RequestFailedError, RequestOutput
 from services.language.engine.request import Request
 from services.model.spec import ModelSpec
@@ -74,7 +72,8 @@ class Engine(Protocol):
         self, digests: Sequence[bytes], min_pages: int, timeout_s: float, with_planes: bool = True
     ) -> PrefixPages:
         """The cached pages the digests begin with (none if fewer than min_pages;
-        without planes, only which they are)."""
+        without planes, only which they are), read while the engine steps
+        (LLMEngine.export_prefix); TimeoutError past timeout_s."""
 
     def add_media(
         self, request_id: str, start: int, embeds: torch.Tensor, deepstack: torch.Tensor | None
@@ -104,8 +103,6 @@ class EngineHost:
         self.grammars = grammars
         self.checks = RequestChecks(config, spec)
         self._queues: dict[str, OutputQueue] = {}
-        self._exports: dict[str, asyncio.Future[PrefixPages]] = {}
-        self._calls = itertools.count()
 
     @property
     def max_model_len(self) -> int:
@@ -131,39 +128,6 @@ class EngineHost:
 
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
-
-    def _post(self, message: ExportPrefix) -> None:
-        """A message to the loop (the host's inbox or pipe)."""
-        raise NotImplementedError
-
-    async def export_prefix(
-        self, digests: Sequence[bytes], min_pages: int, timeout_s: float, with_planes: bool = True
-    ) -> PrefixPages:
-        """The cached pages the digests begin with, copied out by the loop between
-        two steps (none if fewer than min_pages; without planes, only which they
-        are); TimeoutError past timeout_s."""
-        call_id = f"\0export-{next(self._calls)}"  # no request's id: a NUL never comes in one
-        future = asyncio.get_running_loop().create_future()
-        self._exports[call_id] = future
-        try:
-            self._post(ExportPrefix(call_id, tuple(digests), min_pages, with_planes))
-            async with asyncio.timeout(timeout_s):
-                return await future
-        finally:
-            del self._exports[call_id]
-
-    def _answered(self, call_id: str, item: object) -> bool:
-        """Whether a reply from the loop answers an export (then it is delivered)."""
-        future = self._exports.get(call_id)
-        if future is None:
-            return False
-        if not future.done():
-            if isinstance(item, BaseException):
-                future.set_exception(item)
-            else:
-                assert isinstance(item, PrefixPages)
-                future.set_result(item)
-        return True
 
     async def _outputs(
         self, request: Request, q: OutputQueue

@@ -21,7 +21,6 @@ from typing import Protocol
 import torch
 
 from services.language.engine.engine import LLMEngine
-from services.language.engine.kv_cache import PrefixPages
 from services.language.engine.outputs import RequestOutput, StepStats
 from services.language.engine.request import Request
 
@@ -57,19 +56,8 @@ class Encoding:
     busy: bool
 
 
-@dataclass(frozen=True, slots=True)
-class ExportPrefix:
-    """The cached pages the digests begin with (LLMEngine.export_prefix), the
-    reply under `call_id`."""
-
-    call_id: str
-    digests: tuple[bytes, ...]
-    min_pages: int = 1
-    with_planes: bool = True
-
-
-# a request's output, or the error that ends it; an export's pages, by its call id
-Reply = tuple[str, RequestOutput | PrefixPages | Exception]
+# a request's output, or the error that ends it
+Reply = tuple[str, RequestOutput | Exception]
 
 
 class Host(Protocol):
@@ -130,12 +118,6 @@ def apply(engine: LLMEngine, message: object) -> list[Reply]:
         case Encoding(busy):
             engine.pacing.encoding = busy
             return []
-        case ExportPrefix(call_id, digests, min_pages, with_planes):
-            try:
-                return [(call_id, engine.export_prefix(digests, min_pages, with_planes))]
-            except Exception as exc:  # a bug: the caller hears of it, the loop goes on
-                logger.exception("exporting a prefix failed")
-                return [(call_id, exc)]
     raise TypeError(f"not a message for the engine: {message!r}")
 
 

@@ -14,9 +14,12 @@ cache, scheduler, sampler, detokenizers) and the parent keeps everything else
       generate(request) ── AddRequest(request) ──────▶ add_request
       abort(request_id) ── AbortRequest(request_id) ─▶ abort_request
       its request's queue ◀── _Outputs (one a step) ── step()
+      export_prefix ── _ExportPrefix ──────────────▶ the pipe reader, beside step()
 
-The child has no other thread that takes the GIL. It ends with its pipe: when
-the parent stops it, closes it, or dies (then the kernel also kills it).
+Besides the loop, the child has one thread: its pipe's reader, which queues the
+messages for the loop and answers an export itself (another instance's fetch of
+a chat's KV pages need not wait for a step of a second). It ends with its pipe:
+when the parent stops it, closes it, or dies (then the kernel also kills it).
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ import asyncio
 import contextlib
 import copy
 import ctypes
+import itertools
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -47,14 +53,7 @@ from services.language.engine.engine import LLMEngine
 from services.language.engine.grammar import Grammars
 from services.language.engine.interface import EngineHost, OutputQueue
 from services.language.engine.kv_cache import PrefixPages
-from services.language.engine.loop import (
-    AbortRequest,
-    AddMedia,
-    AddRequest,
-    Encoding,
-    ExportPrefix,
-    Reply,
-)
+from services.language.engine.loop import AbortRequest, AddMedia, AddRequest, Encoding, Reply
 from services.language.engine.outputs import EngineLoad, EngineLostError, RequestOutput, StepStats
 from services.language.engine.request import Request
 from services.model.spec import ModelSpec
@@ -92,6 +91,20 @@ class _Timing:
 # an output (or the error that ends the request), and with a request's last, its
 # timing; or an export's pages (or its error)
 _Item = tuple[str, RequestOutput | PrefixPages | Exception, _Timing | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _ExportPrefix:
+    """The cached pages the digests begin with (LLMEngine.export_prefix), answered
+    under `call_id` by the child's pipe reader, not its loop."""
+
+    call_id: str
+    digests: tuple[bytes, ...]
+    min_pages: int = 1
+    with_planes: bool = True
+
+
+_CLOSED = "closed"  # the pipe reader's last word: the parent closed the pipe, or is gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,20 +220,55 @@ def main(argv: Sequence[str] = sys.argv[1:]) -> None:
 
 class _Child:
     """The loop's Host in the child: messages from the pipe, replies into it (with
-    the timing of each request's choice 0 as it finishes)."""
+    the timing of each request's choice 0 as it finishes). A thread reads the pipe:
+    it answers an export itself, while the loop steps (LLMEngine.export_prefix
+    reads cached pages safely beside a step), and queues the rest for the loop."""
 
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
         self.requests: dict[str, Request] = {}  # choice 0 of each, for its timing
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._writing = threading.Lock()  # one message at a time into the pipe
+        self._load = engine.load()  # as last published
+        threading.Thread(target=self._read, name="pipe", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = _get(self.conn)
+                if isinstance(message, _ExportPrefix):
+                    self._export(message)
+                else:
+                    self._inbox.put(message)
+        except (EOFError, OSError):
+            self._inbox.put(_CLOSED)
+
+    def _export(self, message: _ExportPrefix) -> None:
+        engine = self.engine
+        item: PrefixPages | Exception
+        try:
+            item = engine.export_prefix(message.digests, message.min_pages, message.with_planes)
+        except Exception as exc:  # a bug: the caller hears of it, the engine goes on
+            logger.exception("exporting a prefix failed")
+            item = exc
+        self._write(_Outputs([(message.call_id, item, None)], self._load))
+
+    def _write(self, outputs: _Outputs) -> None:
+        with self._writing:
+            _put(self.conn, outputs)
 
     def receive(self, timeout: float | None) -> list[object]:
-        """Raises EOFError (or OSError) once the parent has closed the pipe or died."""
-        if timeout != 0:
-            self.conn.poll(timeout)  # a message, or EOF
+        """Raises EOFError once the parent has closed the pipe or died."""
         messages = []
-        while self.conn.poll():
-            messages.append(_get(self.conn))
+        with contextlib.suppress(queue.Empty):
+            messages.append(
+                self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+            )
+            while True:
+                messages.append(self._inbox.get_nowait())
+        if _CLOSED in messages:
+            raise EOFError
         return messages
 
     def apply(self, message: object) -> list[Reply]:
@@ -232,15 +280,11 @@ class _Child:
 
     def publish(self, replies: list[Reply], step: tuple[StepStats, float] | None) -> None:
         if replies or step is not None:
-            _put(
-                self.conn,
-                _Outputs([self._item(*reply) for reply in replies], self.engine.load(), step),
-            )
+            self._load = self.engine.load()
+            self._write(_Outputs([self._item(*reply) for reply in replies], self._load, step))
 
-    def _item(self, request_id: str, item: RequestOutput | PrefixPages | Exception) -> _Item:
+    def _item(self, request_id: str, item: RequestOutput | Exception) -> _Item:
         timing = None
-        if isinstance(item, PrefixPages):
-            return request_id, item, None
         if isinstance(item, Exception) or (item.finished and item.index == 0):
             request = self.requests.pop(request_id, None)
             if request is not None and not isinstance(item, Exception):
@@ -275,6 +319,8 @@ class EngineProcess(EngineHost):
         self._conn: Connection | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._lost = False
+        self._exports: dict[str, asyncio.Future[PrefixPages]] = {}  # by call id
+        self._calls = itertools.count()
         self.num_kv_pages = 0
         self.load = EngineLoad()
 
@@ -356,10 +402,33 @@ class EngineProcess(EngineHost):
                 future.set_exception(EngineLostError("the engine process died"))
         self._on_lost()
 
-    def _post(self, message: ExportPrefix) -> None:
-        self._send(message)
+    async def export_prefix(
+        self, digests: Sequence[bytes], min_pages: int, timeout_s: float, with_planes: bool = True
+    ) -> PrefixPages:
+        call_id = f"\0export-{next(self._calls)}"  # no request's id: a NUL never comes in one
+        future = asyncio.get_running_loop().create_future()
+        self._exports[call_id] = future
+        try:
+            self._send(_ExportPrefix(call_id, tuple(digests), min_pages, with_planes))
+            async with asyncio.timeout(timeout_s):
+                return await future
+        finally:
+            del self._exports[call_id]
 
-    def _send(self, message: AddRequest | AbortRequest | ExportPrefix) -> None:
+    def _answered(self, call_id: str, item: object) -> bool:
+        """Whether an item from the child answers an export (then it is delivered)."""
+        future = self._exports.get(call_id)
+        if future is None:
+            return False
+        if not future.done():
+            if isinstance(item, BaseException):
+                future.set_exception(item)
+            else:
+                assert isinstance(item, PrefixPages)
+                future.set_result(item)
+        return True
+
+    def _send(self, message: AddRequest | AbortRequest | _ExportPrefix) -> None:
         if self._lost or self._conn is None:
             raise EngineLostError("the engine process is not running")
         _put(self._conn, message)
