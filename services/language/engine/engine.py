@@ -167,6 +167,7 @@ class LLMEngine:
         index = torch.cat(rows)
         planes = tuple(p[index] for p in moved.planes)
         self.runner.kv_cache.write_pages([page for _, page in adopted], planes)
+        self.blocks.cache_adopted(moved.digests, adopted)
 
     def _register(self, request: Request) -> None:
         """Its choices, and a detokenizer each."""

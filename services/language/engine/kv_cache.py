@@ -263,11 +263,10 @@ class KVBlockManager:
         return pages
 
     def adopt(self, digests: Sequence[bytes], keep: Sequence[bytes] = ()) -> list[tuple[int, int]]:
-        """Cache pages for the digests this cache lacks, as if computed here:
-        each (index in `digests`, page) to write, idle (the most recently used)
-        until a request takes them. Nothing if pages are short: the request
-        then computes them. The cached pages of `keep` (the request's, before
-        those) are not among the pages taken for them."""
+        """Pages for the digests this cache lacks: each (index in `digests`,
+        page) to write, then to cache (`cache_adopted`). Nothing if pages are
+        short: the request then computes them. The cached pages of `keep` (the
+        request's, before those) are not among the pages taken for them."""
         if not self.prefix_caching:
             return []
         for digest in (*keep, *digests):  # those it has stay: the request needs them first
@@ -277,11 +276,16 @@ class KVBlockManager:
         pages = self.allocate_pages(len(missing)) if missing else []
         if pages is None:
             return []
-        for i, page in zip(missing, pages, strict=True):
+        return list(zip(missing, pages, strict=True))
+
+    def cache_adopted(self, digests: Sequence[bytes], adopted: list[tuple[int, int]]) -> None:
+        """The adopted pages, written, into the cache as if computed here: idle (the
+        most recently used) until a request takes them. Only once written: an
+        export beside a step may read a page as soon as it has its digest."""
+        for i, page in adopted:
             self.cached[digests[i]] = page
             self.hash_of[page] = digests[i]
             self.idle[page] = None
-        return list(zip(missing, pages, strict=True))
 
     @property
     def num_shared_pages(self) -> int:
