@@ -16,8 +16,9 @@ bytes at the measured fetch rate). A fetch that fails (the holder evicted the
 pages, died, or does not answer within FETCH_TIMEOUT_S) costs that wait, never
 the request: the pages are computed here.
 
-The holder's side is the servicer's FetchPrefix: its engine copies the pages
-out between two steps (Engine.export_prefix), `to_reply` sends them.
+The holder's side is the servicer's FetchPrefix: the pages are copied out of
+its engine's cache while the engine steps (Engine.export_prefix), and
+`to_reply` sends them.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from services.wire.convert import dtype_from_proto, dtype_to_proto
 
 logger = logging.getLogger(__name__)
 
-# How long a fetch may take: the holder answers between two of its engine's
-# steps, and it is a busy instance (that is why the turn moved).
+# How long a fetch may take: the holder is a busy instance (that is why the
+# turn moved), its cores shared with its engine's steps.
 FETCH_TIMEOUT_S = 2.0
 # A fetch's cost before any is measured (bench/transfer.py's FetchPrefix line,
 # loopback gRPC on a 2-core AVX512-BF16 host: ~2 ms a round trip, ~0.3 GB/s).

@@ -112,7 +112,7 @@ class LanguageServicer:
 
     def FetchPrefix(self, request, context):
         """A chat's KV pages for another language instance (services/language/prefix_moves.py):
-        the cached pages the digests begin with, copied out between two engine steps.
+        the cached pages the digests begin with, copied out while the engine steps.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
