@@ -308,6 +308,7 @@ def main() -> None:
     parser.add_argument(
         "--uneven", action="store_true", help="the uneven case instead (the module's doc)"
     )
+    parser.add_argument("--rounds", type=int, default=1, help="the uneven case's rounds")
     parser.add_argument("--doc", action="store_true", help="write docs/performance.md's section")
     args = parser.parse_args()
     checkpoint = cached_demo_checkpoint(args.size)
@@ -358,15 +359,29 @@ def main() -> None:
 
 
 def main_uneven(args: argparse.Namespace, checkpoint: Path) -> None:
-    rows = {}
-    for name, flags in UNEVEN:
-        rows[name] = uneven(args, checkpoint, flags)
-        print(f"  {name}: {rows[name]}", flush=True)
+    """Each routing `--rounds` times, in turn (the order reversed every other
+    round: this machine drifts), and each figure's median over the rounds."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in UNEVEN}
+    for round_ in range(args.rounds):
+        for name, flags in UNEVEN if round_ % 2 == 0 else reversed(UNEVEN):
+            runs[name].append(uneven(args, checkpoint, flags))
+            print(f"  {name}: {runs[name][-1]}", flush=True)
+    rows = {name: _medians(results) for name, results in runs.items()}
     table = uneven_table(rows)
     print("\n".join(table))
     if args.doc:
         command = "python -m bench.multiturn " + shlex.join(sys.argv[1:])
         KV_MOVES_DOC.write_text(uneven_markdown(args, table, command) + "\n")
+
+
+def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (a list figure: the last round's)."""
+    return {
+        key: statistics.median(r[key] for r in results)
+        if isinstance(value, int | float)
+        else results[-1][key]
+        for key, value in results[0].items()
+    }
 
 
 def uneven_table(rows: dict[str, dict[str, Any]]) -> list[str]:
@@ -410,8 +425,8 @@ def uneven_markdown(args: argparse.Namespace, table: list[str], command: str) ->
             f"encoder; {args.sessions} chats of {args.turns} turns in two families (each chat "
             "begins with its family's ~500-token system prompt and 448x448 picture; two chats "
             f"of the first family for one of the second), {args.output_len} output tokens, "
-            f"{args.concurrency} chats at once; load bound {' '.join(UNEVEN_BOUND)}: "
-            f"`{command}`.",
+            f"{args.concurrency} chats at once; load bound {' '.join(UNEVEN_BOUND)}; "
+            f"medians of {args.rounds} rounds: `{command}`.",
             "",
             *table,
         ]
