@@ -399,13 +399,13 @@ def uneven_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         "",
         f"With the KV moved: {moved['fetched']:.0f} fetches brought {moved['pages']:.0f} pages "
         f"({moved['mib']:.1f} MiB), {moved['fetch_ms']:.1f} ms each on average; the "
-        f"instances' crossover at the end: {moved['crossover']} pages (a page's measured "
-        f"prefill: {', '.join(f'{ms:.1f}' for ms in moved['prefill_ms_per_page'])} ms; "
+        f"instances' crossover at the end: {', '.join(f'{n:.0f}' for n in moved['crossover'])} "
+        f"pages (a page's measured prefill: "
+        f"{', '.join(f'{ms:.1f}' for ms in moved['prefill_ms_per_page'])} ms; "
         f"fetched: {moved['fetch_ms'] / max(1.0, moved['pages'] / max(1.0, moved['fetched'])):.1f}"
-        " ms). Ratios against the "
-        "KV moved: "
+        " ms). The KV moved, "
         + "; ".join(
-            f"{name}: later-turn TTFT p99 "
+            f"against {name}: later-turn TTFT p99 "
             f"{moved['later_ttft_p99_ms'] / row['later_ttft_p99_ms']:.2f}x, "
             f"req/s {moved['req_s'] / row['req_s']:.2f}x"
             for name, row in list(rows.items())[1:]

@@ -151,3 +151,17 @@ def top_tokens(outputs: list[RequestOutput]) -> list[tuple[int, dict[int, float]
 
 def text(outputs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outputs)
+
+
+def pinned_request(request: Request, checkpoint: Path) -> Request:
+    """The same request streamed (its embeddings to come), pinning its prefix."""
+    return new_request(
+        request.request_id,
+        request.prompt_token_ids,
+        request.sampling,
+        load_spec(checkpoint),
+        request.media_grids,
+        media_keys=request.media_keys,
+        streamed=True,
+        pin_prefix=True,
+    )

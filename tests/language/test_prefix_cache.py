@@ -22,7 +22,13 @@ from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.wire.messages import media_key
 from services.wire.request import SamplingParams
-from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
+from tests.language.engine_fixtures import (
+    make_engine,
+    make_request,
+    pinned_request,
+    run_to_completion,
+    tokens,
+)
 from tests.reference import hf_greedy
 
 SYSTEM = "You are a careful assistant who answers in short sentences. " * 4
@@ -339,20 +345,6 @@ def _bytes(checkpoint: Path, num_tokens: int) -> int:
     return num_tokens * text.num_layers * 2 * text.num_kv_heads * text.head_dim * 4  # fp32
 
 
-def _pinned(request: Request, checkpoint: Path) -> Request:
-    """The same request streamed (its embeddings to come), pinning its prefix."""
-    return new_request(
-        request.request_id,
-        request.prompt_token_ids,
-        request.sampling,
-        load_spec(checkpoint),
-        request.media_grids,
-        media_keys=request.media_keys,
-        streamed=True,
-        pin_prefix=True,
-    )
-
-
 def test_a_turn_that_pins_its_prefix_is_sent_only_the_images_its_cache_lacks(
     tiny_checkpoint: Path,
 ) -> None:
@@ -376,7 +368,7 @@ def test_a_turn_that_pins_its_prefix_is_sent_only_the_images_its_cache_lacks(
     ):
         whole = make_request(tiny_checkpoint, f"t{turn}", chat, images, GREEDY, media_keys=keys)
         assert whole.media_embeds is not None
-        request = _pinned(whole, tiny_checkpoint)
+        request = pinned_request(whole, tiny_checkpoint)
         (told,) = engine.add_request(request)
         assert told.num_media_held == held and not told.token_ids and not told.finished
         assert bool(request.block_table) == bool(held)  # pinned while it waits
@@ -422,7 +414,7 @@ def test_a_preempted_turn_keeps_the_pages_of_the_image_it_was_never_sent(
     )
     run_to_completion(engine, [first])
     engine.add_request(long)
-    request = _pinned(whole, tiny_checkpoint)
+    request = pinned_request(whole, tiny_checkpoint)
     (told,) = engine.add_request(request)
     assert told.num_media_held == _image_tokens(tiny_checkpoint, image)
     assert request.media_positions is not None

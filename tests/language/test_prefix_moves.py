@@ -14,13 +14,17 @@ import torch
 from services.language.engine.engine import LLMEngine
 from services.language.engine.kv_cache import PrefixPages, kv_page_bytes, prefix_digests
 from services.language.engine.outputs import StepStats
-from services.language.engine.request import Request, new_request
 from services.language.prefix_moves import MoveCost
 from services.loadgen.synthetic import random_image
-from services.model.spec import load_spec
 from services.wire.messages import media_key
 from services.wire.request import SamplingParams
-from tests.language.engine_fixtures import make_engine, make_request, run_to_completion, tokens
+from tests.language.engine_fixtures import (
+    make_engine,
+    make_request,
+    pinned_request,
+    run_to_completion,
+    tokens,
+)
 from tests.reference import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -43,21 +47,6 @@ def _turn_2(answer: str) -> list[dict[str, Any]]:
     ]
 
 
-def _streamed(request: Request, checkpoint: Path) -> Request:
-    """The request as a language instance runs it: its embeddings to come, its
-    cached pages pinned as it is added."""
-    return new_request(
-        request.request_id,
-        request.prompt_token_ids,
-        request.sampling,
-        load_spec(checkpoint),
-        request.media_grids,
-        media_keys=request.media_keys,
-        streamed=True,
-        pin_prefix=True,
-    )
-
-
 def _pages(engine: LLMEngine, moved: PrefixPages) -> list[torch.Tensor]:
     """The rows of the moved digests' pages in the engine's cache, per plane."""
     return list(engine.runner.kv_cache.read_pages(engine.blocks.leading_cached(moved.digests)))
@@ -76,7 +65,7 @@ def test_a_turn_on_another_engine_takes_the_moved_pages_and_answers_as_hf(
     chat = _turn_2(answer)
     whole = make_request(tiny_checkpoint, "t2", chat, [IMAGE], GREEDY, media_keys=KEYS)
     assert whole.media_embeds is not None and whole.media_positions is not None
-    request = _streamed(whole, tiny_checkpoint)
+    request = pinned_request(whole, tiny_checkpoint)
     digests = prefix_digests(request, holder.blocks.page_size)
     moved = holder.export_prefix(digests)
     assert 0 < moved.num_pages < len(digests)  # turn 1's pages, not turn 2's question
@@ -111,7 +100,7 @@ def test_a_mover_that_holds_the_system_prompt_fetches_only_the_rest(
     chat = _turn_2(answer)
     whole = make_request(tiny_checkpoint, "t2", chat, [IMAGE], GREEDY, media_keys=KEYS)
     assert whole.media_embeds is not None
-    request = _streamed(whole, tiny_checkpoint)
+    request = pinned_request(whole, tiny_checkpoint)
     digests = prefix_digests(request, holder.blocks.page_size)
 
     other = [TURN_1[0], {"role": "user", "content": [{"type": "text", "text": "Hello."}]}]
