@@ -37,7 +37,7 @@ from services.language.engine.outputs import StepStats
 from services.language.metrics import LanguageMetrics
 from services.proto import language_pb2, language_pb2_grpc
 from services.runtime import tracing
-from services.runtime.grpc_server import channel
+from services.runtime.grpc_server import MAX_MESSAGE_BYTES, channel
 from services.transfer.embedding_pool import tensor_bytes, tensor_from_bytes
 from services.wire.convert import dtype_from_proto, dtype_to_proto
 
@@ -125,6 +125,10 @@ class MoveCost:
             return 2**31
         return max(1, math.floor(self.fetch_latency_s / saved) + 1)
 
+    def max_pages(self) -> int:
+        """The most pages one fetch brings: half what a gRPC message may hold."""
+        return max(1, MAX_MESSAGE_BYTES // 2 // self.page_bytes)
+
     def on_step(self, stats: StepStats, seconds: float) -> None:
         """A prefill step of at least a page of prompt tokens updates the rate."""
         prompt = stats.num_tokens - stats.num_generated
@@ -159,7 +163,9 @@ class PrefixPeers:
         """The cached pages the digests begin with, from the instance at `address`;
         None (they are then computed here) where too few for a fetch to pay, or
         where that instance does not hold them, cannot be reached or does not
-        answer in time."""
+        answer in time. At most what one gRPC message holds (the leading pages:
+        the rest are computed here)."""
+        digests = digests[: self.cost.max_pages()]
         min_pages = self.cost.min_pages()
         self.metrics.prefix_move_min_pages.set(min_pages)
         self.metrics.prefill_token_seconds.set(self.cost.prefill_s_per_token)

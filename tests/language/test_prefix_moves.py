@@ -16,6 +16,7 @@ from services.language.engine.kv_cache import PrefixPages, kv_page_bytes, prefix
 from services.language.engine.outputs import StepStats
 from services.language.prefix_moves import MoveCost
 from services.loadgen.synthetic import random_image
+from services.runtime.grpc_server import MAX_MESSAGE_BYTES
 from services.wire.messages import media_key
 from services.wire.request import SamplingParams
 from tests.language.engine_fixtures import (
@@ -211,3 +212,6 @@ def test_the_cost_model_moves_pages_past_its_measured_crossover() -> None:
     assert abs(cost.prefill_s_per_token - 1e-5) < 1e-7  # a step under a page measures nothing
     cost.fetch_s_per_byte = 1e-6  # a slow link: a page's bytes cost more than computing it
     assert cost.min_pages() == 2**31
+    # a fetch is one gRPC message: at most half of its limit
+    assert cost.max_pages() * cost.page_bytes <= MAX_MESSAGE_BYTES // 2
+    assert (cost.max_pages() + 1) * cost.page_bytes > MAX_MESSAGE_BYTES // 2
