@@ -365,7 +365,10 @@ class Frontend:
         if not rendered.prefix_holder or self.prefix_peers is None:
             return
         digests = prefix_digests(request, self.prefix_peers.shape.page_size)
-        held = await self.engine.export_prefix(digests, 1, FETCH_TIMEOUT_S, with_planes=False)
+        try:
+            held = await self.engine.export_prefix(digests, 1, FETCH_TIMEOUT_S, with_planes=False)
+        except TimeoutError:
+            return  # its own engine did not say: the request computes its pages
         missing = digests[held.num_pages :]  # those it holds (a shared system prompt) stay
         if missing:
             request.moved_prefix = await self.prefix_peers.fetch(rendered.prefix_holder, missing)
