@@ -22,6 +22,12 @@ Peer fetch: the same `mib` MiB from another encoder's embedding cache over
 in this process, the call over loopback gRPC), against the memcpy; median of
 `repeats`, bit-exact.
 
+Prefix fetch: a chat's KV pages fetched from another language instance
+(`Language.FetchPrefix`, what a turn that moves does instead of its prefill;
+the small demo in its dtype here, the holder's engine in a child process,
+loopback gRPC), against prefilling the same number of pages on the same idle
+instance; the crossover is the fewest pages a fetch beats. Medians of `repeats`.
+
 `--across-hosts` (root: network namespaces, tests/multihost/hosts.py): the
 broker and the language instance on one namespace host, this process on
 another; NIXL and the gRPC stream against a raw TCP stream of the same bytes
@@ -55,8 +61,16 @@ from services.encoder.metrics import EncoderMetrics
 from services.encoder.peers import Peers
 from services.encoder.send_buffer import SendBuffer
 from services.encoder.server import EncoderServer
+from services.language.config import LanguageConfig
+from services.language.engine.config import EngineConfig
+from services.language.engine.kv_cache import kv_page_bytes, kv_planes, prefix_digests
+from services.language.engine.request import new_request
+from services.language.metrics import LanguageMetrics
+from services.language.prefix_moves import MoveCost, PageShape, PrefixPeers
+from services.language.server import LanguageServer
 from services.loadgen.stats import percentile
 from services.model.demo import cached_demo_checkpoint
+from services.model.spec import load_spec
 from services.proto import (
     broker_pb2,
     broker_pb2_grpc,
@@ -74,7 +88,9 @@ from services.transfer.transports.base import Part, Writer
 from services.transfer.transports.grpc_stream import GrpcWriter
 from services.transfer.transports.nixl import NixlWriter
 from services.transfer.transports.shm import ShmWriter
+from services.wire.dtypes import resolve_dtype
 from services.wire.messages import Heartbeat, MediaGrid, Register, Role
+from services.wire.request import SamplingParams
 from services.wire.transport import Transport
 
 HIDDEN = 128  # the tiny demo model's embedding width (float32: 512 bytes a token)
@@ -405,6 +421,78 @@ async def peer_fetch(mib: int, repeats: int) -> None:
     )
 
 
+PAGES = (1, 4, 16, 64)  # prefix sizes the crossover is measured at
+
+
+async def prefix_fetch(repeats: int) -> None:
+    """Pages fetched from another language instance against their prefill there
+    (a completion's time to its first token, less a one-token call's)."""
+    folder = cached_demo_checkpoint("small")
+    spec = load_spec(folder)
+    dtype = resolve_dtype("auto")
+    engine = EngineConfig(max_model_len=2048, kv_cache_bytes=512 << 20, dtype=dtype)
+    holder = LanguageServer(
+        LanguageConfig(
+            folder,
+            "bench",
+            instance=InstanceConfig(Role.LANGUAGE, port=0),
+            engine=engine,
+            engine_process=True,
+        )
+    )
+    await holder.start()
+    stub = language_pb2_grpc.LanguageStub(channel(holder.grpc.address))
+    page_bytes = kv_page_bytes(spec.text, engine.page_size, dtype)
+    cost = MoveCost(engine.page_size, page_bytes, prefill_s_per_token=1.0)  # fetch any size
+    widths = tuple(plane.width for plane in kv_planes(spec.text))
+    shape = PageShape(engine.page_size, dtype, widths)
+    peers = PrefixPeers(shape, cost, LanguageMetrics(metrics_registry()))
+    rows = []
+    try:
+        # a call's own time (one prompt token): what a turn that moves pays too
+        alone = [await _first_token_s(stub, f"call-{i}", [100 + i]) for i in range(repeats + 1)]
+        call_s = statistics.median(alone[1:])
+        for pages in PAGES:
+            tokens = pages * engine.page_size + 1  # the last token is never a page's
+            prefill, fetch = [], []
+            for i in range(repeats + 1):  # the first warms up
+                prompt = [100 + (7 * i + 13 * t + pages) % 900 for t in range(tokens)]
+                prefill.append(await _first_token_s(stub, f"p{pages}-{i}", prompt))
+                request = new_request("x", prompt, SamplingParams(max_tokens=1), spec)
+                digests = prefix_digests(request, engine.page_size)
+                started = time.perf_counter()
+                got = await peers.fetch(holder.grpc.address, digests)
+                fetch.append(time.perf_counter() - started)
+                assert got is not None and got.num_pages == pages
+            prefill_s = statistics.median(prefill[1:]) - call_s
+            rows.append((pages, prefill_s, statistics.median(fetch[1:])))
+    finally:
+        await peers.close()
+        await holder.stop()
+    print(f"prefix fetch ({dtype}, {page_bytes // 1024} KiB a page) vs their prefill, idle:")
+    for pages, prefill_s, fetch_s in rows:
+        print(
+            f"  {pages:>3} pages: fetch {fetch_s * 1e3:7.1f} ms   prefill {prefill_s * 1e3:7.1f} ms"
+        )
+    crossover = next((p for p, prefill_s, fetch_s in rows if fetch_s < prefill_s), None)
+    print(f"  crossover: {crossover if crossover else f'more than {PAGES[-1]}'} pages")
+
+
+async def _first_token_s(
+    stub: language_pb2_grpc.LanguageStub, request_id: str, prompt: list[int]
+) -> float:
+    """A completion's time to its first token: its prompt's prefill, and a call."""
+    request = language_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(max_tokens=1),
+    )
+    started = time.perf_counter()
+    async for _ in stub.Generate(request):
+        break
+    return time.perf_counter() - started
+
+
 async def control_plane(stubs: Stubs, side: EncoderSide, peer: Register, requests: int) -> None:
     small = MediaGrid(1, 16, 16)
     for i in range(20):
@@ -433,6 +521,7 @@ def main() -> None:
     if not args.across_hosts:
         asyncio.run(run(args))
         asyncio.run(peer_fetch(args.mib, args.repeats))
+        asyncio.run(prefix_fetch(args.repeats))
         return
     from tests.multihost.hosts import make_network, remove_network
 

@@ -1,13 +1,14 @@
 """A conversation moves with its KV, through the whole stack (a real Triton,
-broker, encoder, two language instances with their engines in child processes,
-the gateway; the official openai client). Turn 1 about an image runs on the
-holder. The holder is then busy past the load bound (a request of its own that
-waits for embeddings), so the broker routes turn 2 to the other instance and
-names the holder: the mover fetches the chat's KV pages from it, computes only
-turn 2's new tokens, is sent no embedding (no Triton request either), and
-answers as HF generate() does. A holder that stalls (SIGSTOP) or dies (SIGKILL)
-during the fetch, `epd language` in a process of its own, costs the fetch, not
-the turn: the mover computes the pages itself."""
+broker, encoder, two language instances, the gateway; the official openai
+client; the engines in child processes, but for the mover of the fault tests).
+Turn 1 about an image runs on the holder. The holder is then busy past the load
+bound (a request of its own that waits for embeddings), so the broker routes
+turn 2 to the other instance and names the holder: the mover fetches the chat's
+KV pages from it, computes only turn 2's new tokens, is sent no embedding (no
+Triton request either), and answers as HF generate() does. A holder that
+stalls (SIGSTOP) or dies (SIGKILL) during the fetch, `epd language` in a
+process of its own, costs the fetch, not the turn: the mover computes the
+pages itself."""
 
 from __future__ import annotations
 
@@ -70,8 +71,10 @@ class Stack:
     def client(self) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=self.gateway.url + "/v1", api_key="none", max_retries=0)
 
-    async def add_language(self) -> LanguageServer:
-        language = await start_language(self.checkpoint, self.broker, ENGINE, engine_process=True)
+    async def add_language(self, engine_process: bool = True) -> LanguageServer:
+        language = await start_language(
+            self.checkpoint, self.broker, ENGINE, engine_process=engine_process
+        )
         self.languages.append(language)
         return language
 
@@ -241,7 +244,9 @@ async def test_a_holder_that_stalls_or_dies_costs_the_fetch_not_the_turn(
             registry = stack.broker.broker.registry
             await until(lambda: registry.get(HOLDER) is not None, 120)
             first, _ = await _ask(stack, _turn_1())  # the only instance: the holder
-            mover = await stack.add_language()
+            # its engine in this process: an engine process's start-up would hold this
+            # event loop (and the gateway's streams, pings unanswered) for seconds
+            mover = await stack.add_language(engine_process=False)
             await until(lambda: len(registry.sessions()) == 3, 30)
             session = registry.get(HOLDER)
             assert session is not None

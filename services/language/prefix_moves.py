@@ -46,13 +46,13 @@ logger = logging.getLogger(__name__)
 # How long a fetch may take: the holder is a busy instance (that is why the
 # turn moved), its cores shared with its engine's steps.
 FETCH_TIMEOUT_S = 2.0
-# A fetch's cost before any is measured (bench/transfer.py's FetchPrefix line,
-# loopback gRPC on a 2-core AVX512-BF16 host: ~2 ms a round trip, ~0.3 GB/s).
-FETCH_LATENCY_S = 0.002
-FETCH_SECONDS_PER_BYTE = 1 / 0.3e9
-# A prefill token's cost before a prefill step is measured: low, so that the
-# first turns move (a step soon measures the real rate).
-PREFILL_SECONDS_PER_TOKEN = 1e-4
+# A fetch's cost before any is measured, and a prefill token's before a step is
+# (bench/transfer.py's prefix fetch lines: the small demo in bfloat16 on an idle
+# 2-core AVX512-BF16 host, loopback gRPC: 4.7 ms for one page, 47 ms for 64;
+# their prefill 2.5 ms a page): a crossover of 3 pages, as measured there.
+FETCH_LATENCY_S = 0.004
+FETCH_SECONDS_PER_BYTE = 1 / 0.2e9
+PREFILL_SECONDS_PER_TOKEN = 1.5e-4
 SMOOTHING = 0.2  # the weight of each new measurement
 
 
