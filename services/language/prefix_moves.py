@@ -95,8 +95,8 @@ def from_reply(
             f"the holder's pages are {dtype} in planes {list(reply.widths)}, "
             f"ours {shape.dtype} in {list(shape.widths)}"
         )
-    planes = tuple(
-        tensor_from_bytes(data, dtype, width).clone()
+    planes = tuple(  # views of the reply's bytes: read once, as the engine adopts them
+        tensor_from_bytes(data, dtype, width)
         for data, width in zip(reply.data, reply.widths, strict=True)
     )
     rows = reply.num_pages * page_size

@@ -163,9 +163,11 @@ class LLMEngine:
         adopted = self.blocks.adopt(moved.digests, keep)
         if not adopted:
             return
-        rows = [torch.arange(i * moved.page_size, (i + 1) * moved.page_size) for i, _ in adopted]
-        index = torch.cat(rows)
-        planes = tuple(p[index] for p in moved.planes)
+        planes = moved.planes
+        if len(adopted) < moved.num_pages:  # some were here already: only the others' rows
+            size = moved.page_size
+            index = torch.cat([torch.arange(i * size, (i + 1) * size) for i, _ in adopted])
+            planes = tuple(p[index] for p in planes)
         self.runner.kv_cache.write_pages([page for _, page in adopted], planes)
         self.blocks.cache_adopted(moved.digests, adopted)
 
