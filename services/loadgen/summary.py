@@ -57,7 +57,9 @@ def summarize(run: RunResult, slo_ms: dict[str, float] | None = None) -> dict[st
         "by_kind": {},
     }
     if slo_ms:
-        summary["goodput"] = sum(meets(r, slo_ms) for r in ok) / duration
+        good = sum(meets(r, slo_ms) for r in ok)
+        summary["goodput"] = good / duration
+        summary["slo_attainment"] = good / len(run.results) if run.results else 0.0
         summary["slo_ms"] = slo_ms
     for kind in sorted({r.kind for r in run.results}):
         subset = [r for r in ok if r.kind == kind]

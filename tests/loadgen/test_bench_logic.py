@@ -165,6 +165,7 @@ def test_summary_counts_throughput_percentiles_and_goodput() -> None:
     assert summary["by_kind"]["text"]["latency_ms"]["tpot"]["median"] == pytest.approx(75)
     assert summary["by_kind"]["image"]["completed"] == 1
     assert summary["goodput"] == pytest.approx(1 / 4)  # only request 1 meets both SLOs
+    assert summary["slo_attainment"] == pytest.approx(1 / 4)  # of the 4 sent
     assert meets(results[1], {"ttft": 500, "tpot": 80})
     assert not meets(results[0], {"tpot": 80})
 
@@ -364,15 +365,22 @@ def test_the_goodput_headline_is_at_the_peers_peak_and_each_class_has_its_sectio
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from bench import goodput
-    from bench.goodput import Point, headline, table, with_class_section
+    from bench.goodput import Point, headline, holding, table, with_class_section
 
-    def points(goodputs: list[float]) -> list[Point]:
-        return [Point(0.5 * (i + 1), g, 10, 0, 1.0, 2.0, 3.0, 4.0) for i, g in enumerate(goodputs)]
+    def points(goodputs: list[float], attained: list[float]) -> list[Point]:
+        return [
+            Point(0.5 * (i + 1), g, 10, 0, 1.0, 2.0, 3.0, 4.0, a)
+            for i, (g, a) in enumerate(zip(goodputs, attained, strict=True))
+        ]
 
-    epd, peer = points([0.5, 1.0, 1.4, 1.2]), points([0.5, 0.9, 0.7, 0.3])
+    epd = points([0.5, 1.0, 1.4, 1.2], [1.0, 1.0, 0.95, 0.6])
+    peer = points([0.5, 0.9, 0.7, 0.3], [1.0, 0.9, 0.5, 0.2])
     assert headline(epd, peer) == (1.0, pytest.approx(1.0 / 0.9))
     rows = table(epd, peer, "vLLM")
-    assert len(rows) == 2 + 4 and "| 1.50 | 1.40 | 0.70 | 2.00x |" in rows[4]
+    assert len(rows) == 2 + 4 and "| 1.50 | 1.40 | 0.70 | 2.00x | 95% / 50% |" in rows[4]
+    assert "EPD 1.50, vLLM 1.00 req/s; EPD / vLLM 1.50x" in holding(epd, peer, "vLLM")
+    epd = points([0.5, 1.0, 1.4, 1.9], [1.0, 1.0, 1.0, 0.95])
+    assert "EPD at least 2.00, vLLM 1.00" in holding(epd, peer, "vLLM")
     doc = "# Goodput\n"
     for cpu, run in [("AVX2", 1), ("AVX512-BF16", 1), ("AVX2", 2)]:
         monkeypatch.setattr(goodput, "cpu_class", lambda cpu=cpu: cpu)
