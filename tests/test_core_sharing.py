@@ -1,7 +1,8 @@
 """How `epd serve` has the language engine share one host's cores with the vision
 side: where they share all of them, its engine steps on half the threads while
 its requests await embeddings (--threads-while-encoding), paces its decode steps
-meanwhile by the TPOT target (--tpot-slo-ms, TPOT_SLO_MS unless given, or a fixed
+meanwhile by the TPOT and TTFT targets (--tpot-slo-ms and --ttft-slo-ms, TPOT_SLO_MS
+and TTFT_SLO_MS unless given, or a fixed
 --decode-interval-while-encoding-ms), and its OpenMP threads
 spin between its operators (GOMP_SPINCOUNT over the stack's PASSIVE), and Triton
 runs one request a forward (configs/shared-cpu.pbtxt); where the cores are set
@@ -15,6 +16,7 @@ from pathlib import Path
 from services.launcher.serve import (
     GOMP_DEFAULT_SPIN_COUNT,
     TPOT_SLO_MS,
+    TTFT_SLO_MS,
     Component,
     StackConfig,
     components,
@@ -55,6 +57,7 @@ def test_one_language_instance_on_shared_cores_yields_them_while_encoding(tmp_pa
     assert language.spin_count == GOMP_DEFAULT_SPIN_COUNT
     assert _triton_config(StackConfig(tmp_path, "m", tmp_path)) == "shared-cpu"
     assert _target_flag(language) == str(TPOT_SLO_MS) and _interval_flag(language) is None
+    assert _flag(language, "--ttft-slo-ms") == str(TTFT_SLO_MS)
     given = _language(
         StackConfig(
             tmp_path, "m", tmp_path, threads_while_encoding=3, decode_interval_while_encoding_ms=7
@@ -62,8 +65,8 @@ def test_one_language_instance_on_shared_cores_yields_them_while_encoding(tmp_pa
     )
     assert _threads_flag(given) == "3" and _interval_flag(given) == "7"
     assert _target_flag(given) is None  # a fixed interval overrides the target
-    target = _language(StackConfig(tmp_path, "m", tmp_path, tpot_slo_ms=250))
-    assert _target_flag(target) == "250"
+    target = _language(StackConfig(tmp_path, "m", tmp_path, tpot_slo_ms=250, ttft_slo_ms=0))
+    assert _target_flag(target) == "250" and _flag(target, "--ttft-slo-ms") == "0"
 
 
 def test_cores_set_apart_or_shared_by_two_language_instances_are_left_alone(

@@ -150,4 +150,5 @@ def test_a_stack_passes_its_components_only_what_they_parse(tmp_path: Path) -> N
                 threads_while_encoding=config.engine.threads_while_encoding,
                 decode_interval_while_encoding_ms=config.engine.decode_interval_while_encoding_ms,
                 tpot_slo_ms=config.engine.tpot_slo_ms,
+                ttft_slo_ms=config.engine.ttft_slo_ms,
             )

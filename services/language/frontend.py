@@ -37,7 +37,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -108,6 +108,7 @@ class Rendered:
     held_items: int = 0  # the leading items the prefix cache may hold (GenerateRequest's)
     cache_salt: str = ""  # the client's cache scope (GenerateRequest's)
     prefix_holder: str = ""  # another instance that holds the chat's KV pages (GenerateRequest's)
+    arrived: float = field(default_factory=time.monotonic)  # when it was rendered
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +302,8 @@ class Frontend:
         self.prefill_while_encoding = prefill_while_encoding
         self.prefix_peers = prefix_peers  # None: a chat's KV pages never move here
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._awaiting_media = 0  # requests in `receive`: the engine is told when any are
+        # when each request now in `_receiving` came: the engine is told the oldest
+        self._awaiting_media: list[float] = []
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """The whole path of a request whose embeddings an encoder sends."""
@@ -536,18 +538,25 @@ class Frontend:
         meanwhile the engine knows that a request awaits its media."""
         assert self.receiver is not None, "a frontend without a receiver takes pixels"
         request_id = rendered.request_id
-        self._awaiting_media += 1
-        if self._awaiting_media == 1:
-            self.engine.set_encoding(True)
+        self._await_media(rendered.arrived, True)
         try:
             with tracing.span("language.receive", hinted_tokens=sum(rendered.hints)):
                 await self.receiver.expect(request_id, sum(rendered.hints), skip)
                 yield self.receiver
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
-            self._awaiting_media -= 1
-            if not self._awaiting_media:
-                self.engine.set_encoding(False)
+            self._await_media(rendered.arrived, False)
+
+    def _await_media(self, arrived: float, awaits: bool) -> None:
+        """A request that came at `arrived` now awaits its media, or no longer:
+        the engine is told when the oldest awaiting one came, as that changes."""
+        oldest = min(self._awaiting_media, default=None)
+        if awaits:
+            self._awaiting_media.append(arrived)
+        else:
+            self._awaiting_media.remove(arrived)
+        if (oldest_now := min(self._awaiting_media, default=None)) != oldest:
+            self.engine.set_encoding(oldest_now)
 
     async def rebuild(self, rendered: Rendered, grids: Sequence[MediaGrid]) -> Rendered:
         """The prompt for the real grids, tokenized again only where they differ

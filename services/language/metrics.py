@@ -139,7 +139,7 @@ class LanguageMetrics:
         self.held_steps = Counter(
             "epd_language_held_steps",
             "Decode-only steps held while requests awaited their embeddings "
-            "(--tpot-slo-ms, or --decode-interval-while-encoding-ms)",
+            "(--tpot-slo-ms and --ttft-slo-ms, or --decode-interval-while-encoding-ms)",
             registry=registry,
         )
         self.pacing_unmet_steps = Counter(

@@ -461,6 +461,12 @@ ENGINE = (
         "the target leaves over its measured time (0: no target; a decode interval "
         "overrides it)",
     ),
+    Option(
+        "ttft_slo_ms",
+        help="and by this TTFT target (ms): the waits come only as the oldest "
+        "request awaiting its embeddings needs them, from a quarter of the target since "
+        "it came, whole from half (0: whenever requests await them)",
+    ),
 )
 ENGINE_IMPLIED = (("dtype", "--dtype"),)
 
@@ -646,6 +652,13 @@ STACK = Table(
             "--threads-while-encoding), a step that only decodes waits, while images "
             "encode, what the target leaves over a decode step's measured time, and the "
             "tower computes in between (0: back to back)",
+        ),
+        Option(
+            "ttft_slo_ms",
+            parse=int,
+            help="the image requests' TTFT target (ms): those waits come only "
+            "as the oldest request awaiting its embeddings needs them (0: whenever "
+            "requests await them)",
         ),
         Option("monolithic", help="one process, no Triton and no broker: the baseline"),
         Option(

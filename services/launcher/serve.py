@@ -69,6 +69,9 @@ GOMP_DEFAULT_SPIN_COUNT = 300_000  # libgomp's, where OMP_WAIT_POLICY is unset
 # step's measured time (Pacing): the tower computes in between, and the running
 # requests' tokens stay inside the target. 100 ms a token is faster than people read.
 TPOT_SLO_MS = 100
+# It waits only as the oldest image awaiting the tower needs it by this TTFT target: a
+# request far from late costs the running ones little. 3 s is what a chat user waits.
+TTFT_SLO_MS = 3000
 
 STOP_MARGIN_S = 5.0  # past the grace: what has not left by then is killed
 
@@ -274,6 +277,7 @@ class StackConfig:
     # (None: paced by the TPOT target: language_pacing)
     decode_interval_while_encoding_ms: int | None = None
     tpot_slo_ms: int = TPOT_SLO_MS
+    ttft_slo_ms: int = TTFT_SLO_MS
     monolithic: bool = False
     metrics_offset: int = METRICS_OFFSET  # a gRPC component's metrics port: its own + this
     # CPU sets ("0-3") for the vision side (Triton, encoders) and the language
@@ -347,14 +351,14 @@ class StackConfig:
     def language_pacing(self) -> list[str]:
         """How a language instance paces its decode steps while the vision side
         encodes: the interval as given; else, where the vision side shares its
-        cores, by the TPOT target; else not at all (back to back)."""
+        cores, by the TPOT and TTFT targets; else not at all (back to back)."""
         if self.decode_interval_while_encoding_ms is not None:
             return [
                 "--decode-interval-while-encoding-ms",
                 str(self.decode_interval_while_encoding_ms),
             ]
         if self.vision_shares_cores and self.tpot_slo_ms:
-            return ["--tpot-slo-ms", str(self.tpot_slo_ms)]
+            return ["--tpot-slo-ms", str(self.tpot_slo_ms), "--ttft-slo-ms", str(self.ttft_slo_ms)]
         return []
 
     def language_cpus_of(self, index: int) -> str:

@@ -267,13 +267,13 @@ def test_steps_run_on_fewer_threads_while_the_vision_side_encodes(tiny_checkpoin
     engine.pacing = Pacing(dataclasses.replace(engine.config, threads_while_encoding=1))
     engine.add_request(request())
     try:
-        engine.pacing.encoding = True
+        engine.pacing.awaiting_since = time.monotonic()
         first, _ = engine.step()
         assert torch.get_num_threads() == 1
-        engine.pacing.encoding = False
+        engine.pacing.awaiting_since = None
         second, _ = engine.step()
         assert torch.get_num_threads() == threads
-        engine.pacing.encoding = True
+        engine.pacing.awaiting_since = time.monotonic()
         rest = run_to_completion(engine, [])
     finally:
         torch.set_num_threads(threads)
@@ -299,13 +299,13 @@ def test_decode_steps_wait_their_interval_while_the_vision_side_encodes(
     engine.runner.execute = slow_execute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
-    engine.pacing.encoding = True
+    engine.pacing.awaiting_since = time.monotonic()
     assert engine.step_delay() == 0.0  # its prompt is to compute
     engine.step()  # the prompt: a decode from now on
     assert 0.12 < engine.step_delay() <= 0.2  # counted from the step's end, not its start
-    engine.pacing.encoding = False
+    engine.pacing.awaiting_since = None
     assert engine.step_delay() == 0.0
-    engine.pacing.encoding = True
+    engine.pacing.awaiting_since = time.monotonic()
     engine.add_request(make_request(tiny_checkpoint, "b", chat("Hi"), [], params))
     assert engine.step_delay() == 0.0  # b's prompt goes at once
     time.sleep(0.2)
@@ -332,7 +332,7 @@ def test_a_tpot_target_paces_decode_steps_by_what_it_leaves_over_a_measured_step
     engine.runner.execute = slow_execute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
-    engine.pacing.encoding = True
+    engine.pacing.awaiting_since = time.monotonic()
     for _ in range(3):  # the prompt, then decode steps of ~30 ms
         engine.step()
     measured = engine.pacing.decode_step_s
@@ -346,10 +346,45 @@ def test_a_tpot_target_paces_decode_steps_by_what_it_leaves_over_a_measured_step
     assert engine.step_delay() == 0.0
     _, stats = engine.step()
     assert stats.pacing_unmet and not stats.held_s
-    engine.pacing.encoding = False
+    engine.pacing.awaiting_since = None
     assert engine.step_delay() == 0.0
     _, stats = engine.step()
     assert not stats.pacing_unmet  # nothing awaits embeddings: nothing to give
+
+
+def test_a_ttft_target_holds_decode_steps_only_as_the_oldest_awaiting_request_needs(
+    tiny_checkpoint: Path,
+) -> None:
+    """ttft_slo_ms: while the oldest request awaiting its embeddings is younger
+    than EASY x the target, decode steps run back to back; from then on they
+    wait a growing share of what the TPOT target leaves, the whole of it from
+    URGENT x the target. Their threads drop to threads_while_encoding at every
+    age (all of them beside the tower slow both)."""
+    tpot, ttft = 0.4, 4.0
+    engine = make_engine(tiny_checkpoint)
+    config = dataclasses.replace(
+        engine.config, tpot_slo_ms=tpot * 1000, ttft_slo_ms=ttft * 1000, threads_while_encoding=1
+    )
+    engine.pacing = Pacing(config)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
+    threads = torch.get_num_threads()
+    seen = []  # (the hold the step due wants, over the whole wait; the step's threads)
+    try:
+        for age in (0.0, 0.1, 0.375, 0.75):  # of the TTFT target, since the oldest came
+            engine.pacing.awaiting_since = time.monotonic() - age * ttft
+            engine.step()
+            step_threads = torch.get_num_threads()
+            now = time.monotonic()
+            engine.pacing.awaiting_since = now - age * ttft  # as old as it was at the step
+            whole = engine.pacing.interval()
+            wants = engine.pacing.urgency(now) * whole
+            seen.append((round(wants / whole, 1), step_threads))
+            assert wants - 0.05 < engine.step_delay() <= wants
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < whole <= MARGIN * tpot
+    assert seen == [(0.0, 1), (0.0, 1), (0.5, 1), (1.0, 1)]
 
 
 def test_decode_steps_run_on_the_decode_threads_and_prompts_on_all(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -303,16 +304,19 @@ async def test_the_engine_is_told_while_requests_await_their_embeddings(
 ) -> None:
     """Pacing.encoding (its steps' threads: EngineConfig.threads_while_encoding)
     is on from the first request awaiting its embeddings to the last one's end,
-    whether that one got them or went away."""
+    whether that one got them or went away; the engine knows when the oldest of
+    them came (Pacing.awaiting_since: the TTFT target's pacing)."""
     _, _, language = stack
     engine = language.engine.engine
     assert not engine.pacing.encoding
     waiting = await awaiting_embeddings(language, "encoding-waits")
     await until(lambda: engine.pacing.encoding)
+    oldest = engine.pacing.awaiting_since
+    assert oldest is not None and oldest <= time.monotonic()
     image = encode_image(random_image(64, 64, seed=3))
     sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0)
     await generate(stack, tiny_checkpoint, "encoding-served", "What is it?", [image], sampling)
-    assert engine.pacing.encoding  # the first one still waits
+    assert engine.pacing.awaiting_since == oldest  # the first one still waits
     waiting.cancel()
     await until(lambda: not engine.pacing.encoding)
 

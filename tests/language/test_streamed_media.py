@@ -270,7 +270,7 @@ def test_a_chunk_that_waits_for_its_image_does_not_count_as_prefill_work(
     long it was held (for the metric), and so does each request (for its trace)."""
     engine = make_engine(tiny_checkpoint, cuda_graphs=False)
     engine.pacing = Pacing(replace(engine.config, decode_interval_while_encoding_ms=200))
-    engine.pacing.encoding = True
+    engine.pacing.awaiting_since = time.monotonic()
     engine.add_request(anew(whole[0], tiny_checkpoint, streamed=False))
     engine.step()  # r0's prompt: it decodes from now on
     blocked = anew(whole[1], tiny_checkpoint)

@@ -256,8 +256,8 @@ class AsyncEngine(EngineHost):
         self._inbox.put(AbortRequest(request_id))
         self._wake.set()
 
-    def set_encoding(self, busy: bool) -> None:
-        self._inbox.put(Encoding(busy))
+    def set_encoding(self, since: float | None) -> None:
+        self._inbox.put(Encoding(since))
         self._wake.set()
 
     async def export_prefix(

@@ -60,6 +60,10 @@ class EngineConfig:
     # step's measured time (Pacing.interval). 0: no target; a decode interval, when
     # given, overrides it.
     tpot_slo_ms: int = 0
+    # And a TTFT target (ms): the waits come only as the oldest request awaiting
+    # its embeddings needs them, by its age against the target (Pacing.urgency).
+    # 0: whenever requests await.
+    ttft_slo_ms: int = 0
     # OpenMP threads of a step that only decodes (0: all). `epd serve` on a small
     # host may leave a core to the processes that stream the tokens: on the small
     # demo (2 cores) one thread decodes as fast there as two, which stall on every

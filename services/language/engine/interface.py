@@ -82,7 +82,8 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def set_encoding(self, busy: bool) -> None: ...
+    def set_encoding(self, since: float | None) -> None:
+        """When the oldest request now awaiting its embeddings came (None: none)."""
 
     def start(self) -> None: ...
 

@@ -51,9 +51,11 @@ class AbortRequest:
 
 @dataclass(frozen=True, slots=True)
 class Encoding:
-    """Whether requests of this instance await their embeddings (Pacing.encoding)."""
+    """When the oldest request of this instance now awaiting its embeddings came
+    (time.monotonic, one clock for the host's processes; None: none awaits them):
+    Pacing.awaiting_since."""
 
-    busy: bool
+    since: float | None
 
 
 # a request's output, or the error that ends it
@@ -115,8 +117,8 @@ def apply(engine: LLMEngine, message: object) -> list[Reply]:
             return replies(engine.add_media(request_id, start, embeds, deepstack))
         case AbortRequest(request_id):
             return replies(engine.abort_request(request_id))
-        case Encoding(busy):
-            engine.pacing.encoding = busy
+        case Encoding(since):
+            engine.pacing.awaiting_since = since
             return []
     raise TypeError(f"not a message for the engine: {message!r}")
 

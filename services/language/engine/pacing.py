@@ -9,7 +9,19 @@ TPOT target leaves. A decode step plus its wait may take MARGIN of the target
 wait is MARGIN x target minus a decode step's measured time: a faster machine
 or a smaller batch gives the tower more, a slower one less, and none where a
 decode step alone takes the target, which the engine then counts (`unmet`):
-the first tokens and the TPOT target cannot both be kept there."""
+the first tokens and the TPOT target cannot both be kept there.
+
+When: with a TTFT target too, only as the oldest request awaiting its
+embeddings needs it. Before EASY of the target has passed since it came, decode
+steps run back to back (the running requests' tokens come as fast as they
+can); from then on the wait grows with its age, to the whole of what the TPOT
+target leaves at URGENT of the target. A request whose first token is far from
+late costs the running ones little; one near late gets what the TPOT target
+can spare. Without a TTFT target every wait is whole. The threads drop to
+threads_while_encoding whenever requests await, urgent or not: a step on all
+of them beside the tower is slower for both (measured: decode steps back to
+back on both cores beside the tower doubled TPOT p50, and the first tokens
+came later too)."""
 
 from __future__ import annotations
 
@@ -22,6 +34,8 @@ from services.language.engine.config import EngineConfig
 from services.language.engine.scheduler import Scheduled
 
 MARGIN = 0.8  # of the TPOT target a decode step and its wait may take
+EASY = 0.25  # of the TTFT target: a younger oldest awaiting request gets no wait
+URGENT = 0.5  # of the TTFT target: an older one gets the whole wait
 SMOOTHING = 0.25  # the weight of the newest decode step in the measured time
 
 
@@ -29,18 +43,36 @@ class Pacing:
     def __init__(self, config: EngineConfig) -> None:
         self.interval_s = config.decode_interval_while_encoding_ms / 1000  # fixed, if given
         self.tpot_s = config.tpot_slo_ms / 1000
+        self.ttft_s = config.ttft_slo_ms / 1000
         self.decode_step_s = 0.0  # a decode-only step's time, smoothed
         self.threads_while_encoding = config.threads_while_encoding
         self.threads = torch.get_num_threads()
         self.decode_threads = min(config.decode_threads or self.threads, self.threads)
-        # set by the loop's host while requests await their embeddings
-        self.encoding = False
+        # set by the loop's host: when the oldest request now awaiting its
+        # embeddings came (time.monotonic; None: none awaits them)
+        self.awaiting_since: float | None = None
         self.last_step = 0.0  # when the last step ended (time.monotonic)
         self.held_since: float | None = None  # when the step now due was first held
         self.unmet = False  # the step now due had no time to give the tower (take_unmet)
 
+    @property
+    def encoding(self) -> bool:
+        """Whether requests of this instance await their embeddings."""
+        return self.awaiting_since is not None
+
+    def urgency(self, now: float) -> float:
+        """How much of the wait the oldest awaiting request needs, 0.0 to 1.0:
+        by its age against the TTFT target (EASY to URGENT of it), 1.0 without
+        a target or with a fixed interval, 0.0 where none awaits."""
+        if self.awaiting_since is None:
+            return 0.0
+        if not self.ttft_s or self.interval_s:  # a fixed interval is always whole
+            return 1.0
+        age = (now - self.awaiting_since) / self.ttft_s
+        return min(1.0, max(0.0, (age - EASY) / (URGENT - EASY)))
+
     def interval(self) -> float:
-        """How long a decode-only step waits after the last step ended while
+        """How long a decode-only step may wait after the last step ended while
         requests await their embeddings: the fixed interval, else what the TPOT
         target leaves over a decode step (0.0: back to back)."""
         if self.interval_s or not self.tpot_s:
@@ -49,16 +81,18 @@ class Pacing:
 
     def delay(self, prefill_work: bool) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
-        step that would only decode (no `prefill_work`) waits `interval()` after
-        the last one ended: a vision tower on these cores gets that long however
-        long a step takes."""
-        if not self.encoding or prefill_work:
+        step that would only decode (no `prefill_work`) waits as much of
+        `interval()` after the last one ended as the oldest of them needs
+        (`urgency`): a vision tower on these cores gets that long however long a
+        step takes."""
+        now = time.monotonic()
+        urgency = self.urgency(now)
+        if not urgency or prefill_work:
             return 0.0
-        interval = self.interval()
+        interval = urgency * self.interval()
         if not interval:
             self.unmet = bool(self.tpot_s)
             return 0.0
-        now = time.monotonic()
         delay = max(0.0, self.last_step + interval - now)
         if delay and self.held_since is None:
             self.held_since = now
