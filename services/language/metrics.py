@@ -144,9 +144,10 @@ class LanguageMetrics:
         )
         self.pacing_unmet_steps = Counter(
             "epd_language_pacing_unmet_steps",
-            "Decode-only steps while requests awaited their embeddings that the TPOT "
-            "target left no time to hold (a decode step alone takes it): the first tokens "
-            "and the TPOT target cannot both be kept",
+            "Decode-only steps that the oldest request awaiting its embeddings wanted "
+            "held (by its age against --ttft-slo-ms) and the TPOT target left no time to "
+            "hold (a decode step alone takes it): the first tokens and the TPOT target "
+            "cannot both be kept",
             registry=registry,
         )
         self.held_seconds = Counter(
