@@ -72,6 +72,7 @@ from services.wire.request import (
 )
 
 ROLES = ("system", "user", "assistant", "tool")
+MEDIA_WAIT_SMOOTHING = 0.25  # the weight of the newest request in the media wait the engine is told
 
 
 class MediaMismatchError(RuntimeError):
@@ -302,8 +303,10 @@ class Frontend:
         self.prefill_while_encoding = prefill_while_encoding
         self.prefix_peers = prefix_peers  # None: a chat's KV pages never move here
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        # when each request now in `_receiving` came: the engine is told the oldest
+        # when each request now in `_receiving` came: the engine is told the oldest,
+        # and how long a request's embeddings have taken to arrive lately (smoothed)
         self._awaiting_media: list[float] = []
+        self._media_wait_s = 0.0
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """The whole path of a request whose embeddings an encoder sends."""
@@ -543,20 +546,24 @@ class Frontend:
             with tracing.span("language.receive", hinted_tokens=sum(rendered.hints)):
                 await self.receiver.expect(request_id, sum(rendered.hints), skip)
                 yield self.receiver
+            if sum(rendered.hints) > skip:  # it received them all
+                waited = time.monotonic() - rendered.arrived
+                self._media_wait_s += MEDIA_WAIT_SMOOTHING * (waited - self._media_wait_s)
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
             self._await_media(rendered.arrived, False)
 
     def _await_media(self, arrived: float, awaits: bool) -> None:
         """A request that came at `arrived` now awaits its media, or no longer:
-        the engine is told when the oldest awaiting one came, as that changes."""
+        the engine is told when the oldest awaiting one came, as that changes,
+        with how long embeddings have taken to arrive lately (Pacing.urgency)."""
         oldest = min(self._awaiting_media, default=None)
         if awaits:
             self._awaiting_media.append(arrived)
         else:
             self._awaiting_media.remove(arrived)
         if (oldest_now := min(self._awaiting_media, default=None)) != oldest:
-            self.engine.set_encoding(oldest_now)
+            self.engine.set_encoding(oldest_now, self._media_wait_s)
 
     async def rebuild(self, rendered: Rendered, grids: Sequence[MediaGrid]) -> Rendered:
         """The prompt for the real grids, tokenized again only where they differ

@@ -358,8 +358,9 @@ def test_a_ttft_target_holds_decode_steps_only_as_the_oldest_awaiting_request_ne
     """ttft_slo_ms: while the oldest request awaiting its embeddings is younger
     than EASY x the target, decode steps run back to back; from then on they
     wait a growing share of what the TPOT target leaves, the whole of it from
-    URGENT x the target. Their threads drop to threads_while_encoding at every
-    age (all of them beside the tower slow both)."""
+    URGENT x the target. Where embeddings have lately taken longer to arrive
+    than its age, that time counts instead. Their threads drop to
+    threads_while_encoding at every age (all of them beside the tower slow both)."""
     tpot, ttft = 0.4, 4.0
     engine = make_engine(tiny_checkpoint)
     config = dataclasses.replace(
@@ -385,6 +386,11 @@ def test_a_ttft_target_holds_decode_steps_only_as_the_oldest_awaiting_request_ne
         torch.set_num_threads(threads)
     assert 0 < whole <= MARGIN * tpot
     assert seen == [(0.0, 1), (0.0, 1), (0.5, 1), (1.0, 1)]
+    now = time.monotonic()
+    engine.pacing.awaiting_since = now
+    assert engine.pacing.urgency(now) == 0.0
+    engine.pacing.media_wait_s = 0.375 * ttft  # a tower slow for the target
+    assert engine.pacing.urgency(now) == pytest.approx(0.5)
 
 
 def test_decode_steps_run_on_the_decode_threads_and_prompts_on_all(

@@ -305,7 +305,8 @@ async def test_the_engine_is_told_while_requests_await_their_embeddings(
     """Pacing.encoding (its steps' threads: EngineConfig.threads_while_encoding)
     is on from the first request awaiting its embeddings to the last one's end,
     whether that one got them or went away; the engine knows when the oldest of
-    them came (Pacing.awaiting_since: the TTFT target's pacing)."""
+    them came, and how long embeddings took to arrive (Pacing.awaiting_since and
+    media_wait_s: the TTFT target's pacing)."""
     _, _, language = stack
     engine = language.engine.engine
     assert not engine.pacing.encoding
@@ -317,8 +318,11 @@ async def test_the_engine_is_told_while_requests_await_their_embeddings(
     sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0)
     await generate(stack, tiny_checkpoint, "encoding-served", "What is it?", [image], sampling)
     assert engine.pacing.awaiting_since == oldest  # the first one still waits
+    served = language.frontend._media_wait_s
+    assert served > 0  # the time the served one's embeddings took
     waiting.cancel()
     await until(lambda: not engine.pacing.encoding)
+    assert engine.pacing.media_wait_s == served  # the one cancelled does not count
 
 
 async def test_abort_rpc_ends_the_stream(

@@ -256,8 +256,8 @@ class AsyncEngine(EngineHost):
         self._inbox.put(AbortRequest(request_id))
         self._wake.set()
 
-    def set_encoding(self, since: float | None) -> None:
-        self._inbox.put(Encoding(since))
+    def set_encoding(self, since: float | None, wait_s: float) -> None:
+        self._inbox.put(Encoding(since, wait_s))
         self._wake.set()
 
     async def export_prefix(

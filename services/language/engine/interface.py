@@ -82,8 +82,9 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def set_encoding(self, since: float | None) -> None:
-        """When the oldest request now awaiting its embeddings came (None: none)."""
+    def set_encoding(self, since: float | None, wait_s: float) -> None:
+        """When the oldest request now awaiting its embeddings came (None: none),
+        and how long embeddings have taken to arrive lately."""
 
     def start(self) -> None: ...
 

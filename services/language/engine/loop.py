@@ -52,10 +52,12 @@ class AbortRequest:
 @dataclass(frozen=True, slots=True)
 class Encoding:
     """When the oldest request of this instance now awaiting its embeddings came
-    (time.monotonic, one clock for the host's processes; None: none awaits them):
-    Pacing.awaiting_since."""
+    (time.monotonic, one clock for the host's processes; None: none awaits them),
+    and how long a request's embeddings have taken to arrive lately: Pacing's
+    awaiting_since and media_wait_s."""
 
     since: float | None
+    wait_s: float
 
 
 # a request's output, or the error that ends it
@@ -117,8 +119,8 @@ def apply(engine: LLMEngine, message: object) -> list[Reply]:
             return replies(engine.add_media(request_id, start, embeds, deepstack))
         case AbortRequest(request_id):
             return replies(engine.abort_request(request_id))
-        case Encoding(since):
-            engine.pacing.awaiting_since = since
+        case Encoding(since, wait_s):
+            engine.pacing.awaiting_since, engine.pacing.media_wait_s = since, wait_s
             return []
     raise TypeError(f"not a message for the engine: {message!r}")
 

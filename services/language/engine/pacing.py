@@ -15,13 +15,15 @@ When: with a TTFT target too, only as the oldest request awaiting its
 embeddings needs it. Before EASY of the target has passed since it came, decode
 steps run back to back (the running requests' tokens come as fast as they
 can); from then on the wait grows with its age, to the whole of what the TPOT
-target leaves at URGENT of the target. A request whose first token is far from
-late costs the running ones little; one near late gets what the TPOT target
-can spare. Without a TTFT target every wait is whole. The threads drop to
-threads_while_encoding whenever requests await, urgent or not: a step on all
-of them beside the tower is slower for both (measured: decode steps back to
-back on both cores beside the tower doubled TPOT p50, and the first tokens
-came later too)."""
+target leaves at URGENT of the target. Where embeddings have lately taken
+longer to arrive than its age (a tower slow for the target: a bigger model, a
+slower class), that time counts instead, so the waits come from the start.
+A request whose first token is far from late costs the running ones little;
+one near late gets what the TPOT target can spare. Without a TTFT target every
+wait is whole. The threads drop to threads_while_encoding whenever requests
+await, urgent or not: a step on all of them beside the tower is slower for both
+(measured: decode steps back to back on both cores beside the tower doubled
+TPOT p50, and the first tokens came later too)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class Pacing:
         # set by the loop's host: when the oldest request now awaiting its
         # embeddings came (time.monotonic; None: none awaits them)
         self.awaiting_since: float | None = None
+        self.media_wait_s = 0.0  # how long embeddings have taken to arrive lately
         self.last_step = 0.0  # when the last step ended (time.monotonic)
         self.held_since: float | None = None  # when the step now due was first held
         self.unmet = False  # the step now due had no time to give the tower (take_unmet)
@@ -62,14 +65,16 @@ class Pacing:
 
     def urgency(self, now: float) -> float:
         """How much of the wait the oldest awaiting request needs, 0.0 to 1.0:
-        by its age against the TTFT target (EASY to URGENT of it), 1.0 without
-        a target or with a fixed interval, 0.0 where none awaits."""
+        by when its embeddings may come against the TTFT target (EASY to URGENT
+        of it): its age, or the recent media wait where that is longer (a tower
+        slow for this target needs the waits from the start); 1.0 without a
+        target or with a fixed interval, 0.0 where none awaits."""
         if self.awaiting_since is None:
             return 0.0
         if not self.ttft_s or self.interval_s:  # a fixed interval is always whole
             return 1.0
-        age = (now - self.awaiting_since) / self.ttft_s
-        return min(1.0, max(0.0, (age - EASY) / (URGENT - EASY)))
+        due = max(now - self.awaiting_since, self.media_wait_s) / self.ttft_s
+        return min(1.0, max(0.0, (due - EASY) / (URGENT - EASY)))
 
     def interval(self) -> float:
         """How long a decode-only step may wait after the last step ended while

@@ -460,8 +460,8 @@ class EngineProcess(EngineHost):
     def abort(self, request_id: str) -> None:
         self._tell(AbortRequest(request_id))
 
-    def set_encoding(self, since: float | None) -> None:
-        self._tell(Encoding(since))
+    def set_encoding(self, since: float | None, wait_s: float) -> None:
+        self._tell(Encoding(since, wait_s))
 
     def _tell(self, message: AddMedia | AbortRequest | Encoding) -> None:
         """A message that matters only to a running child (none is sent otherwise)."""
