@@ -540,13 +540,13 @@ class Frontend:
         first `skip`), its transfer released when the block ends however it ends;
         meanwhile the engine knows that a request awaits its media."""
         assert self.receiver is not None, "a frontend without a receiver takes pixels"
-        request_id = rendered.request_id
+        request_id, hinted = rendered.request_id, sum(rendered.hints)
         self._await_media(rendered.arrived, True)
         try:
-            with tracing.span("language.receive", hinted_tokens=sum(rendered.hints)):
-                await self.receiver.expect(request_id, sum(rendered.hints), skip)
+            with tracing.span("language.receive", hinted_tokens=hinted):
+                await self.receiver.expect(request_id, hinted, skip)
                 yield self.receiver
-            if sum(rendered.hints) > skip:  # it received them all
+            if hinted > skip:  # it received them all
                 waited = time.monotonic() - rendered.arrived
                 self._media_wait_s += MEDIA_WAIT_SMOOTHING * (waited - self._media_wait_s)
         finally:

@@ -145,7 +145,7 @@ class LanguageMetrics:
         self.pacing_unmet_steps = Counter(
             "epd_language_pacing_unmet_steps",
             "Decode-only steps that the oldest request awaiting its embeddings wanted "
-            "held (by its age against --ttft-slo-ms) and the TPOT target left no time to "
+            "held (by --ttft-slo-ms) and the TPOT target left no time to "
             "hold (a decode step alone takes it): the first tokens and the TPOT target "
             "cannot both be kept",
             registry=registry,

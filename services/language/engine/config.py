@@ -61,8 +61,8 @@ class EngineConfig:
     # given, overrides it.
     tpot_slo_ms: int = 0
     # And a TTFT target (ms): the waits come only as the oldest request awaiting
-    # its embeddings needs them, by its age against the target (Pacing.urgency).
-    # 0: whenever requests await.
+    # its embeddings needs them, by its age (or the recent media wait, if longer)
+    # against the target (Pacing.urgency). 0: whenever requests await.
     ttft_slo_ms: int = 0
     # OpenMP threads of a step that only decodes (0: all). `epd serve` on a small
     # host may leave a core to the processes that stream the tokens: on the small
