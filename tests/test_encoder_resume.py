@@ -34,8 +34,9 @@ from services.language.server import LanguageServer
 from services.loadgen.synthetic import encode_image, random_image, random_video
 from services.model.tokenizer import load_tokenizer
 from services.model.video import VideoRule, load_video
+from services.transfer.receiver import Action
 from services.triton.launcher import TritonServer
-from services.wire.messages import BrokerMessage, media_key
+from services.wire.messages import media_key
 from services.wire.transport import Transport
 from tests.processes import epd_process
 from tests.reference import HfVideo, hf_greedy, hf_greedy_videos
@@ -174,17 +175,21 @@ def _stop_when_landed(
     language: LanguageServer, pid: int, tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stops the encoder's process (SIGSTOP) the moment the language instance
-    hears that `tokens` have landed, so that it sends nothing more."""
-    receiver = language.receiver
-    hear = receiver.on_message
+    takes `tokens` as landed, so that it sends nothing more. That is where the
+    receiver's state machine marks a part arrived: over NIXL a part's
+    TransferDone is confirmed later (its notification is polled for), and by
+    then the encoder may be writing the next part."""
+    machine = language.receiver.machine
+    arrive = machine.arrived
 
-    async def heard(message: BrokerMessage) -> None:
-        await hear(message)
+    def arrived(request_id: str, sent_tokens: int) -> list[Action]:
+        actions = arrive(request_id, sent_tokens)
         if _landed(language) >= tokens:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGSTOP)
+        return actions
 
-    monkeypatch.setattr(receiver, "on_message", heard)
+    monkeypatch.setattr(machine, "arrived", arrived)
 
 
 def _landed(language: LanguageServer) -> int:
