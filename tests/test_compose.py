@@ -105,6 +105,25 @@ def test_every_service_restarts_when_it_dies(config: dict[str, Any]) -> None:
         assert config["services"][name]["restart"] == "unless-stopped", name
 
 
+@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.cpu.yaml")])
+def test_a_service_that_leaves_segments_in_the_hosts_shm_reclaims_them_on_restart(
+    files: tuple[str, ...],
+) -> None:
+    """A service whose segments live in the host's /dev/shm (ipc: host) names them
+    under a prefix of its own and, restarted after a kill, removes what its
+    predecessor left: nothing else would."""
+    services = _rendered(files)["services"]
+    prefixes = []
+    for name, service in services.items():
+        environment = service.get("environment", {})
+        if "EPD_SHM_PREFIX" in environment:
+            assert service["ipc"] == "host", name
+            assert environment["EPD_SHM_RECLAIM"] == "1", name
+            prefixes.append(environment["EPD_SHM_PREFIX"])
+    expected = {"encoder", "language"} | ({"triton"} if len(files) > 1 else set())
+    assert len(prefixes) == len(set(prefixes)) == len(expected)
+
+
 @pytest.mark.parametrize("name", ["EPD_CLUSTER_TOKEN", "EPD_API_KEY"])
 def test_the_cluster_token_and_the_api_key_are_required(name: str) -> None:
     """No stack with an open control plane, or a gateway open by accident."""

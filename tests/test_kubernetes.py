@@ -220,3 +220,24 @@ def test_only_the_gateway_takes_outside_traffic(rendered: list[Resource]) -> Non
     assert [p["port"] for p in policies["epd-gateway"]["ingress"][0]["ports"]] == [8000]
     for deployment, template in pods(rendered):  # what "EPD's own pods" selects
         assert template["metadata"]["labels"]["app.kubernetes.io/part-of"] == "epd", deployment
+
+
+def test_a_restarted_encoder_removes_the_regions_its_predecessor_left(
+    rendered: list[Resource],
+) -> None:
+    """The encoder's regions for Triton live in the pod's /dev/shm, a memory
+    emptyDir that outlives a container restart: the encoder names them under a
+    prefix of its own and reclaims it at start."""
+    encoders = 0
+    for deployment, template in pods(rendered):
+        for container in template["spec"]["containers"]:
+            if container.get("command", [])[:2] != ["epd", "encoder"]:
+                continue
+            encoders += 1
+            env = {v["name"]: v.get("value") for v in container.get("env", [])}
+            assert env.get("EPD_SHM_RECLAIM") == "1", deployment
+            assert (env.get("EPD_SHM_PREFIX") or "").startswith("epd_encoder"), deployment
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mounts["/dev/shm"]]
+            assert volume["emptyDir"]["medium"] == "Memory", deployment
+    assert encoders
