@@ -1,10 +1,11 @@
 """The compiled paged decode attention (csrc/paged_attention.c) against torch's
 path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
-on and off page boundaries, grouped-query ratios 1 to 7, head_dim 64 and 128,
-page sizes 16 and 5, float32 and bfloat16; its prefill kernels (bfloat16: AMX,
-AVX512-BF16) the same way, with and without a cached prefix. Then how it is
-built and cached, and when the engine uses it (and, without a compiler, the
-fused operations of test_fused_ops.py and the linear kernel of test_linear.py)."""
+on and off page boundaries and across the kernel's chunks of keys, grouped-query
+ratios 1 to 7, head_dim 64 and 128, page sizes 16 and 5, float32 and bfloat16;
+its prefill kernels (bfloat16: AMX, AVX512-BF16) the same way, with and without
+a cached prefix. Then how it is built and cached, and when the engine uses it
+(and, without a compiler, the fused operations of test_fused_ops.py and the
+linear kernel of test_linear.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ CASES = {
     **STEPS,
     # one key; whole pages; a page and a token; long contexts
     "decode-edges": ([1, 1, 1, 1], [1, 32, 17, 300]),
+    # past the kernel's chunk of 512 keys: a running maximum and sum across chunks
+    "decode-chunks": ([1, 1], [1100, 1024]),
 }
 
 

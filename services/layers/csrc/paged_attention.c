@@ -9,22 +9,24 @@
  *   block_tables  [num_seqs][max_pages]  each sequence's pages, in order
  *   seq_lens      [num_seqs]             its keys, the new token's included
  *
- * One task per sequence. It walks the sequence's pages twice, each time reading
- * a page's keys (then values) front to back, every head at once: a whole token
- * row is one contiguous run, which the hardware prefetches well (one task per
- * KV head read a quarter of each row and was ~1.5x slower on a cold cache); the
- * next 16 tokens' keys and this 16's values are asked for ahead (prefetch_block).
- * Softmax in two passes: the scores, then their maximum, exponentials and sum
- * (a vectorized e^x: libm's expf, called once a score, was a quarter of the
- * kernel's time); then the values weighed by the exponentials, divided by the
- * sum at the end.
+ * One task per sequence. It walks the sequence's pages in chunks of CHUNK keys,
+ * as SDPA's CPU kernel does: each chunk's keys, then its values, front to back,
+ * every head at once: a whole token row is one contiguous run, which the hardware
+ * prefetches well (one task per KV head read a quarter of each row and was ~1.5x
+ * slower on a cold cache); keys 16 and KEYS_AHEAD tokens on and this 16's values
+ * are asked for ahead (prefetch_block). Softmax per chunk: the scores, then their
+ * maximum (and the running one: the output so far and the running sum are scaled
+ * where it grows), exponentials and sum (a vectorized e^x: libm's expf, called
+ * once a score, was a quarter of the kernel's time); then the values weighed by
+ * the exponentials; the output is divided by the sum at the end.
  * bfloat16 tensors are read into float32 a token row at a time and computed in
  * float32, rounding where SDPA's CPU kernel rounds: the exponentials before they
  * weigh the values, and the output. Where the compiler targets AVX512-BF16
  * (-march=native on such a CPU), bfloat16 scores are instead dot products of bf16
  * pairs (vdpbf16ps), 16 tokens at a time, their horizontal sums taken together
  * (1.8x faster on the medium demo's shapes), and the values are weighed two tokens
- * at a time the same way, one query head at a time with its sums in registers.
+ * at a time the same way, the query heads of a KV head together, their sums in
+ * registers.
  * Tasks run on OpenMP threads; built against torch's own libgomp, they share
  * its thread pool.
  */
@@ -74,8 +76,9 @@ static void axpy(float *y, float a, const float *x, int64_t n) {
 }
 
 /* Asks ahead for what the 16 tokens from t lead to: the next 16 tokens' keys, into
- * every cache level (the scores read them next), and these 16's values, into all
- * but L1 (the second pass reads them). `rows`: where each token's row lies, in
+ * every cache level (the scores read them next), those KEYS_AHEAD on and these
+ * 16's values, into all but L1 (the values pass reads them); keys up to `ahead`
+ * (the chunks after this one's `len` included). `rows`: where each token's row lies, in
  * elements of `size` bytes; `width`: a row's elements. A sequence's pages lie
  * anywhere in the pool, so the hardware prefetchers, which follow a run of
  * addresses and stop at each 4 KiB page of memory, start cold on each of them:
@@ -93,10 +96,17 @@ prefetch_row(const void *cache, const int64_t *rows, int64_t u, int64_t size, in
             __builtin_prefetch((const char *)cache + rows[u] * size + at, 0, 2);
 }
 
+/* Tokens ahead whose keys the scores pass asks for into L2, beside the next 16's
+ * into L1: a page's worth ahead was too close to cover the memory's latency (the
+ * medium demo's KV at 1024 tokens: ~1.3x faster with both). */
+#define KEYS_AHEAD 64
+
 static inline __attribute__((always_inline)) void
 prefetch_block(const void *keys, const void *values, const int64_t *rows, int64_t t, int64_t len,
-               int64_t size, int64_t width) {
-    for (int64_t u = t + 16; u < t + 32 && u < len; u++) prefetch_row(keys, rows, u, size, width, 1);
+               int64_t ahead, int64_t size, int64_t width) {
+    for (int64_t u = t + 16; u < t + 32 && u < ahead; u++) prefetch_row(keys, rows, u, size, width, 1);
+    for (int64_t u = t + KEYS_AHEAD; u < t + KEYS_AHEAD + 16 && u < ahead; u++)
+        prefetch_row(keys, rows, u, size, width, 0);
     for (int64_t u = t; u < t + 16 && u < len; u++) prefetch_row(values, rows, u, size, width, 0);
 }
 
@@ -128,7 +138,7 @@ static inline __m512 sums16(const __m512 v[16]) {
  * tokens repeats its first row in the others (computed, not stored): every block
  * is the same 16 dot products, unrolled, their accumulators in registers. */
 static void scores_bf16(float *scores, const uint16_t *q, const uint16_t *keys,
-                        const uint16_t *values, const int64_t *rows, int64_t len,
+                        const uint16_t *values, const int64_t *rows, int64_t len, int64_t ahead,
                         int64_t num_heads, int64_t group, int64_t dim, int64_t width) {
     for (int64_t t = 0; t < len; t += 16) {
         const int64_t n = len - t < 16 ? len - t : 16;
@@ -140,7 +150,8 @@ static void scores_bf16(float *scores, const uint16_t *q, const uint16_t *keys,
         const int64_t per_head = (16 + num_heads - 1) / num_heads;
         for (int64_t h = 0; h < num_heads; h++) {
             for (int64_t u = t + h * per_head; u < t + (h + 1) * per_head && u < t + 16; u++) {
-                if (u + 16 < len) prefetch_row(keys, rows, u + 16, 2, width, 1);
+                if (u + 16 < ahead) prefetch_row(keys, rows, u + 16, 2, width, 1);
+                if (u + KEYS_AHEAD < ahead) prefetch_row(keys, rows, u + KEYS_AHEAD, 2, width, 0);
                 if (u < len) prefetch_row(values, rows, u, 2, width, 0);
             }
             const uint16_t *qh = q + h * dim;
@@ -160,42 +171,83 @@ static void scores_bf16(float *scores, const uint16_t *q, const uint16_t *keys,
     }
 }
 
-/* out[dim] = sum over t of weights[t] * v[t] (one query head: v is its KV head's
- * part of each row, `head` elements in), for bfloat16 values and weights that are
- * bfloat16 numbers (rounded as SDPA weighs values), two tokens at a time with
- * AVX512-BF16's dot products of bf16 pairs: 32 dims of two tokens' rows
- * interleaved into (t, t + 1) pairs. The head's dims accumulate in registers over
- * every token (inlined with dim a constant where it is 64 or 128), even and odd
- * pairs apart, which halves the dependency chains. Interleaving works within
- * 128-bit lanes, so each 32 dims accumulate permuted (the low unpack holds dims
- * 8k..8k+3 of lane k, the high one 8k+4..8k+7) and are put back in order at the
- * end (dim a multiple of 32, at most MAX_BF16_DIM). */
+/* out[h][dim] += sum over t of weights[h][t] * v[t] for `heads` query heads that
+ * read one KV head (v: its part of each row, `head` elements in; weights[h] are
+ * `stride` apart), for bfloat16 values and weights that are bfloat16 numbers
+ * (rounded as SDPA weighs values), two tokens at a time with AVX512-BF16's dot
+ * products of bf16 pairs: 32 dims of two tokens' rows interleaved into (t, t + 1)
+ * pairs, once for all the heads (one head at a time loaded and interleaved each
+ * row `group` times, the bulk of the pass). The sums stay in registers over the
+ * tokens (inlined with dim and heads constants: heads x dim / 16 of them, at most
+ * 16). Interleaving works within 128-bit lanes, so each 32 dims accumulate
+ * permuted (the low unpack holds dims 8k..8k+3 of lane k, the high one
+ * 8k+4..8k+7): `out` holds them so, and unpermute() puts them in order once every
+ * token is in (dim a multiple of 32, at most MAX_BF16_DIM). */
 #define MAX_BF16_DIM 256
 static inline __attribute__((always_inline)) void
-values_head_bf16(float *out, const float *weights, const uint16_t *values, const int64_t *rows,
-                 int64_t len, int64_t dim, int64_t head) {
-    __m512 acc[2][MAX_BF16_DIM / 16]; /* [even/odd pair][low and high unpack of each 32 dims] */
+values_heads_bf16(float *out, const float *weights, int64_t stride, const uint16_t *values,
+                  const int64_t *rows, int64_t len, int64_t dim, int64_t head, int64_t heads) {
+    __m512 acc[MAX_BF16_DIM / 16];
     const int64_t n = dim / 16;
-    for (int p = 0; p < 2; p++)
-        for (int64_t i = 0; i < n; i++) acc[p][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t i = 0; i < n; i++) acc[j * n + i] = _mm512_loadu_ps(out + j * dim + 16 * i);
     for (int64_t t = 0; t < len; t += 2) {
         const int64_t next = t + 1 < len ? t + 1 : t; /* an odd last token pairs with itself, */
         const uint16_t *row0 = values + rows[t] + head, *row1 = values + rows[next] + head;
-        uint32_t w0, w1 = 0; /* weighed 0 */
-        memcpy(&w0, weights + t, sizeof w0);
-        if (next != t) memcpy(&w1, weights + next, sizeof w1);
-        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)((w0 >> 16) | (w1 & 0xFFFF0000u)));
-        __m512 *a = acc[(t >> 1) & 1];
+        __m512bh w[4];
+        for (int64_t j = 0; j < heads; j++) {
+            uint32_t w0, w1 = 0; /* weighed 0 */
+            memcpy(&w0, weights + j * stride + t, sizeof w0);
+            if (next != t) memcpy(&w1, weights + j * stride + next, sizeof w1);
+            w[j] = (__m512bh)_mm512_set1_epi32((int)((w0 >> 16) | (w1 & 0xFFFF0000u)));
+        }
         for (int64_t c = 0; c < dim; c += 32) {
             const __m512i x = _mm512_loadu_si512(row0 + c), y = _mm512_loadu_si512(row1 + c);
-            a[c / 16] = _mm512_dpbf16_ps(a[c / 16], (__m512bh)_mm512_unpacklo_epi16(x, y), w);
-            a[c / 16 + 1] = _mm512_dpbf16_ps(a[c / 16 + 1], (__m512bh)_mm512_unpackhi_epi16(x, y), w);
+            const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(x, y);
+            const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            for (int64_t j = 0; j < heads; j++) {
+                acc[j * n + c / 16] = _mm512_dpbf16_ps(acc[j * n + c / 16], low, w[j]);
+                acc[j * n + c / 16 + 1] = _mm512_dpbf16_ps(acc[j * n + c / 16 + 1], high, w[j]);
+            }
         }
     }
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t i = 0; i < n; i++) _mm512_storeu_ps(out + j * dim + 16 * i, acc[j * n + i]);
+}
+
+/* values_heads_bf16 for `heads` query heads of one KV head: as many at once as
+ * their sums fit in 16 registers (4 at head_dim 64, 2 at 128), with the sizes
+ * constants */
+static void values_group_bf16(float *out, const float *weights, int64_t stride,
+                              const uint16_t *values, const int64_t *rows, int64_t len,
+                              int64_t dim, int64_t head, int64_t heads) {
+    const int64_t at_once = dim == 64 ? 4 : dim == 128 ? 2 : 1;
+    for (int64_t j = 0; j < heads; j += at_once) {
+        const int64_t k = heads - j < at_once ? heads - j : at_once;
+        float *o = out + j * dim;
+        const float *w = weights + j * stride;
+        if (dim == 64 && k == 4)
+            values_heads_bf16(o, w, stride, values, rows, len, 64, head, 4);
+        else if (dim == 64 && k == 3)
+            values_heads_bf16(o, w, stride, values, rows, len, 64, head, 3);
+        else if (dim == 64 && k == 2)
+            values_heads_bf16(o, w, stride, values, rows, len, 64, head, 2);
+        else if (dim == 64)
+            values_heads_bf16(o, w, stride, values, rows, len, 64, head, 1);
+        else if (dim == 128 && k == 2)
+            values_heads_bf16(o, w, stride, values, rows, len, 128, head, 2);
+        else if (dim == 128)
+            values_heads_bf16(o, w, stride, values, rows, len, 128, head, 1);
+        else
+            values_heads_bf16(o, w, stride, values, rows, len, dim, head, 1);
+    }
+}
+
+/* values_head_bf16's permuted sums of one head, in order */
+static void unpermute(float *out, int64_t dim) {
     for (int64_t c = 0; c < dim; c += 32) {
         float permuted[32];
-        _mm512_storeu_ps(permuted, _mm512_add_ps(acc[0][c / 16], acc[1][c / 16]));
-        _mm512_storeu_ps(permuted + 16, _mm512_add_ps(acc[0][c / 16 + 1], acc[1][c / 16 + 1]));
+        memcpy(permuted, out + c, sizeof permuted);
         for (int k = 0; k < 4; k++)
             for (int j = 0; j < 4; j++) {
                 out[c + 8 * k + j] = permuted[4 * k + j];
@@ -204,20 +256,27 @@ values_head_bf16(float *out, const float *weights, const uint16_t *values, const
     }
 }
 
-/* values_head_bf16 for every query head (head h reads KV head h / group) */
+/* Tokens whose value rows every head reads while they are in L1 (16 KiB of rows
+ * on the medium demo, half of a 32 KiB L1): a block of a sequence's rows is read
+ * once, front to back (each head read its part of every row in turn, a strided
+ * walk of the whole context per head). Even: a block's token pairs do not cross
+ * into the next. The rows VALUES_AHEAD tokens on are asked for into L2 meanwhile. */
+#define VALUE_BLOCK 16
+#define VALUES_AHEAD 64
+
+/* out (permuted as values_heads_bf16 keeps it) += the weighed values, for every
+ * query head (head h reads KV head h / group), a block of VALUE_BLOCK tokens at a
+ * time; weights [num_heads][len]; rows up to `ahead` may be asked for */
 static void values_bf16(float *out, const float *weights, const uint16_t *values,
-                        const int64_t *rows, int64_t len, int64_t num_heads, int64_t group,
-                        int64_t dim) {
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *o = out + h * dim;
-        const float *w = weights + h * len;
-        const int64_t head = h / group * dim;
-        if (dim == 64)
-            values_head_bf16(o, w, values, rows, len, 64, head);
-        else if (dim == 128)
-            values_head_bf16(o, w, values, rows, len, 128, head);
-        else
-            values_head_bf16(o, w, values, rows, len, dim, head);
+                        const int64_t *rows, int64_t len, int64_t ahead, int64_t num_heads,
+                        int64_t group, int64_t dim, int64_t width) {
+    for (int64_t t = 0; t < len; t += VALUE_BLOCK) {
+        const int64_t n = len - t < VALUE_BLOCK ? len - t : VALUE_BLOCK;
+        for (int64_t u = t + VALUES_AHEAD; u < t + VALUES_AHEAD + n && u < ahead; u++)
+            prefetch_row(values, rows, u, 2, width, 0);
+        for (int64_t h = 0; h < num_heads; h += group)
+            values_group_bf16(out + h * dim, weights + h * len + t, len, values, rows + t, n, dim,
+                              h / group * dim, group);
     }
 }
 #endif
@@ -228,67 +287,117 @@ struct shape {
     int bf16;
 };
 
+/* Keys a chunk, as SDPA's CPU kernel splits them (512 a block, with a running
+ * maximum and sum): a chunk's scores, their softmax and its weighed values are
+ * done before the next chunk's keys are read, so that its values, asked for as
+ * its keys are read, are still near. */
+#define CHUNK 512
+
+/* The softmax of one chunk's scores [num_heads][n], in place, continuing the
+ * running maximum and sum of each head (the first chunk starts them): each head's
+ * output so far, out [num_heads][dim], is scaled by e^(old max - new max). */
+static void softmax_chunk(float *scores, int64_t n, const struct shape *sh, int first,
+                          float *maxes, float *sums, float *out) {
+    const float scale = sh->scale;
+    const int64_t dim = sh->head_dim;
+    for (int64_t h = 0; h < sh->num_heads; h++) {
+        float *s = scores + h * n;
+        float max = s[0], sum = 0.0f;
+#pragma omp simd reduction(max : max)
+        for (int64_t t = 1; t < n; t++) max = s[t] > max ? s[t] : max;
+        if (!first && maxes[h] > max) max = maxes[h];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; t++) {
+            s[t] = exp_nonpositive((s[t] - max) * scale);
+            sum += s[t];
+        }
+        if (sh->bf16) /* rounded as SDPA weighs values */
+#pragma omp simd
+            for (int64_t t = 0; t < n; t++)
+                s[t] = bf16_to_float(float_to_bf16(s[t]));
+        if (first) {
+            sums[h] = sum;
+        } else if (max > maxes[h]) {
+            const float rescale = exp_nonpositive((maxes[h] - max) * scale);
+            sums[h] = sums[h] * rescale + sum;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) out[h * dim + i] *= rescale;
+        } else {
+            sums[h] += sum;
+        }
+        maxes[h] = max;
+    }
+}
+
+/* One chunk's scores [num_heads][n] in float32 (q [num_heads][head_dim]; row:
+ * scratch for a token's row), for every dtype and head size */
+static void scores_float(float *scores, const float *q, const void *keys, const void *values,
+                         const int64_t *rows, int64_t n, int64_t ahead, const struct shape *sh,
+                         float *row) {
+    const int64_t group = sh->num_heads / sh->num_kv_heads, dim = sh->head_dim;
+    const int64_t width = sh->num_kv_heads * dim, size = sh->bf16 ? 2 : 4;
+    for (int64_t t = 0; t < n; t++) {
+        if (t % 16 == 0) prefetch_block(keys, values, rows, t, n, ahead, size, width);
+        const float *k = as_float(keys, rows[t], width, sh->bf16, row);
+        for (int64_t h = 0; h < sh->num_heads; h++) /* head h reads KV head h / group */
+            scores[h * n + t] = dot(q + h * dim, k + h / group * dim, dim);
+    }
+}
+
+/* out [num_heads][head_dim] += one chunk's values weighed by its weights
+ * [num_heads][n], in float32, for every dtype and head size */
+static void values_float(float *out, const float *weights, const void *values,
+                         const int64_t *rows, int64_t n, const struct shape *sh, float *row) {
+    const int64_t group = sh->num_heads / sh->num_kv_heads, dim = sh->head_dim;
+    const int64_t width = sh->num_kv_heads * dim;
+    for (int64_t t = 0; t < n; t++) {
+        const float *v = as_float(values, rows[t], width, sh->bf16, row);
+        for (int64_t h = 0; h < sh->num_heads; h++)
+            axpy(out + h * dim, weights[h * n + t], v + h / group * dim, dim);
+    }
+}
+
 /* One sequence: q and out [num_heads][head_dim] in float32 (q16: q as given, for
- * the bfloat16 scores; NULL in float32); scores [num_heads][len], row
+ * the bfloat16 scores; NULL in float32); scores [num_heads][CHUNK], row
  * [num_kv_heads * head_dim] and rows [len] are the task's scratch. */
 static void attend(float *out, const float *q, const void *q16, const void *keys,
                    const void *values, const int64_t *pages, int64_t len, const struct shape *sh,
                    float *scores, float *row, int64_t *rows) {
-    const int64_t group = sh->num_heads / sh->num_kv_heads; /* query heads per KV head */
     const int64_t dim = sh->head_dim, width = sh->num_kv_heads * dim; /* a token's row */
-    const int64_t size = sh->bf16 ? 2 : 4; /* bytes an element */
 #if defined(__AVX512BF16__)
     /* the dot products of bf16 pairs take this shape (else the float32 loops) */
     const int pairs = sh->bf16 && dim % 32 == 0 && dim <= MAX_BF16_DIM;
+    const int64_t group = sh->num_heads / sh->num_kv_heads; /* query heads per KV head */
 #else
     (void)q16; /* read by the dot products of bf16 pairs only */
 #endif
     for (int64_t t = 0, p = 0; t < len; p++) /* each token's row, where its page puts it */
         for (int64_t i = 0; i < sh->page_size && t < len; i++, t++)
             rows[t] = pages[p] * sh->page_size * width + i * width;
-
+    float maxes[sh->num_heads], sums[sh->num_heads];
+    memset(out, 0, sizeof(float) * sh->num_heads * dim);
+    for (int64_t c = 0; c < len; c += CHUNK) {
+        const int64_t n = len - c < CHUNK ? len - c : CHUNK;
 #if defined(__AVX512BF16__)
-    if (pairs)
-        scores_bf16(scores, q16, keys, values, rows, len, sh->num_heads, group, dim, width);
-    else
+        if (pairs)
+            scores_bf16(scores, q16, keys, values, rows + c, n, len - c, sh->num_heads, group, dim,
+                        width);
+        else
 #endif
-    for (int64_t t = 0; t < len; t++) {
-        if (t % 16 == 0) prefetch_block(keys, values, rows, t, len, size, width);
-        const float *k = as_float(keys, rows[t], width, sh->bf16, row);
-        for (int64_t h = 0; h < sh->num_heads; h++) /* head h reads KV head h / group */
-            scores[h * len + t] = dot(q + h * dim, k + h / group * dim, dim);
-    }
-    float sums[sh->num_heads];
-    for (int64_t h = 0; h < sh->num_heads; h++) {
-        float *s = scores + h * len;
-        float max = s[0], sum = 0.0f;
-#pragma omp simd reduction(max : max)
-        for (int64_t t = 1; t < len; t++) max = s[t] > max ? s[t] : max;
-        const float scale = sh->scale;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = exp_nonpositive((s[t] - max) * scale);
-            sum += s[t];
-        }
-        if (sh->bf16) /* rounded as SDPA weighs values */
-#pragma omp simd
-            for (int64_t t = 0; t < len; t++)
-                s[t] = bf16_to_float(float_to_bf16(s[t]));
-        sums[h] = sum;
+            scores_float(scores, q, keys, values, rows + c, n, len - c, sh, row);
+        softmax_chunk(scores, n, sh, c == 0, maxes, sums, out);
+#if defined(__AVX512BF16__)
+        if (pairs)
+            values_bf16(out, scores, values, rows + c, n, len - c, sh->num_heads, group, dim,
+                        width);
+        else
+#endif
+            values_float(out, scores, values, rows + c, n, sh, row);
     }
 #if defined(__AVX512BF16__)
     if (pairs)
-        values_bf16(out, scores, values, rows, len, sh->num_heads, group, dim);
-    else
+        for (int64_t h = 0; h < sh->num_heads; h++) unpermute(out + h * dim, dim);
 #endif
-    {
-        for (int64_t i = 0; i < sh->num_heads * dim; i++) out[i] = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            const float *v = as_float(values, rows[t], width, sh->bf16, row);
-            for (int64_t h = 0; h < sh->num_heads; h++)
-                axpy(out + h * dim, scores[h * len + t], v + h / group * dim, dim);
-        }
-    }
     for (int64_t h = 0; h < sh->num_heads; h++)
         for (int64_t i = 0; i < dim; i++) out[h * dim + i] /= sums[h];
 }
@@ -308,13 +417,14 @@ int paged_decode_attention(void *out, const void *q, const void *keys, const voi
         /* where each token's row lies, the scores, a token's row, and (bfloat16)
          * the query and output in float32 */
         const int64_t len = seq_lens[s];
+        const int64_t chunk = len < CHUNK ? len : CHUNK;
         int64_t *rows = malloc(sizeof(int64_t) * len +
-                               sizeof(float) * (num_heads * len + num_kv_heads * head_dim + 2 * size));
+                               sizeof(float) * (num_heads * chunk + num_kv_heads * head_dim + 2 * size));
         if (rows == NULL) {
             failed = 1;
             continue;
         }
-        float *scores = (float *)(rows + len), *row = scores + num_heads * len;
+        float *scores = (float *)(rows + len), *row = scores + num_heads * chunk;
         float *qf = row + num_kv_heads * head_dim, *of = qf + size;
         const float *query = as_float(q, s * size, size, bf16, qf);
         float *output = bf16 ? of : (float *)out + s * size;
