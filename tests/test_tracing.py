@@ -15,7 +15,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,16 +137,21 @@ def _client(stack: Stack) -> OpenAI:
 
 
 def _all_steps(
-    collector: Collector, trace_id: bytes, expected: set[str] | None = None, triton: int = 0
+    collector: Collector,
+    trace_id: bytes,
+    expected: set[str] | None = None,
+    counts: Mapping[str, int] | None = None,
 ) -> list[Received]:
-    """The trace's spans once every expected step (EXPECTED's by default) and
-    `triton` of Triton's requests have arrived (30 s at most)."""
+    """The trace's spans once every expected step (EXPECTED's by default) has
+    arrived, and `counts` of the spans so named (30 s at most)."""
     expected = expected or set().union(*EXPECTED.values())
     deadline = time.monotonic() + 30
     while True:
         spans = collector.trace(trace_id)
         names = [r.span.name for r in spans]
-        arrived = expected <= set(names) and names.count("InferRequest") >= triton
+        arrived = expected <= set(names) and all(
+            names.count(name) >= count for name, count in (counts or {}).items()
+        )
         if arrived or time.monotonic() > deadline:
             return spans
         time.sleep(0.1)
@@ -157,7 +162,7 @@ def test_a_request_with_two_images_is_one_trace_across_every_process(stack: Stac
     reply = _two_images(
         _client(stack), 10, extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"}
     )
-    spans = _all_steps(stack.collector, bytes.fromhex(trace_id), triton=2)
+    spans = _all_steps(stack.collector, bytes.fromhex(trace_id), counts={"InferRequest": 2})
     assert stack.collector.refused == []  # every export was read
     for component, names in EXPECTED.items():
         mine = {r.span.name for r in spans if r.component == component}
