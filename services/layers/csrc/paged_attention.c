@@ -9,24 +9,28 @@
  *   block_tables  [num_seqs][max_pages]  each sequence's pages, in order
  *   seq_lens      [num_seqs]             its keys, the new token's included
  *
- * One task per sequence. It walks the sequence's pages in chunks of CHUNK keys,
- * as SDPA's CPU kernel does: each chunk's keys, then its values, front to back,
- * every head at once: a whole token row is one contiguous run, which the hardware
- * prefetches well (one task per KV head read a quarter of each row and was ~1.5x
- * slower on a cold cache); keys 16 and KEYS_AHEAD tokens on and this 16's values
- * are asked for ahead (prefetch_block). Softmax per chunk: the scores, then their
- * maximum (and the running one: the output so far and the running sum are scaled
- * where it grows), exponentials and sum (a vectorized e^x: libm's expf, called
- * once a score, was a quarter of the kernel's time); then the values weighed by
- * the exponentials; the output is divided by the sum at the end.
- * bfloat16 tensors are read into float32 a token row at a time and computed in
- * float32, rounding where SDPA's CPU kernel rounds: the exponentials before they
- * weigh the values, and the output. Where the compiler targets AVX512-BF16
- * (-march=native on such a CPU), bfloat16 scores are instead dot products of bf16
- * pairs (vdpbf16ps), 16 tokens at a time, their horizontal sums taken together
- * (1.8x faster on the medium demo's shapes), and the values are weighed two tokens
- * at a time the same way, the query heads of a KV head together, their sums in
- * registers.
+ * One task per sequence. It walks the sequence's pages in chunks of keys (with a
+ * running maximum and sum, as SDPA's CPU kernel does): each chunk's keys, then
+ * its values, front to back, every head at once: a whole token row is one
+ * contiguous run, which the hardware prefetches well (one task per KV head read a
+ * quarter of each row and was ~1.5x slower on a cold cache); keys 16 and
+ * KEYS_AHEAD tokens on and this 16's values are asked for ahead (prefetch_block).
+ * Softmax per chunk: the scores, then their maximum (and the running one: the
+ * output so far and the running sum are scaled where it grows), exponentials and
+ * sum (a vectorized e^x: libm's expf, called once a score, was a quarter of the
+ * kernel's time); then the values weighed by the exponentials; the output is
+ * divided by the sum at the end.
+ * float32 caches with head_dim a multiple of 64 (the AVX2 class's dtype), built
+ * for AVX2 or more, take GCC's vectors of 8 floats: scores 8 tokens at a time,
+ * their sums taken together, and values weighed with the sums in registers
+ * (scores_f32, values_f32). Other shapes: bfloat16 tensors are read into float32 a token row
+ * at a time and computed in float32, rounding where SDPA's CPU kernel rounds: the
+ * exponentials before they weigh the values, and the output. Where the compiler
+ * targets AVX512-BF16 (-march=native on such a CPU), bfloat16 scores are instead
+ * dot products of bf16 pairs (vdpbf16ps), 16 tokens at a time, their horizontal
+ * sums taken together (1.8x faster on the medium demo's shapes), and the values
+ * are weighed two tokens at a time the same way, the query heads of a KV head
+ * together, their sums in registers.
  * Tasks run on OpenMP threads; built against torch's own libgomp, they share
  * its thread pool.
  */
@@ -100,6 +104,8 @@ prefetch_row(const void *cache, const int64_t *rows, int64_t u, int64_t size, in
  * into L1: a page's worth ahead was too close to cover the memory's latency (the
  * medium demo's KV at 1024 tokens: ~1.3x faster with both). */
 #define KEYS_AHEAD 64
+/* Tokens ahead whose values a values pass asks for into L2 */
+#define VALUES_AHEAD 64
 
 static inline __attribute__((always_inline)) void
 prefetch_block(const void *keys, const void *values, const int64_t *rows, int64_t t, int64_t len,
@@ -260,9 +266,8 @@ static void unpermute(float *out, int64_t dim) {
  * on the medium demo, half of a 32 KiB L1): a block of a sequence's rows is read
  * once, front to back (each head read its part of every row in turn, a strided
  * walk of the whole context per head). Even: a block's token pairs do not cross
- * into the next. The rows VALUES_AHEAD tokens on are asked for into L2 meanwhile. */
+ * into the next. */
 #define VALUE_BLOCK 16
-#define VALUES_AHEAD 64
 
 /* out (permuted as values_heads_bf16 keeps it) += the weighed values, for every
  * query head (head h reads KV head h / group), a block of VALUE_BLOCK tokens at a
@@ -281,17 +286,107 @@ static void values_bf16(float *out, const float *weights, const uint16_t *values
 }
 #endif
 
+#if defined(__AVX2__)
+/* float32 caches, head_dim a multiple of 64, on AVX2 builds and up: GCC's vectors
+ * of 8 floats (AVX2's registers; an AVX-512 build keeps them). A dot product a
+ * (token, head) with its own horizontal sum, and an axpy a (token, head) whose
+ * sums went to memory and back, made this path compute-bound. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* [sum of a[0]'s lanes, ..., sum of a[7]'s]: pairwise sums of adjacent lanes
+ * (vhaddps), then of the 128-bit halves */
+static inline v8 sums8(const v8 a[8]) {
+#define HADD(x, y) (__builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + \
+                    __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15))
+    const v8 h01 = HADD(a[0], a[1]), h23 = HADD(a[2], a[3]);
+    const v8 h45 = HADD(a[4], a[5]), h67 = HADD(a[6], a[7]);
+    const v8 low = HADD(h01, h23), high = HADD(h45, h67); /* lanes 0-3 and 4-7: halves */
+#undef HADD
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(low, high, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* scores[h][t] = q[h] . k[t][h / group], 8 tokens at a time, their 8 dot products'
+ * sums taken together (a last block of fewer repeats its first row, computed and
+ * not stored); the keys 16 and KEYS_AHEAD on and this 16's values asked for ahead */
+static void scores_f32(float *scores, const float *q, const float *keys, const float *values,
+                       const int64_t *rows, int64_t n, int64_t ahead, int64_t num_heads,
+                       int64_t group, int64_t dim, int64_t width) {
+    for (int64_t t = 0; t < n; t += 8) {
+        if (t % 16 == 0) prefetch_block(keys, values, rows, t, n, ahead, 4, width);
+        const int64_t m = n - t < 8 ? n - t : 8;
+        const float *row[8];
+        for (int64_t j = 0; j < 8; j++) row[j] = keys + rows[j < m ? t + j : t];
+        for (int64_t h = 0; h < num_heads; h++) {
+            const float *qh = q + h * dim;
+            const int64_t head = h / group * dim;
+            v8 acc[8] = {{0}};
+            for (int64_t c = 0; c < dim; c += 8) {
+                const v8 qc = load8(qh + c);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) acc[j] += qc * load8(row[j] + head + c);
+            }
+            const v8 sums = sums8(acc);
+            memcpy(scores + h * n + t, &sums, sizeof(float) * m);
+        }
+    }
+}
+
+/* out[64] += sum over t of weights[t] * v[t][head..head + 64]: one query head's 64
+ * dims, their sums in 8 registers over the tokens */
+static inline void values_f32_64(float *out, const float *weights, const float *values,
+                                 const int64_t *rows, int64_t n, int64_t head) {
+    v8 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) acc[i] = load8(out + 8 * i);
+    for (int64_t t = 0; t < n; t++) {
+        const float *v = values + rows[t] + head;
+        const v8 w = (v8){0} + weights[t];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) acc[i] += w * load8(v + 8 * i);
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+/* Rows of float32 values every head weighs while they are in L1 */
+#define VALUE_BLOCK_F32 8
+
+/* out [num_heads][dim] += the weighed values, a block of rows at a time, each
+ * query head 64 dims at a time; weights [num_heads][n] */
+static void values_f32(float *out, const float *weights, const float *values,
+                       const int64_t *rows, int64_t n, int64_t ahead, int64_t num_heads,
+                       int64_t group, int64_t dim, int64_t width) {
+    for (int64_t t = 0; t < n; t += VALUE_BLOCK_F32) {
+        const int64_t m = n - t < VALUE_BLOCK_F32 ? n - t : VALUE_BLOCK_F32;
+        for (int64_t u = t + VALUES_AHEAD; u < t + VALUES_AHEAD + m && u < ahead; u++)
+            prefetch_row(values, rows, u, 4, width, 0);
+        for (int64_t h = 0; h < num_heads; h++)
+            for (int64_t d = 0; d < dim; d += 64)
+                values_f32_64(out + h * dim + d, weights + h * n + t, values, rows + t, m,
+                              h / group * dim + d);
+    }
+}
+#endif
+
+/* Bytes of keys a chunk (of values as many): a chunk's scores, their softmax
+ * and its weighed values are done before the next chunk's keys are read, so
+ * that its values, asked for as its keys are read, are still in L2 (its keys and
+ * values in half of a 1 MiB L2: 256 keys of the medium demo in bfloat16, 128 in
+ * float32; 512 of them, as SDPA's CPU kernel splits the keys, were 5-10 % slower). */
+#define CHUNK_BYTES (256 << 10)
+
 struct shape {
     int64_t num_heads, num_kv_heads, head_dim, page_size;
     float scale;
     int bf16;
+    int64_t chunk; /* keys a chunk: CHUNK_BYTES of them, a multiple of 16 */
 };
-
-/* Keys a chunk, as SDPA's CPU kernel splits them (512 a block, with a running
- * maximum and sum): a chunk's scores, their softmax and its weighed values are
- * done before the next chunk's keys are read, so that its values, asked for as
- * its keys are read, are still near. */
-#define CHUNK 512
 
 /* The softmax of one chunk's scores [num_heads][n], in place, continuing the
  * running maximum and sum of each head (the first chunk starts them): each head's
@@ -358,47 +453,59 @@ static void values_float(float *out, const float *weights, const void *values,
 }
 
 /* One sequence: q and out [num_heads][head_dim] in float32 (q16: q as given, for
- * the bfloat16 scores; NULL in float32); scores [num_heads][CHUNK], row
+ * the bfloat16 scores; NULL in float32); scores [num_heads][sh->chunk], row
  * [num_kv_heads * head_dim] and rows [len] are the task's scratch. */
 static void attend(float *out, const float *q, const void *q16, const void *keys,
                    const void *values, const int64_t *pages, int64_t len, const struct shape *sh,
                    float *scores, float *row, int64_t *rows) {
     const int64_t dim = sh->head_dim, width = sh->num_kv_heads * dim; /* a token's row */
+    const int64_t heads = sh->num_heads;
+#if defined(__AVX2__) /* (AVX512-BF16 builds too) */
+    const int64_t group = sh->num_heads / sh->num_kv_heads; /* query heads per KV head */
+    const int f32 = !sh->bf16 && dim % 64 == 0; /* scores_f32 and values_f32 take it */
+#endif
 #if defined(__AVX512BF16__)
     /* the dot products of bf16 pairs take this shape (else the float32 loops) */
     const int pairs = sh->bf16 && dim % 32 == 0 && dim <= MAX_BF16_DIM;
-    const int64_t group = sh->num_heads / sh->num_kv_heads; /* query heads per KV head */
 #else
     (void)q16; /* read by the dot products of bf16 pairs only */
 #endif
     for (int64_t t = 0, p = 0; t < len; p++) /* each token's row, where its page puts it */
         for (int64_t i = 0; i < sh->page_size && t < len; i++, t++)
             rows[t] = pages[p] * sh->page_size * width + i * width;
-    float maxes[sh->num_heads], sums[sh->num_heads];
-    memset(out, 0, sizeof(float) * sh->num_heads * dim);
-    for (int64_t c = 0; c < len; c += CHUNK) {
-        const int64_t n = len - c < CHUNK ? len - c : CHUNK;
-#if defined(__AVX512BF16__)
-        if (pairs)
-            scores_bf16(scores, q16, keys, values, rows + c, n, len - c, sh->num_heads, group, dim,
-                        width);
+    float maxes[heads], sums[heads];
+    memset(out, 0, sizeof(float) * heads * dim);
+    for (int64_t c = 0; c < len; c += sh->chunk) {
+        const int64_t n = len - c < sh->chunk ? len - c : sh->chunk, *at = rows + c;
+#if defined(__AVX2__)
+        if (f32)
+            scores_f32(scores, q, keys, values, at, n, len - c, heads, group, dim, width);
         else
 #endif
-            scores_float(scores, q, keys, values, rows + c, n, len - c, sh, row);
+#if defined(__AVX512BF16__)
+        if (pairs)
+            scores_bf16(scores, q16, keys, values, at, n, len - c, heads, group, dim, width);
+        else
+#endif
+            scores_float(scores, q, keys, values, at, n, len - c, sh, row);
         softmax_chunk(scores, n, sh, c == 0, maxes, sums, out);
-#if defined(__AVX512BF16__)
-        if (pairs)
-            values_bf16(out, scores, values, rows + c, n, len - c, sh->num_heads, group, dim,
-                        width);
+#if defined(__AVX2__)
+        if (f32)
+            values_f32(out, scores, values, at, n, len - c, heads, group, dim, width);
         else
 #endif
-            values_float(out, scores, values, rows + c, n, sh, row);
+#if defined(__AVX512BF16__)
+        if (pairs)
+            values_bf16(out, scores, values, at, n, len - c, heads, group, dim, width);
+        else
+#endif
+            values_float(out, scores, values, at, n, sh, row);
     }
 #if defined(__AVX512BF16__)
     if (pairs)
-        for (int64_t h = 0; h < sh->num_heads; h++) unpermute(out + h * dim, dim);
+        for (int64_t h = 0; h < heads; h++) unpermute(out + h * dim, dim);
 #endif
-    for (int64_t h = 0; h < sh->num_heads; h++)
+    for (int64_t h = 0; h < heads; h++)
         for (int64_t i = 0; i < dim; i++) out[h * dim + i] /= sums[h];
 }
 
@@ -409,7 +516,10 @@ int paged_decode_attention(void *out, const void *q, const void *keys, const voi
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t page_size, int64_t max_pages, float scale,
                            int bf16, int num_threads) {
-    const struct shape sh = {num_heads, num_kv_heads, head_dim, page_size, scale, bf16};
+    const int64_t row_bytes = num_kv_heads * head_dim * (bf16 ? 2 : 4);
+    const int64_t per_chunk = CHUNK_BYTES / row_bytes / 16 * 16;
+    const struct shape sh = {num_heads, num_kv_heads, head_dim, page_size, scale, bf16,
+                             per_chunk > 16 ? per_chunk : 16};
     const int64_t size = num_heads * head_dim;
     int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
@@ -417,7 +527,7 @@ int paged_decode_attention(void *out, const void *q, const void *keys, const voi
         /* where each token's row lies, the scores, a token's row, and (bfloat16)
          * the query and output in float32 */
         const int64_t len = seq_lens[s];
-        const int64_t chunk = len < CHUNK ? len : CHUNK;
+        const int64_t chunk = len < sh.chunk ? len : sh.chunk;
         int64_t *rows = malloc(sizeof(int64_t) * len +
                                sizeof(float) * (num_heads * chunk + num_kv_heads * head_dim + 2 * size));
         if (rows == NULL) {
