@@ -249,7 +249,7 @@ static void values_group_bf16(float *out, const float *weights, int64_t stride,
     }
 }
 
-/* values_head_bf16's permuted sums of one head, in order */
+/* values_heads_bf16's permuted sums of one head, in order */
 static void unpermute(float *out, int64_t dim) {
     for (int64_t c = 0; c < dim; c += 32) {
         float permuted[32];
