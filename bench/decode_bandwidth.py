@@ -13,6 +13,10 @@ and each sequence's KV once. Two figures:
 - KV: batch B at a long context L against the same batch at 16 tokens: the KV
   bytes added over the time added.
 
+Each is the median of `--rounds` rounds of the three steps (the KV's is a
+difference of two steps, taken within a round: one run's drift in the machine's
+memory speed moved it by 50 % and more).
+
 The dtype is what `epd serve` picks on this CPU (`--dtype auto`: bfloat16 with
 AVX512-BF16 or AMX, else float32); the CPU class is named in the output. `--doc`
 writes this class's line of docs/performance.md's section.
@@ -46,8 +50,8 @@ HEADER = (
     "A decode step's bytes read over its time, as a share of the read bandwidth "
     "(torch.sum over 512 MiB on the same threads, the same run): the weights at batch 1 "
     "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens; the medium demo in "
-    "the dtype `--dtype auto` picks. `python -m bench.decode_bandwidth --doc` rewrites this "
-    "class's row.",
+    "the dtype `--dtype auto` picks; medians of 3 rounds. `python -m bench.decode_bandwidth "
+    "--doc` rewrites this class's row.",
     "",
     "| CPU class | date | commit | dtype | read GB/s | weights | KV |",
     "|---|---|---|---|---:|---:|---:|",
@@ -116,6 +120,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=AUTO)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the three steps, one after another"
+    )
     parser.add_argument("--doc", action="store_true", help="write this class's row")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)
@@ -133,10 +140,20 @@ def main() -> None:
     engine.warm_up()
     text = engine.spec.text
     reads = read_seconds(dtype)
-    one = decode_step_s(engine, 1, SHORT)
-    short = decode_step_s(engine, args.batch, SHORT)
-    long = decode_step_s(engine, args.batch, args.context)
+    rounds = [
+        (
+            decode_step_s(engine, 1, SHORT),
+            decode_step_s(engine, args.batch, SHORT),
+            decode_step_s(engine, args.batch, args.context),
+        )
+        for _ in range(args.rounds)
+    ]  # the KV's figure is a difference of two steps: taken within each round, where
+    # this machine's neighbours weigh on both alike
     reads += read_seconds(dtype)  # before and after: this machine's neighbours come and go
+    one = statistics.median(r[0] for r in rounds)
+    short, long = (statistics.median(r[i] for r in rounds) for i in (1, 2))
+    added = args.batch * kv_bytes(text, dtype, args.context - SHORT)
+    rate = statistics.median(added / (r[2] - r[1]) for r in rounds)
     bandwidth = READ_MIB * 2**20 / statistics.median(reads)
     print(f"{machine()}; demo {args.size}, {dtype}, torch threads {torch.get_num_threads()}")
     print(
@@ -149,12 +166,12 @@ def main() -> None:
         f"{weights / 2**20:.0f} MiB read: {weights / one / 1e9:.1f} GB/s, "
         f"{weights / one / bandwidth:.0%} of the read bandwidth"
     )
-    added = args.batch * kv_bytes(text, dtype, args.context - SHORT)
-    rate = added / (long - short)
+    shares = sorted(added / (r[2] - r[1]) / bandwidth for r in rounds)
     print(
         f"KV: batch {args.batch}, {SHORT} -> {args.context} tokens: {short * 1e3:.2f} -> "
         f"{long * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
-        f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth"
+        f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth "
+        f"(the median of {len(rounds)} rounds: {', '.join(f'{x:.0%}' for x in shares)})"
     )
     if args.doc:
         row = (
