@@ -9,7 +9,8 @@ and a Qwen3-VL video its timestamped frames as Qwen3VLProcessor writes them
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -46,6 +47,14 @@ def hf_greedy(
     `processors`: generate()'s logits-processor arguments (repetition_penalty, ...)."""
     out = _generate(folder, torch.float32, messages, images, max_new_tokens, **processors)
     return [int(t) for t in out.sequences[0, -len(out.scores) :]]
+
+
+async def on_a_thread(reference: Callable[..., list[int]], *args: Any, **kwargs: Any) -> list[int]:
+    """A reference (hf_greedy, hf_greedy_videos) on a worker thread, for a test
+    whose servers share its event loop: they keep serving and sending heartbeats
+    while HF generates (the tests' broker drops an instance silent for 2 s, and
+    HF took longer on a loaded machine)."""
+    return await asyncio.to_thread(reference, *args, **kwargs)
 
 
 # The bf16 contract's near-tie, in nats. bf16's roundings (kernels, reduction orders)

@@ -36,7 +36,7 @@ from tests.language.test_language_service import (
     proto_messages,
     token_ids,
 )
-from tests.reference import chat, hf_greedy
+from tests.reference import chat, hf_greedy, on_a_thread
 from tests.stack import backend, language_stub, start_language
 from tests.until import until
 
@@ -72,7 +72,9 @@ async def test_generate_equals_hf(
     images = _images(num_images, 50)
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
     responses = await generate(stack, tiny_checkpoint, f"p-{num_images}", text, images, sampling)
-    expected = hf_greedy(tiny_checkpoint, chat(text, num_images), pil(images), max_tokens)
+    expected = await on_a_thread(
+        hf_greedy, tiny_checkpoint, chat(text, num_images), pil(images), max_tokens
+    )
     assert token_ids(responses) == expected
     assert responses[-1].complete.completion_tokens == len(expected)
 
@@ -94,7 +96,7 @@ async def test_concurrent_requests_each_equal_hf(stack: Stack, tiny_checkpoint: 
         )
     )
     for i, (text, n, m) in enumerate(cases):
-        expected = hf_greedy(tiny_checkpoint, chat(text, n), pil(images[i]), m)
+        expected = await on_a_thread(hf_greedy, tiny_checkpoint, chat(text, n), pil(images[i]), m)
         assert token_ids(results[i]) == expected, f"request {i}"
     await _idle(stack[2])
 

@@ -25,7 +25,7 @@ from services.wire.convert import from_proto
 from services.wire.request import GenerateChunk, GenerateComplete, GenerateRequest, GenerateResponse
 from services.wire.transport import Transport
 from tests.language.test_language_service import proto_messages, token_ids
-from tests.reference import chat, hf_greedy
+from tests.reference import chat, hf_greedy, on_a_thread
 from tests.stack import _channel, language_stub, start_broker, start_language
 from tests.until import until
 
@@ -109,8 +109,8 @@ async def test_requests_on_one_stream_get_their_own_tokens_in_batched_messages(
     stream.cancel()
     for i, (text, max_tokens) in enumerate(cases):
         assert ends[f"many-{i}"].code == grpc.StatusCode.OK.value[0]
-        assert token_ids(got[f"many-{i}"]) == hf_greedy(
-            tiny_checkpoint, chat(text, 0), [], max_tokens
+        assert token_ids(got[f"many-{i}"]) == await on_a_thread(
+            hf_greedy, tiny_checkpoint, chat(text, 0), [], max_tokens
         )
         assert got[f"many-{i}"][-1].HasField("complete")
     total = sum(len(r) for r in got.values())
@@ -127,7 +127,9 @@ async def test_a_failed_request_ends_with_its_status_and_the_stream_serves_on(
         await responses(too_long)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "context length" in (info.value.details() or "")
-    assert ids(await responses(good)) == hf_greedy(tiny_checkpoint, chat("Hello there", 0), [], 5)
+    assert ids(await responses(good)) == await on_a_thread(
+        hf_greedy, tiny_checkpoint, chat("Hello there", 0), [], 5
+    )
     # a second request under an id in flight is refused; the first goes on
     first = call(streams, language, request("twice", "Count slowly.", 400, ignore_eos=True))
     reading = aiter(first)  # held: an iteration let go of cancels its call
@@ -153,7 +155,9 @@ async def test_a_cancelled_call_frees_everything_and_its_stream_serves_on(
         await anext(iterator)
     await until(lambda: freed(language))
     after = call(streams, language, request("after-cancel", "Hi", 4))
-    assert ids(await responses(after)) == hf_greedy(tiny_checkpoint, chat("Hi", 0), [], 4)
+    assert ids(await responses(after)) == await on_a_thread(
+        hf_greedy, tiny_checkpoint, chat("Hi", 0), [], 4
+    )
     await streams.close()
 
 

@@ -23,7 +23,7 @@ from services.model.processor import ImageTokenRule
 from services.proto import common_pb2, encoder_pb2, language_pb2
 from services.triton.launcher import TritonServer
 from services.wire.transport import Transport
-from tests.reference import chat, hf_greedy
+from tests.reference import chat, hf_greedy, on_a_thread
 from tests.reflection import list_services, server_streaming_json
 from tests.stack import (
     backend,
@@ -148,7 +148,9 @@ async def test_generate_equals_hf(
         images,
         common_pb2.SamplingParams(max_tokens=max_tokens),
     )
-    expected = hf_greedy(tiny_checkpoint, chat(text, num_images), pil(images), max_tokens)
+    expected = await on_a_thread(
+        hf_greedy, tiny_checkpoint, chat(text, num_images), pil(images), max_tokens
+    )
     assert token_ids(responses) == expected
     complete = responses[-1].complete
     assert complete.completion_tokens == len(expected)
@@ -214,8 +216,8 @@ async def test_eight_concurrent_mixed_requests_on_a_small_kv_cache(
             )
         )
         for i, (text, n, m) in enumerate(cases):
-            assert token_ids(results[i]) == hf_greedy(
-                tiny_checkpoint, chat(text, n), pil(all_images[i]), m
+            assert token_ids(results[i]) == await on_a_thread(
+                hf_greedy, tiny_checkpoint, chat(text, n), pil(all_images[i]), m
             )
         assert small.engine.engine.blocks.num_used_pages == 0
         assert small.pool.allocator.num_used_blocks == 0

@@ -32,7 +32,7 @@ from services.proto import common_pb2, encoder_pb2, language_pb2
 from services.triton.launcher import TritonServer
 from services.wire.convert import to_proto
 from services.wire.transport import Transport
-from tests.reference import HfVideo, chat, hf_greedy, hf_greedy_videos
+from tests.reference import HfVideo, chat, hf_greedy, hf_greedy_videos, on_a_thread
 from tests.stack import backend, encoder_stub, language_stub, start_language
 from tests.until import until
 
@@ -139,7 +139,9 @@ async def test_each_image_waits_until_the_prompt_before_it_is_prefilled_and_the_
     responses = await generate(stack, tiny_checkpoint, request_id, text, images, 12)
     assert len(progress) == num_images
     assert progress == sorted(set(progress))  # more of the prompt before each image
-    expected = hf_greedy(tiny_checkpoint, chat(text, num_images), pil(images), 12)
+    expected = await on_a_thread(
+        hf_greedy, tiny_checkpoint, chat(text, num_images), pil(images), 12
+    )
     assert token_ids(responses) == expected
     await until(lambda: not language.receiver.transfers and not encoder.sender.transfers)
     assert language.pool.allocator.num_used_blocks == 0
@@ -173,7 +175,9 @@ async def test_a_grid_unlike_its_hint_is_received_whole_and_still_equals_hf(
     )
     responses = [r async for r in call]
     await encode
-    expected = hf_greedy(tiny_checkpoint, chat("Describe this image.", 1), pil([image]), 10)
+    expected = await on_a_thread(
+        hf_greedy, tiny_checkpoint, chat("Describe this image.", 1), pil([image]), 10
+    )
     assert token_ids(responses) == expected
 
 
@@ -294,5 +298,7 @@ async def test_a_videos_parts_are_prefilled_as_they_come_and_the_tokens_equal_hf
     assert len(progress) == -(-grid.t // VIDEO_PART)
     assert progress == sorted(set(progress))
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]}]
-    expected = hf_greedy_videos(tiny_checkpoint, messages, [], [HfVideo.of(pixels, grid)], 12)
+    expected = await on_a_thread(
+        hf_greedy_videos, tiny_checkpoint, messages, [], [HfVideo.of(pixels, grid)], 12
+    )
     assert token_ids(responses) == expected
