@@ -58,6 +58,10 @@ def test_a_port_in_use_names_the_port_its_flag_and_its_holder(tiny_checkpoint: P
         _refused(_serve(*model, "--port", str(port)), str(port), "--port", f"pid {os.getpid()} (")
         broker = ["--broker-port", str(port)]
         _refused(_serve("--model", str(tiny_checkpoint), *broker), str(port), "--broker-port")
+        # two listeners on the held port: the flags' clash is named, whatever holds it
+        both = ["--port", str(port), "--broker-port", str(port)]
+        line = _refused(_serve(*model, *both), f"port {port} is both --port and --broker-port")
+        assert "in use" not in line
 
 
 @pytest.mark.parametrize(

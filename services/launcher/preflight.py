@@ -71,11 +71,15 @@ def _ports(config: StackConfig) -> list[tuple[int, str, str]]:
 
 
 def check_ports(config: StackConfig) -> None:
+    """Two listeners on one port first (the flags alone say so), then a port that
+    something on this machine holds."""
+    ports = _ports(config)
     seen: dict[int, str] = {}
-    for port, flag, host in _ports(config):
+    for port, flag, _ in ports:
         if port in seen:
             raise ConfigError(f"port {port} is both {seen[port]} and {flag}: move one of them")
         seen[port] = flag
+    for port, flag, host in ports:
         if listened_on(host, [port]):
             what = holder(port) or "another epd serve?"
             raise ConfigError(
