@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from PIL import Image
 
 from services.wire.messages import MediaGrid
+
+T = TypeVar("T")
 
 
 @cache
@@ -49,10 +51,10 @@ def hf_greedy(
     return [int(t) for t in out.sequences[0, -len(out.scores) :]]
 
 
-async def on_a_thread(reference: Callable[..., list[int]], *args: Any, **kwargs: Any) -> list[int]:
-    """A reference (hf_greedy, hf_greedy_videos) on a worker thread, for a test
-    whose servers share its event loop: they keep serving and sending heartbeats
-    while HF generates (the tests' broker drops an instance silent for 2 s, and
+async def on_a_thread(reference: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """A reference (hf_greedy, hf_greedy_videos, or what calls them) on a worker
+    thread, for a test whose servers share its event loop: they keep serving and
+    sending heartbeats while HF generates (the tests' broker drops an instance silent for 2 s, and
     HF took longer on a loaded machine)."""
     return await asyncio.to_thread(reference, *args, **kwargs)
 

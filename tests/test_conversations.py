@@ -29,7 +29,7 @@ from services.model.spec import load_spec
 from services.model.tokenizer import load_tokenizer
 from services.triton.launcher import TritonServer
 from services.wire.transport import Transport
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, on_a_thread
 from tests.stack import MODEL, start_broker, start_encoder, start_gateway, start_language
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -113,7 +113,7 @@ async def test_turn_two_about_an_image_is_neither_encoded_nor_sent(
         )
         return reply.choices[0].message.content or ""
 
-    def reference(messages: list[dict[str, Any]]) -> str:
+    async def reference(messages: list[dict[str, Any]]) -> str:
         hf = [
             {
                 "role": m["role"],
@@ -123,7 +123,7 @@ async def test_turn_two_about_an_image_is_neither_encoded_nor_sent(
             }
             for m in messages
         ]
-        return tokenizer.decode(hf_greedy(tiny_checkpoint, hf, [picture], 8))
+        return tokenizer.decode(await on_a_thread(hf_greedy, tiny_checkpoint, hf, [picture], 8))
 
     before = sent(encoder, language)
     first = await answer(turn_1)
@@ -131,7 +131,7 @@ async def test_turn_two_about_an_image_is_neither_encoded_nor_sent(
     assert after_1["triton requests"] == before["triton requests"] + 1
     assert after_1["bytes written"] > before["bytes written"]
     assert after_1["images held"] == before["images held"]
-    assert first == reference(turn_1)
+    assert first == await reference(turn_1)
 
     turn_2 = [
         *turn_1,
@@ -144,7 +144,7 @@ async def test_turn_two_about_an_image_is_neither_encoded_nor_sent(
     assert after_2["bytes written"] == after_1["bytes written"], "turn 2's image was sent"
     await held_counted(encoder, after_1["images held"] + 1)
     assert after_2["tokens held"] > after_1["tokens held"]
-    assert second == reference(turn_2)
+    assert second == await reference(turn_2)
 
 
 async def test_a_cache_salt_scopes_the_cached_pages_and_the_held_images(

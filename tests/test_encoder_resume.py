@@ -39,7 +39,7 @@ from services.triton.launcher import TritonServer
 from services.wire.messages import media_key
 from services.wire.transport import Transport
 from tests.processes import epd_process
-from tests.reference import HfVideo, hf_greedy, hf_greedy_videos
+from tests.reference import HfVideo, hf_greedy, hf_greedy_videos, on_a_thread
 from tests.stack import MODEL, start_broker, start_encoder, start_gateway, start_language
 from tests.until import until
 
@@ -235,9 +235,9 @@ async def _killed_midway(
     """The request of `case`, its encoder killed once the case's part landed."""
     survivor = stack.encoder.instance_id
     if case == "video":
-        c = _video_case(tiny_checkpoint, survivor)
+        c = await on_a_thread(_video_case, tiny_checkpoint, survivor)
     else:
-        c = _images_case(tiny_checkpoint, survivor, int(case[0]))
+        c = await on_a_thread(_images_case, tiny_checkpoint, survivor, int(case[0]))
     messages: list[dict[str, Any]] = [{"role": "user", "content": [*c.parts, _text()]}]
     client = AsyncOpenAI(base_url=stack.gateway.url + "/v1", api_key="none", max_retries=0)
     args = _doomed(tiny_checkpoint, stack.broker, triton)

@@ -35,7 +35,7 @@ from services.model.tokenizer import load_tokenizer
 from services.triton.launcher import TritonServer
 from services.wire.messages import media_key
 from tests.processes import epd_process
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, on_a_thread
 from tests.stack import MODEL, start_broker, start_encoder, start_gateway, start_language
 from tests.until import until
 
@@ -125,7 +125,7 @@ async def _ask(stack: Stack, url: str, lead: str) -> list[str]:
     return [t.token for t in content]
 
 
-def _reference(checkpoint: Path, picture: Image.Image, lead: str) -> list[str]:
+async def _reference(checkpoint: Path, picture: Image.Image, lead: str) -> list[str]:
     hf = [
         {
             "role": "user",
@@ -137,7 +137,8 @@ def _reference(checkpoint: Path, picture: Image.Image, lead: str) -> list[str]:
         }
     ]
     tokenizer = load_tokenizer(checkpoint)
-    return [tokenizer.decode([t]) for t in hf_greedy(checkpoint, hf, [picture], 8)]
+    tokens = await on_a_thread(hf_greedy, checkpoint, hf, [picture], 8)
+    return [tokenizer.decode([t]) for t in tokens]
 
 
 async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
@@ -146,7 +147,7 @@ async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
     caplog.set_level(logging.INFO, logger="epd.requests")
     picture, url, key = _picture(seed=4242)
     encoded, sent = stack.counts("encoded_items"), stack.counts("peer_served", "sent")
-    assert await _ask(stack, url, "First:") == _reference(tiny_checkpoint, picture, "First:")
+    assert await _ask(stack, url, "First:") == await _reference(tiny_checkpoint, picture, "First:")
     after_first = stack.counts("encoded_items")
     holder = next(i for i in range(2) if after_first[i] == encoded[i] + 1)
     other = 1 - holder
@@ -155,7 +156,9 @@ async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
     fetch_bytes = stack.counts("peer_fetch_bytes")
 
     # round-robin: the next request goes to the other encoder, which fetches the image
-    assert await _ask(stack, url, "Second:") == _reference(tiny_checkpoint, picture, "Second:")
+    assert await _ask(stack, url, "Second:") == await _reference(
+        tiny_checkpoint, picture, "Second:"
+    )
     # each request's log line: the second's says its image came from a peer
     await until(lambda: len(_logged(caplog)) == 2, 10)
     assert {r["encoder"]: r["peer_items"] for r in _logged(caplog)} == {
@@ -169,7 +172,7 @@ async def test_an_image_another_encoder_holds_is_fetched_not_encoded(
     assert held is not None and stack.encoders[other].pipeline.cache.get(key) is not None
     assert stack.counts("peer_fetch_bytes")[other] == fetch_bytes[other] + held.nbytes
     # both now hold it: a third request encodes nothing and fetches nothing
-    assert await _ask(stack, url, "Third:") == _reference(tiny_checkpoint, picture, "Third:")
+    assert await _ask(stack, url, "Third:") == await _reference(tiny_checkpoint, picture, "Third:")
     assert stack.counts("encoded_items") == after_first
     assert stack.counts("peer_fetches", "fetched")[other] == fetched[other] + 1
     await until(stack.whole, 10)
@@ -209,7 +212,7 @@ async def test_a_holder_that_stalls_or_dies_costs_the_fetch_not_the_request(
             await until(lambda: not survivor._fetching, 10)
             fetch_s = time.monotonic() - started  # from the kill, or the fetch's start
             tokens = await asyncio.wait_for(answer, 60)
-        assert tokens == _reference(tiny_checkpoint, picture, "Again:")
+        assert tokens == await _reference(tiny_checkpoint, picture, "Again:")
         assert stack.counts("encoded_items")[0] == encoded + 1  # encoded here after all
         assert stack.counts("peer_fetches", "failed")[0] == 1
         if fault == "killed":  # the dead holder's connection resets: no wait for the deadline

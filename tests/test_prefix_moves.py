@@ -41,7 +41,7 @@ from services.proto import common_pb2, language_pb2, language_pb2_grpc
 from services.runtime.grpc_server import channel
 from services.triton.launcher import TritonServer
 from tests.processes import epd_process
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, on_a_thread
 from tests.stack import MODEL, start_broker, start_encoder, start_gateway, start_language
 from tests.until import until
 
@@ -133,7 +133,7 @@ async def _ask(stack: Stack, messages: list[dict[str, Any]]) -> tuple[str, int]:
     return reply.choices[0].message.content or "", usage.prompt_tokens_details.cached_tokens or 0
 
 
-def _reference(checkpoint: Path, messages: list[dict[str, Any]]) -> str:
+async def _reference(checkpoint: Path, messages: list[dict[str, Any]]) -> str:
     hf = [
         {
             "role": m["role"],
@@ -141,7 +141,9 @@ def _reference(checkpoint: Path, messages: list[dict[str, Any]]) -> str:
         }
         for m in messages
     ]
-    return load_tokenizer(checkpoint).decode(hf_greedy(checkpoint, hf, [PICTURE], 8))
+    return load_tokenizer(checkpoint).decode(
+        await on_a_thread(hf_greedy, checkpoint, hf, [PICTURE], 8)
+    )
 
 
 @contextlib.asynccontextmanager
@@ -193,7 +195,7 @@ async def test_a_turn_routed_away_from_its_busy_holder_moves_with_its_kv(
     async with _stack(tiny_checkpoint, triton) as stack:
         holder = await stack.add_language()
         first, _ = await _ask(stack, _turn_1())  # the only instance: the holder
-        assert first == _reference(tiny_checkpoint, _turn_1())
+        assert first == await _reference(tiny_checkpoint, _turn_1())
         mover = await stack.add_language()
         await until(lambda: len(stack.broker.broker.registry.sessions()) == 3, 30)
         triton_requests = total(stack.encoder.metrics.triton_seconds, suffix="_count")
@@ -201,7 +203,7 @@ async def test_a_turn_routed_away_from_its_busy_holder_moves_with_its_kv(
 
         async with _busy(stack, holder.grpc.address, holder.instance_id):
             second, cached = await _ask(stack, _turn_2(first))
-        assert second == _reference(tiny_checkpoint, _turn_2(first))
+        assert second == await _reference(tiny_checkpoint, _turn_2(first))
 
         # the mover fetched the pages once, the holder sent them once
         assert total(mover.metrics.prefix_fetches, "fetched") == 1
@@ -262,7 +264,7 @@ async def test_a_holder_that_stalls_or_dies_costs_the_fetch_not_the_turn(
                 await until(lambda: peers.in_flight == 0, 10)
                 fetch_s = time.monotonic() - started
                 second, cached = await asyncio.wait_for(answer, 60)
-        assert second == _reference(tiny_checkpoint, _turn_2(first))
+        assert second == await _reference(tiny_checkpoint, _turn_2(first))
         assert cached == 0  # computed here after all
         assert total(mover.metrics.prefix_fetches, "failed") == 1
         assert total(mover.metrics.prefix_fetches, "fetched") == 0
