@@ -1,7 +1,8 @@
 """The compiled paged decode attention (csrc/paged_attention.c) against torch's
 path (each sequence's pages gathered, then SDPA): shuffled page tables, lengths
 on and off page boundaries and across the kernel's chunks of keys, grouped-query
-ratios 1 to 7, head_dim 64 and 128, page sizes 16 and 5, float32 and bfloat16;
+ratios 1 to 7, head_dim 64 and 128, page sizes 16 and 5, float32 and bfloat16,
+on one thread and on two (one sequence alone in parts);
 its prefill kernels (bfloat16: AMX, AVX512-BF16) the same way, with and without
 a cached prefix. Then how it is built and cached, and when the engine uses it
 (and, without a compiler, the fused operations of test_fused_ops.py and the
@@ -9,7 +10,7 @@ linear kernel of test_linear.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,10 @@ CASES = {
     **STEPS,
     # one key; whole pages; a page and a token; long contexts
     "decode-edges": ([1, 1, 1, 1], [1, 32, 17, 300]),
-    # past the kernel's chunk of 512 keys: a running maximum and sum across chunks
+    # past the kernel's chunk of keys: a running maximum and sum across chunks
     "decode-chunks": ([1, 1], [1100, 1024]),
+    # one long request alone: with more threads than sequences, its keys in parts
+    "decode-alone": ([1], [2900]),
 }
 
 
@@ -34,6 +37,15 @@ def kernel() -> cpu_kernels.Kernel:
     built = cpu_kernels.paged_decode_attention()
     assert built is not None, "no C compiler: the CPU default would be torch's path"
     return built
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The kernel's threads: with two, one sequence alone is split in parts."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("step", list(CASES))
@@ -53,6 +65,7 @@ def kernel() -> cpu_kernels.Kernel:
 )
 def test_paged_kernel_equals_gathered_sdpa(
     kernel: cpu_kernels.Kernel,
+    threads: int,
     step: str,
     heads: int,
     kv_heads: int,
