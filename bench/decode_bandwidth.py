@@ -11,11 +11,13 @@ and each sequence's KV once. Two figures:
 
 - weights: batch 1 at a 16-token context, (weights + KV) / step time;
 - KV: batch B at a long context L against the same batch at 16 tokens: the KV
-  bytes added over the time added.
+  bytes added over the time added;
+- KV alone: the same for one request alone (batch 1), whose keys the attention
+  kernel splits over the threads.
 
-Each is the median of `--rounds` rounds of the three steps (the KV's is a
-difference of two steps, taken within a round: one run's drift in the machine's
-memory speed moved it by 50 % and more).
+Each is the median of `--rounds` rounds of the four steps (the KV's are
+differences of two steps, taken within a round: one run's drift in the machine's
+memory speed moved them by 50 % and more).
 
 The dtype is what `epd serve` picks on this CPU (`--dtype auto`: bfloat16 with
 AVX512-BF16 or AMX, else float32); the CPU class is named in the output. `--doc`
@@ -49,12 +51,12 @@ HEADER = (
     "",
     "A decode step's bytes read over its time, as a share of the read bandwidth "
     "(torch.sum over 512 MiB on the same threads, the same run): the weights at batch 1 "
-    "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens; the medium demo in "
-    "the dtype `--dtype auto` picks; medians of 3 rounds. `python -m bench.decode_bandwidth "
-    "--doc` rewrites this class's row.",
+    "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens, and what one request "
+    "alone adds (KV alone); the medium demo in the dtype `--dtype auto` picks; medians of 3 "
+    "rounds. `python -m bench.decode_bandwidth --doc` rewrites this class's row.",
     "",
-    "| CPU class | date | commit | dtype | read GB/s | weights | KV |",
-    "|---|---|---|---|---:|---:|---:|",
+    "| CPU class | date | commit | dtype | read GB/s | weights | KV | KV alone |",
+    "|---|---|---|---|---:|---:|---:|---:|",
 )
 SHORT = 16  # tokens of context where the weights dominate
 STEPS = 24  # decode steps timed a point (after 4 untimed)
@@ -121,7 +123,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds of the three steps, one after another"
+        "--rounds", type=int, default=3, help="rounds of the four steps, one after another"
     )
     parser.add_argument("--doc", action="store_true", help="write this class's row")
     args = parser.parse_args()
@@ -145,41 +147,58 @@ def main() -> None:
             decode_step_s(engine, 1, SHORT),
             decode_step_s(engine, args.batch, SHORT),
             decode_step_s(engine, args.batch, args.context),
+            decode_step_s(engine, 1, args.context),
         )
         for _ in range(args.rounds)
-    ]  # the KV's figure is a difference of two steps: taken within each round, where
+    ]  # the KV's figures are differences of two steps: taken within each round, where
     # this machine's neighbours weigh on both alike
     reads += read_seconds(dtype)  # before and after: this machine's neighbours come and go
-    one = statistics.median(r[0] for r in rounds)
-    short, long = (statistics.median(r[i] for r in rounds) for i in (1, 2))
-    added = args.batch * kv_bytes(text, dtype, args.context - SHORT)
-    rate = statistics.median(added / (r[2] - r[1]) for r in rounds)
     bandwidth = READ_MIB * 2**20 / statistics.median(reads)
     print(f"{machine()}; demo {args.size}, {dtype}, torch threads {torch.get_num_threads()}")
     print(
         f"read bandwidth (torch.sum over {READ_MIB} MiB, the median of {len(reads)} before and "
         f"after): {bandwidth / 1e9:.1f} GB/s"
     )
+    one = statistics.median(r[0] for r in rounds)
     weights = weight_bytes(text, dtype) + kv_bytes(text, dtype, SHORT)
     print(
         f"weights: batch 1, {SHORT} tokens: {one * 1e3:.2f} ms a step, "
         f"{weights / 2**20:.0f} MiB read: {weights / one / 1e9:.1f} GB/s, "
         f"{weights / one / bandwidth:.0%} of the read bandwidth"
     )
-    shares = sorted(added / (r[2] - r[1]) / bandwidth for r in rounds)
-    print(
-        f"KV: batch {args.batch}, {SHORT} -> {args.context} tokens: {short * 1e3:.2f} -> "
-        f"{long * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
-        f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth "
-        f"(the median of {len(rounds)} rounds: {', '.join(f'{x:.0%}' for x in shares)})"
-    )
+    kv = kv_share("KV", [(r[1], r[2]) for r in rounds], args.batch, text, dtype, args, bandwidth)
+    alone = kv_share("KV alone", [(r[0], r[3]) for r in rounds], 1, text, dtype, args, bandwidth)
     if args.doc:
         row = (
             f"| {cpu_class()} | {time.strftime('%Y-%m-%d')} | {head_commit()} | {dtype} "
-            f"| {bandwidth / 1e9:.1f} | {weights / one / bandwidth:.0%} "
-            f"| {rate / bandwidth:.0%} |"
+            f"| {bandwidth / 1e9:.1f} | {weights / one / bandwidth:.0%} | {kv:.0%} | {alone:.0%} |"
         )
         DOC.write_text(with_section(DOC.read_text(), _section(DOC.read_text(), row), START, END))
+
+
+def kv_share(
+    name: str,
+    steps: list[tuple[float, float]],
+    batch: int,
+    text: TextSpec,
+    dtype: torch.dtype,
+    args: argparse.Namespace,
+    bandwidth: float,
+) -> float:
+    """The KV's share of the read bandwidth: what `batch` sequences' KV adds from
+    SHORT to --context tokens over the time it adds, the median of the rounds'
+    (short, long) steps; printed."""
+    added = batch * kv_bytes(text, dtype, args.context - SHORT)
+    rate = statistics.median(added / (long - short) for short, long in steps)
+    shares = sorted(added / (long - short) / bandwidth for short, long in steps)
+    short, long = (statistics.median(step[i] for step in steps) for i in (0, 1))
+    print(
+        f"{name}: batch {batch}, {SHORT} -> {args.context} tokens: {short * 1e3:.2f} -> "
+        f"{long * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
+        f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth "
+        f"(the median of {len(steps)} rounds: {', '.join(f'{x:.0%}' for x in shares)})"
+    )
+    return rate / bandwidth
 
 
 def _section(doc: str, row: str) -> str:
