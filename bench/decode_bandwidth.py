@@ -7,13 +7,13 @@ The baseline, in the same run on the same threads: torch.sum over 512 MiB, the
 median of several before the steps and after them (a read of memory at the rate
 this machine gives one process).
 A decode step reads every weight of the decoder layers and the LM head once,
-and each sequence's KV once. Two figures:
+and each sequence's KV once. Three figures:
 
 - weights: batch 1 at a 16-token context, (weights + KV) / step time;
 - KV: batch B at a long context L against the same batch at 16 tokens: the KV
   bytes added over the time added;
-- KV alone: the same for one request alone (batch 1), whose keys the attention
-  kernel splits over the threads.
+- KV alone: the same KV in one request alone (batch 1 at B x L tokens), whose
+  keys the attention kernel splits over the threads.
 
 Each is the median of `--rounds` rounds of the four steps (the KV's are
 differences of two steps, taken within a round: one run's drift in the machine's
@@ -51,9 +51,10 @@ HEADER = (
     "",
     "A decode step's bytes read over its time, as a share of the read bandwidth "
     "(torch.sum over 512 MiB on the same threads, the same run): the weights at batch 1 "
-    "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens, and what one request "
-    "alone adds (KV alone); the medium demo in the dtype `--dtype auto` picks; medians of 3 "
-    "rounds. `python -m bench.decode_bandwidth --doc` rewrites this class's row.",
+    "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens, and as what one "
+    "request alone adds from 16 to 8192 (KV alone); the medium demo in the dtype `--dtype auto` "
+    "picks; medians of 3 rounds. `python -m bench.decode_bandwidth --doc` rewrites this "
+    "class's row.",
     "",
     "| CPU class | date | commit | dtype | read GB/s | weights | KV | KV alone |",
     "|---|---|---|---|---:|---:|---:|---:|",
@@ -132,7 +133,7 @@ def main() -> None:
     engine = load_engine(
         folder,
         EngineConfig(
-            max_model_len=args.context + 64,
+            max_model_len=args.batch * args.context + 64,
             kv_cache_bytes=1 << 30,
             scheduler=SchedulerConfig(max_num_seqs=64),
             dtype=dtype,
@@ -147,7 +148,7 @@ def main() -> None:
             decode_step_s(engine, 1, SHORT),
             decode_step_s(engine, args.batch, SHORT),
             decode_step_s(engine, args.batch, args.context),
-            decode_step_s(engine, 1, args.context),
+            decode_step_s(engine, 1, args.batch * args.context),
         )
         for _ in range(args.rounds)
     ]  # the KV's figures are differences of two steps: taken within each round, where
@@ -166,8 +167,18 @@ def main() -> None:
         f"{weights / 2**20:.0f} MiB read: {weights / one / 1e9:.1f} GB/s, "
         f"{weights / one / bandwidth:.0%} of the read bandwidth"
     )
-    kv = kv_share("KV", [(r[1], r[2]) for r in rounds], args.batch, text, dtype, args, bandwidth)
-    alone = kv_share("KV alone", [(r[0], r[3]) for r in rounds], 1, text, dtype, args, bandwidth)
+    kv = kv_share(
+        "KV", [(r[1], r[2]) for r in rounds], args.batch, args.context, text, dtype, bandwidth
+    )
+    alone = kv_share(
+        "KV alone",
+        [(r[0], r[3]) for r in rounds],
+        1,
+        args.batch * args.context,
+        text,
+        dtype,
+        bandwidth,
+    )
     if args.doc:
         row = (
             f"| {cpu_class()} | {time.strftime('%Y-%m-%d')} | {head_commit()} | {dtype} "
@@ -180,20 +191,20 @@ def kv_share(
     name: str,
     steps: list[tuple[float, float]],
     batch: int,
+    context: int,
     text: TextSpec,
     dtype: torch.dtype,
-    args: argparse.Namespace,
     bandwidth: float,
 ) -> float:
     """The KV's share of the read bandwidth: what `batch` sequences' KV adds from
-    SHORT to --context tokens over the time it adds, the median of the rounds'
+    SHORT to `context` tokens over the time it adds, the median of the rounds'
     (short, long) steps; printed."""
-    added = batch * kv_bytes(text, dtype, args.context - SHORT)
+    added = batch * kv_bytes(text, dtype, context - SHORT)
     rate = statistics.median(added / (long - short) for short, long in steps)
     shares = sorted(added / (long - short) / bandwidth for short, long in steps)
     short, long = (statistics.median(step[i] for step in steps) for i in (0, 1))
     print(
-        f"{name}: batch {batch}, {SHORT} -> {args.context} tokens: {short * 1e3:.2f} -> "
+        f"{name}: batch {batch}, {SHORT} -> {context} tokens: {short * 1e3:.2f} -> "
         f"{long * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
         f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth "
         f"(the median of {len(steps)} rounds: {', '.join(f'{x:.0%}' for x in shares)})"
