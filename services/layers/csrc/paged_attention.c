@@ -13,11 +13,11 @@
  * chunks, one task a part, merged after (as flash-decoding splits the keys): one
  * long request alone is read by every thread, not one (parts_of). A task walks
  * its pages in chunks of keys (with a running maximum and sum, as SDPA's CPU
- * kernel does): each chunk's keys, then
- * its values, front to back, every head at once: a whole token row is one
- * contiguous run, which the hardware prefetches well (one task per KV head read a
- * quarter of each row and was ~1.5x slower on a cold cache); keys 16 and
- * KEYS_AHEAD tokens on and this 16's values are asked for ahead (prefetch_block).
+ * kernel does): each chunk's keys, then its values, front to back, every head at
+ * once: a whole token row is one contiguous run, which the hardware prefetches
+ * well (one task per KV head read a quarter of each row and was ~1.5x slower on
+ * a cold cache); keys 16 and KEYS_AHEAD tokens on and this 16's values are
+ * asked for ahead (prefetch_block).
  * Softmax per chunk: the scores, then their maximum (and the running one: the
  * output so far and the running sum are scaled where it grows), exponentials and
  * sum (a vectorized e^x: libm's expf, called once a score, was a quarter of the
@@ -550,7 +550,7 @@ static int64_t parts_of(int64_t chunks, int64_t num_seqs, int num_threads) {
     if (num_seqs >= num_threads)
         return 1;
     const int64_t wanted = (num_threads + num_seqs - 1) / num_seqs;
-    return wanted < chunks ? wanted : chunks;
+    return wanted < chunks ? wanted : chunks > 1 ? chunks : 1; /* a part at least */
 }
 
 /* One task: part `part` of `count` of sequence s (its tokens in whole chunks),
