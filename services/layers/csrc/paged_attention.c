@@ -476,8 +476,11 @@ static void attend(float *out, float *maxes, float *sums, const float *q, const 
 #else
     (void)q16; /* read by the dot products of bf16 pairs only */
 #endif
-    for (int64_t t = first; t < end; t++) /* each token's row, where its page puts it */
-        rows[t - first] = pages[t / sh->page_size] * sh->page_size * width + t % sh->page_size * width;
+    /* each token's row, where its page puts it (a page at a time: no division a token) */
+    const int64_t page = sh->page_size;
+    for (int64_t t = first, p = first / page, i = first % page; t < end; p++, i = 0)
+        for (; i < page && t < end; i++, t++)
+            rows[t - first] = pages[p] * page * width + i * width;
     memset(out, 0, sizeof(float) * heads * dim);
     for (int64_t c = 0; c < len; c += sh->chunk) {
         const int64_t n = len - c < sh->chunk ? len - c : sh->chunk, *at = rows + c;
