@@ -52,10 +52,11 @@ def hf_greedy(
 
 
 async def on_a_thread(reference: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """A reference (hf_greedy, hf_greedy_videos, or what calls them) on a worker
+    """A reference (hf_greedy, hf_greedy_videos, or what calls them), or other
+    seconds of a test's own work (64 images encoded and hashed), on a worker
     thread, for a test whose servers share its event loop: they keep serving and
-    sending heartbeats while HF generates (the tests' broker drops an instance silent for 2 s, and
-    HF took longer on a loaded machine)."""
+    sending heartbeats meanwhile (the tests' broker drops an instance silent for
+    2 s, and such work took longer on a loaded machine)."""
     return await asyncio.to_thread(reference, *args, **kwargs)
 
 

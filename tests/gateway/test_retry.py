@@ -30,6 +30,7 @@ from services.triton.launcher import TritonServer
 from services.wire.messages import Register, RouteRequest, media_key
 from tests.broker.peers import Peer, attach, encoder, language
 from tests.gateway.test_gateway import image_part
+from tests.reference import on_a_thread
 from tests.stack import MODEL, start_broker, start_encoder, start_language
 
 
@@ -162,10 +163,7 @@ async def test_images_an_encoder_cancels_go_to_another(
 ) -> None:
     gateway, cancelling, real_id = with_a_cancelling_encoder
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="-", max_retries=0)
-    # two images the broker places on each encoder; found on a worker thread: 64
-    # images encoded and hashed held the event loop its servers share past the
-    # tests' 2 s heartbeat timeout on a loaded CI machine, and the broker dropped them
-    seeds = await asyncio.to_thread(_seeds, real_id)
+    seeds = await on_a_thread(_seeds, real_id)  # two images the broker places on each encoder
     with caplog.at_level(logging.INFO):
         for i in seeds:
             reply = await client.chat.completions.create(
