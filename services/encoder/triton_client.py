@@ -39,6 +39,8 @@ PIXELS, GRIDS = "pixel_values", "image_grid_thw"
 EMBEDS, DEEPSTACK = "image_embeds", "deepstack_embeds"
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 CONTROL_TIMEOUT_S = 5.0  # registering a region, asking for readiness
+IN_USE = "currently in use"  # Triton's refusal to unregister a region a request holds
+GROW_PATIENCE_S = 1.0  # a grown slot's old region: Triton lets go of it after the reply
 _TRANSPORT_FAILURES = (
     "StatusCode.UNAVAILABLE",
     "StatusCode.DEADLINE_EXCEEDED",
@@ -79,6 +81,25 @@ class _Region:
             (SHM_DIR / self.name).unlink()
 
 
+async def unregister(
+    client: triton_grpc.InferenceServerClient, name: str, patience_s: float = 0.0
+) -> None:
+    """Unregisters a region, trying again for up to `patience_s` while Triton
+    refuses because an inference holds it ("it is currently in use"). Triton
+    lets go of a request's regions just after its reply has gone out: a slot
+    grown right after its last request would otherwise stay mapped in Triton."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    while True:
+        try:
+            await client.unregister_system_shared_memory(name, client_timeout=CONTROL_TIMEOUT_S)
+            return
+        except InferenceServerException as exc:
+            if IN_USE not in str(exc) or loop.time() >= deadline:
+                raise
+        await asyncio.sleep(0.01)
+
+
 class _ShmSlot:
     """An input and an output region, registered with Triton, for one request at a time.
 
@@ -103,11 +124,11 @@ class _ShmSlot:
     ) -> tuple[_Region, _Region]:
         """Regions of at least these sizes, registered with Triton."""
         if self.input is None or self.input.size < in_bytes:
-            await self._drop(client, self.input)
+            await self._drop(client, self.input, GROW_PATIENCE_S)
             self.input, self.registered = None, False
             self.input = self._new("in", in_bytes)
         if self.output is None or self.output.size < out_bytes:
-            await self._drop(client, self.output)
+            await self._drop(client, self.output, GROW_PATIENCE_S)
             self.output, self.registered = None, False
             self.output = self._new("out", out_bytes)
         if not self.registered:
@@ -119,13 +140,13 @@ class _ShmSlot:
         return self.input, self.output
 
     @staticmethod
-    async def _drop(client: triton_grpc.InferenceServerClient, region: _Region | None) -> None:
+    async def _drop(
+        client: triton_grpc.InferenceServerClient, region: _Region | None, patience_s: float = 0.0
+    ) -> None:
         if region is None:
             return
         with contextlib.suppress(InferenceServerException):  # Triton may be gone
-            await client.unregister_system_shared_memory(
-                region.name, client_timeout=CONTROL_TIMEOUT_S
-            )
+            await unregister(client, region.name, patience_s)
         region.destroy()
 
     async def reset(self, client: triton_grpc.InferenceServerClient) -> None:

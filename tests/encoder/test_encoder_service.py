@@ -14,10 +14,11 @@ import pytest
 import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
 
 from services.encoder.cache import ImageEmbedding
 from services.encoder.server import EncoderServer
-from services.encoder.triton_client import TritonUnavailableError, VitClient
+from services.encoder.triton_client import IN_USE, TritonUnavailableError, VitClient, unregister
 from services.loadgen.synthetic import encode_image, random_image
 from services.media.limits import ImageLimits
 from services.model.spec import load_spec
@@ -359,12 +360,60 @@ async def test_slots_are_made_anew_when_triton_forgets_them(
     stub = encoder_stub(encoder)
     await stub.Encode(encoder_pb2.EncodeRequest(images=images(2, seed=720)))
     client = triton_grpc.InferenceServerClient(triton.config.grpc_url)
-    client.unregister_system_shared_memory()  # all of them
+
+    def forgotten() -> bool:
+        """Triton refuses a region an inference holds, and lets go of a request's
+        regions just after its reply has gone out."""
+        try:
+            client.unregister_system_shared_memory()  # all of them
+        except InferenceServerException:
+            return False
+        return True
+
+    await until(forgotten)
     client.close()
     data = images(2, seed=721)
     reply = await stub.Encode(encoder_pb2.EncodeRequest(images=data))
     got = tensor_from_bytes(reply.data[0], torch.float32, reply.planes[0].width)
     assert torch.equal(got, tower_embeddings(tiny_checkpoint, data))
+
+
+async def test_a_region_is_unregistered_once_triton_lets_go_of_it(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> None:
+    """Triton refuses to unregister a region an inference holds; with patience,
+    `unregister` (what a slot that grows does with its old regions) waits until
+    Triton lets go of it, so nothing stays mapped at Triton."""
+    vit = VitClient(
+        triton.config.grpc_url,
+        hidden_size=load_spec(tiny_checkpoint).vision.out_hidden_size,
+        max_in_flight=1,
+    )
+    (slot,) = vit._all_slots
+    sent = asyncio.Event()
+    infer = vit._client.infer
+
+    async def noted(*args: Any, **kwargs: Any) -> Any:
+        sent.set()
+        return await infer(*args, **kwargs)
+
+    vit._client.infer = noted  # type: ignore[method-assign]
+    side = 160  # seconds of work for the tiny tower
+    grid = np.array([[1, side, side]])
+    request = asyncio.ensure_future(vit.infer(np.zeros((side * side, 1176), np.float32), grid))
+    try:
+        await asyncio.wait_for(sent.wait(), 30)
+        await asyncio.sleep(0.3)  # the request's way to Triton
+        assert slot.input is not None and not request.done()
+        with pytest.raises(InferenceServerException, match=IN_USE):
+            await unregister(vit._client, slot.input.name)
+        await unregister(vit._client, slot.input.name, patience_s=60)
+        status = await vit._client.get_system_shared_memory_status(as_json=True)
+        assert slot.input.name not in status.get("regions", {})
+        (embeddings,) = (await request).planes
+        assert embeddings.shape == (side * side // 4, vit.hidden_size)
+    finally:
+        await vit.close()
 
 
 async def test_a_slot_stays_taken_while_triton_may_still_use_it(encoder: EncoderServer) -> None:
