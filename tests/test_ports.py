@@ -4,12 +4,15 @@ and what holds a port, named."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from services.runtime import env
-from services.runtime.ports import free_port, free_serve_ports, holder
+from services.runtime.ports import PortClaims, free_port, free_serve_ports, holder
 
 
 def test_free_ports_come_from_the_range_given(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,3 +40,32 @@ def test_the_holder_of_a_port_is_named() -> None:
         named = holder(port)
     assert named is not None and named.startswith(f"pid {os.getpid()} (")
     assert holder(port) is None  # closed: nothing listens there now
+
+
+def test_a_claim_holds_until_its_process_ends_however_it_ends() -> None:
+    port = free_port()
+    claimant = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from services.runtime.ports import PortClaims\n"
+            f"claims = PortClaims(); assert claims.take({port}) is None\n"
+            "print('claimed', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert claimant.stdout is not None and claimant.stdout.readline() == "claimed\n"
+        with PortClaims() as claims:
+            assert claims.take(port) == f"pid {claimant.pid}"
+            assert claims.take(port + 1) is None  # a claim is a port's alone
+        claimant.send_signal(signal.SIGKILL)
+        claimant.wait(10)
+        with PortClaims() as claims:
+            assert claims.take(port) is None
+            with PortClaims() as other:  # another holder in this very process too
+                assert other.take(port) == f"pid {os.getpid()}"
+    finally:
+        claimant.kill()
+        claimant.wait(10)

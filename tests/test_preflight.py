@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.ports import free_port, free_serve_ports, serve_port_args
+from services.runtime.ports import PortClaims, free_port, free_serve_ports, serve_port_args
 
 
 def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -62,6 +62,19 @@ def test_a_port_in_use_names_the_port_its_flag_and_its_holder(tiny_checkpoint: P
         both = ["--port", str(port), "--broker-port", str(port)]
         line = _refused(_serve(*model, *both), f"port {port} is both --port and --broker-port")
         assert "in use" not in line
+
+
+def test_a_port_another_epd_serve_claimed_names_its_flag_and_the_claimant(
+    tiny_checkpoint: Path,
+) -> None:
+    """A port free now but claimed by an `epd serve` whose children have not bound
+    it yet (two started at the same moment) is refused before anything starts."""
+    ports = free_serve_ports()
+    with PortClaims() as claims:
+        assert claims.take(ports["broker-port"]) is None
+        done = _serve("--model", str(tiny_checkpoint), *serve_port_args(ports))
+    line = _refused(done, str(ports["broker-port"]), "(--broker-port)", f"pid {os.getpid()}")
+    assert "claimed by another epd serve" in line
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Two `epd serve` stacks on one machine, each on its own block of ports
 (--port-base): each answers, each broker lists only its own instances, and
-stopping one leaves the other serving. A third on a port the first holds is
-refused before it starts anything."""
+stopping one leaves the other serving. A twin started at the same moment on
+the same ports, and a third on a port the first holds once it serves, are
+refused before they start anything."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from services.launcher.serve import launch, list_instances
+from services.launcher.serve import list_instances, spawn, wait_serving
 from services.runtime import env
 from services.runtime.ports import MAX_INSTANCES, METRICS_OFFSET, SERVE_PORTS, free_port_block
 
@@ -26,14 +28,31 @@ BLOCK = sorted(
 )
 
 
-def _start(checkpoint: Path, base: int, token: str, logs: Path) -> subprocess.Popen[str]:
-    return launch(
+def _spawn(checkpoint: Path, base: int, token: str, logs: Path) -> subprocess.Popen[str]:
+    return spawn(
         [
             *("--model", str(checkpoint), "--model-name", MODEL, "--port-base", str(base)),
             *("--max-model-len", "256", "--kv-cache-mb", "16", "--log-dir", str(logs)),
         ],
         env={**os.environ, env.CLUSTER_TOKEN.name: token},
     )
+
+
+def _one_refused(
+    twins: list[subprocess.Popen[str]], timeout_s: float = 120
+) -> tuple[subprocess.Popen[str], str]:
+    """Of two `epd serve` started together on the same ports: the one that was
+    refused (what it printed), and the other, once it serves."""
+    deadline = time.monotonic() + timeout_s
+    while all(twin.poll() is None for twin in twins):
+        assert time.monotonic() < deadline, "neither twin was refused"
+        time.sleep(0.05)
+    (refused,) = [twin for twin in twins if twin.poll() is not None]
+    (serving,) = [twin for twin in twins if twin is not refused]
+    printed = refused.communicate(timeout=10)[0]
+    assert refused.returncode == 2, printed
+    wait_serving(serving)
+    return serving, printed
 
 
 def _answers(base: int) -> bool:
@@ -58,11 +77,12 @@ def test_two_stacks_side_by_side(
     while abs(second - first) <= max(BLOCK):  # two blocks apart
         second = free_port_block(BLOCK)
     stacks = {first: "token-one", second: "token-two"}
-    processes = {
-        base: _start(tiny_checkpoint, base, token, tmp_path / str(base))
-        for base, token in stacks.items()
-    }
+    twins = [_spawn(tiny_checkpoint, first, stacks[first], tmp_path / f"twin{i}") for i in (0, 1)]
+    processes = {second: _spawn(tiny_checkpoint, second, stacks[second], tmp_path / "second")}
     try:
+        processes[first], printed = _one_refused(twins)
+        assert f"port {first} (--port) is claimed by another epd serve" in printed
+        wait_serving(processes[second])
         for base, token in stacks.items():
             assert _answers(base)
             ports = {
@@ -92,7 +112,7 @@ def test_two_stacks_side_by_side(
         assert processes[first].wait(60) == 0
         assert _answers(second)  # the other one serves on
     finally:
-        for process in processes.values():
+        for process in [*twins, *processes.values()]:
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
                 process.wait(60)

@@ -251,14 +251,16 @@ def _serve(args: argparse.Namespace) -> int:
         dtype = DTYPE_NAMES[resolve_dtype(args.dtype)]  # one for every component
         config = stack_config(args, roles, checkpoint, name, dtype)
         engine = {k: getattr(args, k) for k in ("kv_cache_mb", "max_model_len", "page_size")}
-        check_stack(config, engine)
+        claims = check_stack(config, engine)
     except (ConfigError, ValueError) as exc:  # a configuration that cannot work
         print(f"epd serve: {exc}", file=sys.stderr, flush=True)
         return 2
     print(f"dtype: {dtype}" + (" (auto)" if args.dtype == "auto" else ""), flush=True)
     if not env.CLUSTER_TOKEN.get():  # one per stack: the children inherit it
         os.environ[env.CLUSTER_TOKEN.name] = secrets.token_urlsafe(24)
-    exit_now(run(config))
+    with claims:  # this host's ports, held until the stack is down
+        code = run(config)
+    exit_now(code)
 
 
 def _check_serve_roles(args: argparse.Namespace, roles: tuple[str, ...]) -> None:

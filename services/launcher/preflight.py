@@ -3,7 +3,8 @@ work is refused with one line that names the flag to change (exit code 2),
 not with a child's traceback in a log.
 
 Checked: a port this host's share would listen on that something already
-holds; no encoder where images need one; a model folder without the image
+holds, or that another `epd serve` starting here has claimed (the claims are
+held until the stack is down); no encoder where images need one; a model folder without the image
 processor's configuration; a KV cache that holds fewer tokens than
 --max-model-len. Reads only files and sockets: no torch, no transformers.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from services.launcher.serve import LOCAL, StackConfig
-from services.runtime.ports import holder, listened_on
+from services.runtime.ports import PortClaims, holder, listened_on
 
 MIB = 1024 * 1024
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -27,10 +28,10 @@ class ConfigError(ValueError):
     """A configuration that cannot work: one line that names the flags to change."""
 
 
-def check_stack(config: StackConfig, engine: dict[str, Any]) -> None:
+def check_stack(config: StackConfig, engine: dict[str, Any]) -> PortClaims:
     """`engine`: the flags `epd serve` passes the language instances, by name
-    (kv_cache_mb, max_model_len, page_size)."""
-    check_ports(config)
+    (kv_cache_mb, max_model_len, page_size). Returns the claims on this host's
+    ports, for the caller to hold while the stack runs."""
     roles = set(config.roles)
     if config.num_encoders < 1 and "encoder" in roles and not config.monolithic:
         raise ConfigError(
@@ -40,6 +41,7 @@ def check_stack(config: StackConfig, engine: dict[str, Any]) -> None:
         _check_processor(config.checkpoint)
     if "language" in roles or config.monolithic:
         _check_kv(config, engine)
+    return check_ports(config)
 
 
 def _ports(config: StackConfig) -> list[tuple[int, str, str]]:
@@ -70,9 +72,10 @@ def _ports(config: StackConfig) -> list[tuple[int, str, str]]:
     return ports
 
 
-def check_ports(config: StackConfig) -> None:
+def check_ports(config: StackConfig) -> PortClaims:
     """Two listeners on one port first (the flags alone say so), then a port that
-    something on this machine holds."""
+    something on this machine holds, then one another `epd serve` has claimed
+    (started at the same moment, its children not yet bound). Returns the claims."""
     ports = _ports(config)
     seen: dict[int, str] = {}
     for port, flag, _ in ports:
@@ -86,6 +89,16 @@ def check_ports(config: StackConfig) -> None:
                 f"port {port} ({flag}) is in use on this machine ({what}): "
                 f"choose another with {flag.split()[0]}, or --port-base"
             )
+    claims = PortClaims()
+    for port, flag, _ in sorted(ports):  # one order: of two twins, one claims them all
+        held = claims.take(port)
+        if held is not None:
+            claims.close()
+            raise ConfigError(
+                f"port {port} ({flag}) is claimed by another epd serve starting on this "
+                f"machine ({held}): choose another with {flag.split()[0]}, or --port-base"
+            )
+    return claims
 
 
 def _check_processor(checkpoint: Path) -> None:

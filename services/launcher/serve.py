@@ -793,7 +793,16 @@ def launch(
     has been read (into `banner`, if given). For tests and benchmarks that drive
     the stack as a user does (`command` replaces `python -m services.launcher.cli`, `popen`
     goes to Popen)."""
-    process = subprocess.Popen(
+    process = spawn(args, command, **popen)
+    wait_serving(process, timeout_s, banner)
+    return process
+
+
+def spawn(
+    args: list[str], command: Sequence[str] | None = None, **popen: Any
+) -> subprocess.Popen[str]:
+    """`epd serve ARGS` as a child process, started: its stderr goes to its stdout."""
+    return subprocess.Popen(
         die_with_parent(
             [*(command or (sys.executable, "-m", "services.launcher.cli")), "serve", *args]
         ),
@@ -802,13 +811,20 @@ def launch(
         text=True,
         **popen,
     )
+
+
+def wait_serving(
+    process: subprocess.Popen[str], timeout_s: float = 300.0, banner: list[str] | None = None
+) -> None:
+    """Returns once a spawned `epd serve` serves, its banner read (into `banner`,
+    if given); else kills it and raises StackError with what it printed."""
     assert process.stdout is not None
     output: list[str] = [] if banner is None else banner
     deadline = time.monotonic() + timeout_s
     for line in process.stdout:
         output.append(line)
         if "Ctrl-C stops everything" in line:
-            return process
+            return
         if time.monotonic() > deadline:
             break
     process.kill()

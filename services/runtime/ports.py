@@ -1,13 +1,17 @@
-"""Each service's default port, and free TCP ports on loopback."""
+"""Each service's default port, free TCP ports on loopback, and claims on ports
+that `epd serve` holds from its checks until its children have bound them."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import socket
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from types import TracebackType
 
 LOWEST = 20000
 
@@ -172,3 +176,55 @@ def free_serve_ports(encoders: int = 1, languages: int = 1) -> dict[str, int]:
 def serve_port_args(ports: dict[str, int]) -> list[str]:
     """`free_serve_ports()` as `epd serve` flags."""
     return [arg for flag, port in ports.items() for arg in (f"--{flag}", str(port))]
+
+
+class PortClaims:
+    """Ports this process claims on this host, against every other process that
+    claims ports here (each `epd serve`): a file a port, locked with flock(2),
+    so the kernel lets the claims go when the process ends, however it ends.
+
+    A port is checked free, then bound by a child seconds later: two `epd serve`
+    started together both found their ports free, and both died when their
+    children bound them. A claim closes that window. Claims are kept per user
+    and per network namespace (hosts in network namespaces share /tmp)."""
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []
+
+    @staticmethod
+    def _folder() -> Path:
+        try:
+            namespace = os.readlink("/proc/self/ns/net").removeprefix("net:[").rstrip("]")
+        except OSError:
+            namespace = "host"
+        folder = Path(tempfile.gettempdir()) / f"epd-{os.getuid()}" / "ports" / namespace
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def take(self, port: int) -> str | None:
+        """Claims `port`: None once claimed, else who holds it ('pid N')."""
+        fd = os.open(self._folder() / str(port), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 16, 0).decode(errors="replace").strip()
+            os.close(fd)
+            return f"pid {pid}" if pid else "another process"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fds.append(fd)
+        return None
+
+    def close(self) -> None:
+        """Lets every claim go (the process's end does it too)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> PortClaims:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
