@@ -11,6 +11,7 @@ gives the same files.
 
 from __future__ import annotations
 
+import fcntl
 import json
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -205,11 +206,16 @@ def cached_demo_checkpoint(size: str, arch: str = "qwen2_5_vl") -> Path:
 
     name = f"demo-{size}" if arch == "qwen2_5_vl" else f"demo-{arch}-{size}"
     folder = Path(env.CACHE_DIR.get()) / name
-    stamp = folder / "epd_demo_version"
-    current = stamp.is_file() and stamp.read_text().strip() == str(DEMO_VERSION)
-    if not (folder / "model.safetensors").is_file() or not current:
-        build_demo_checkpoint(folder, size=size, seed=0, arch=arch)
-        stamp.write_text(f"{DEMO_VERSION}\n")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One process builds it; another that wants it meanwhile (two `epd serve`
+    # started together) waits for that build instead of writing the same files.
+    with (folder.parent / f".{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the build ends, or its process
+        stamp = folder / "epd_demo_version"
+        current = stamp.is_file() and stamp.read_text().strip() == str(DEMO_VERSION)
+        if not (folder / "model.safetensors").is_file() or not current:
+            build_demo_checkpoint(folder, size=size, seed=0, arch=arch)
+            stamp.write_text(f"{DEMO_VERSION}\n")
     return folder
 
 

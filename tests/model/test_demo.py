@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +95,32 @@ def test_a_cached_demo_from_an_older_version_is_rebuilt(
     cached_demo_checkpoint("tiny", "qwen3_vl")
     assert isinstance(VideoRule.from_checkpoint(folder), Qwen3VideoRule)
     assert (folder / "epd_demo_version").read_text().strip() == str(DEMO_VERSION)
+
+
+def test_two_processes_wanting_the_demo_at_once_build_it_once(tmp_path: Path) -> None:
+    """Two `epd serve` started together on an empty cache: one builds, the other
+    waits for that build and uses it."""
+    counted = (
+        "import services.model.demo as demo\n"
+        "build = demo.build_demo_checkpoint\n"
+        "def counted(*args, **kwargs):\n"
+        "    print('built', flush=True)\n"
+        "    return build(*args, **kwargs)\n"
+        "demo.build_demo_checkpoint = counted\n"
+        "print(demo.cached_demo_checkpoint('tiny'))\n"
+    )
+    environment = {**os.environ, "EPD_CACHE_DIR": str(tmp_path)}
+    both = [
+        subprocess.Popen(
+            [sys.executable, "-c", counted], stdout=subprocess.PIPE, text=True, env=environment
+        )
+        for _ in range(2)
+    ]
+    printed = [process.communicate(timeout=300)[0].splitlines() for process in both]
+    assert [process.returncode for process in both] == [0, 0]
+    assert sorted(lines[-1] for lines in printed) == [str(tmp_path / "demo-tiny")] * 2
+    assert sum(lines.count("built") for lines in printed) == 1
+    assert load_spec(tmp_path / "demo-tiny").text.num_layers > 0
 
 
 def test_every_demo_size_is_a_choice_of_the_cli() -> None:
