@@ -245,8 +245,12 @@ class Broker:
         if pairing is not None:
             pairing.trace = tracing.context_for(request_id)
 
-    def tick(self) -> None:
-        """Periodic work: expire stuck rendezvous entries, evict silent instances."""
+    def tick(self, held_up_s: float = 0.0) -> None:
+        """Periodic work: expire stuck rendezvous entries, evict silent instances
+        (`held_up_s`: how long the broker itself did not run since the last tick,
+        not counted as anyone's silence)."""
+        if held_up_s > 0:
+            self.registry.excuse(held_up_s)
         expired = self.rendezvous.expire()
         if expired:
             aborted = {m.request_id for _, m in expired if isinstance(m, Abort)}

@@ -159,6 +159,12 @@ class Registry:
             if self._claims.get(key, ("",))[0] == session.instance_id:
                 del self._claims[key]
 
+    def excuse(self, seconds: float) -> None:
+        """Every session heard from `seconds` later than it was: the broker did not
+        run for that long, and their heartbeats waited in its sockets."""
+        for session in self._sessions.values():
+            session.last_heartbeat += seconds
+
     def stale(self, timeout_s: float) -> list[Session]:
         now = self._clock()
         return [s for s in self._sessions.values() if now - s.last_heartbeat > timeout_s]

@@ -60,9 +60,18 @@ class BrokerServer:
         self._upkeep = asyncio.create_task(self._tick())
 
     async def _tick(self) -> None:
+        """The broker's upkeep, every tick_s. A tick late by more than a tick was
+        held up by the broker itself (its process stopped, its loop blocked): the
+        instances' heartbeats waited in its sockets meanwhile, so that time is not
+        counted as their silence (it was: every instance evicted at once on waking)."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             await asyncio.sleep(self.config.tick_s)
-            self.broker.tick()
+            now = loop.time()
+            late = now - last - self.config.tick_s
+            self.broker.tick(held_up_s=late if late > self.config.tick_s else 0.0)
+            last = now
 
     async def stop(self, grace_s: float | None = None) -> None:
         if self._upkeep is not None:

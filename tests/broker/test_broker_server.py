@@ -4,6 +4,7 @@ routing, reconnects after a restart, and the grpcurl view by reflection."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -106,6 +107,34 @@ async def test_silent_instance_is_evicted_and_its_peers_hear_peer_lost(
     assert broker.broker.registry.get("silent") is None
     stream.cancel()
     await lang.link.close()
+
+
+async def test_a_broker_held_up_evicts_no_one_for_its_own_silence(broker: BrokerServer) -> None:
+    """The broker's process does not run for longer than the heartbeat timeout
+    (here its event loop is blocked; a stopped process or a starved one alike):
+    the heartbeats that waited in its sockets meanwhile are not read as silence,
+    so no instance is evicted on waking. One that is really silent still is."""
+    registry = broker.broker.registry
+    lang = await attach(broker, language("L-held"))
+    enc = await attach(broker, encoder("E-held"))
+    await wait_for(lambda: enc.of(InstanceJoined))
+    sessions = {name: registry.get(name) for name in ("L-held", "E-held")}
+
+    async def registers_then_says_nothing() -> AsyncIterator[broker_pb2.PeerMessage]:
+        yield wrap(broker_pb2.PeerMessage, encoder("quiet"))
+        await asyncio.Event().wait()
+
+    quiet = broker_stub(broker).Attach(registers_then_says_nothing())
+    await wait_for(lambda: registry.get("quiet") is not None)
+    time.sleep(2.5 * broker.config.heartbeat_timeout_s)  # noqa: ASYNC251 (the point: a stall)
+    await asyncio.sleep(broker.config.heartbeat_timeout_s / 2)
+    assert {name: registry.get(name) for name in sessions} == sessions  # not evicted, not anew
+    lost = {m.instance_id for m in lang.of(PeerLost) + enc.of(PeerLost)}
+    assert not lost & set(sessions), lost
+    await wait_for(lambda: registry.get("quiet") is None, timeout_s=3)
+    quiet.cancel()
+    for peer in (lang, enc):
+        await peer.link.close()
 
 
 async def test_route_picks_the_least_loaded_compatible_pair(broker: BrokerServer) -> None:
