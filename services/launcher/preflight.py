@@ -3,9 +3,9 @@ work is refused with one line that names the flag to change (exit code 2),
 not with a child's traceback in a log.
 
 Checked: a port this host's share would listen on that something already
-holds, or that another `epd serve` starting here has claimed (the claims are
-held until the stack is down); no encoder where images need one; a model folder without the image
-processor's configuration; a KV cache that holds fewer tokens than
+holds, or that another `epd serve` here has claimed (each holds its claims
+until its stack is down); no encoder where images need one; a model folder
+without the image processor's configuration; a KV cache that holds fewer tokens than
 --max-model-len. Reads only files and sockets: no torch, no transformers.
 """
 
@@ -74,8 +74,9 @@ def _ports(config: StackConfig) -> list[tuple[int, str, str]]:
 
 def check_ports(config: StackConfig) -> PortClaims:
     """Two listeners on one port first (the flags alone say so), then a port that
-    something on this machine holds, then one another `epd serve` has claimed
-    (started at the same moment, its children not yet bound). Returns the claims."""
+    something on this machine holds, then one another `epd serve` has claimed and
+    not bound (started at the same moment, or an encoder its planner may add).
+    Returns the claims."""
     ports = _ports(config)
     seen: dict[int, str] = {}
     for port, flag, _ in ports:
@@ -95,8 +96,9 @@ def check_ports(config: StackConfig) -> PortClaims:
         if held is not None:
             claims.close()
             raise ConfigError(
-                f"port {port} ({flag}) is claimed by another epd serve starting on this "
-                f"machine ({held}): choose another with {flag.split()[0]}, or --port-base"
+                f"port {port} ({flag}) is claimed by another epd serve on this machine "
+                f"({held}) that has not bound it yet: choose another with "
+                f"{flag.split()[0]}, or --port-base"
             )
     return claims
 
