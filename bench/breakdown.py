@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import statistics
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +37,20 @@ class Spans(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.by_trace: dict[bytes, list[tuple[str, int, int]]] = defaultdict(list)
         self.lock = threading.Lock()
+        self.received = 0
+
+    def settle(self, quiet_s: float = 6.0, deadline_s: float = 30.0) -> None:
+        """Returns once no span has come for `quiet_s` (each process sends its spans
+        in batches, every 5 s), or after `deadline_s`: while the stack still runs,
+        not from the flushes of its stop, which do not always arrive."""
+        deadline = time.monotonic() + deadline_s
+        seen, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            if self.received != seen:
+                seen, since = self.received, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.2)
 
     def Export(
         self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
@@ -47,6 +62,7 @@ class Spans(trace_service_pb2_grpc.TraceServiceServicer):
                         self.by_trace[span.trace_id].append(
                             (span.name, span.start_time_unix_nano, span.end_time_unix_nano)
                         )
+                        self.received += 1
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -105,14 +121,18 @@ def main() -> None:
         one_at_a_time = RunConfig(url, max_concurrency=1, warmup=0, progress=False)
         requests = build_requests(workload, "demo-small")
         asyncio.run(run(one_at_a_time, requests[:1]))
+        sink.settle()  # the warm-up's spans, all in before they are dropped
         with sink.lock:
             sink.by_trace.clear()
         result = asyncio.run(run(one_at_a_time, requests[1:]))
+        sink.settle()
     server.stop(None)
     ttfts = [1000 * r.ttft for r in result.results if r.ttft is not None]
     print(f"{machine()}; the small demo; {args.images} image(s) a request, one at a time")
     print(f"TTFT p50 {statistics.median(ttfts):.0f} ms over {len(ttfts)} requests")
     traces = [t for t in sink.by_trace.values() if any(n.startswith("gateway.") for n, _, _ in t)]
+    if len(traces) < len(ttfts):
+        print(f"only {len(traces)} of {len(ttfts)} requests' traces arrived")
     print(f"{'span':<34} {'count':>5} {'first start':>12} {'last end':>9} {'summed':>8}  (ms)")
     for name, first, last, total, count in stages(traces):
         print(f"{name:<34} {count:>5} {first:>12.1f} {last:>9.1f} {total:>8.1f}")
