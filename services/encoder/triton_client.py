@@ -106,7 +106,8 @@ class _ShmSlot:
     A region that must grow is replaced by a new one under a fresh name; after
     any failure the slot is reset (both regions dropped, best effort) and made
     anew on its next use. No half-finished step can leave a name behind that
-    the next use collides with."""
+    the next use collides with. A region Triton would not let go of when it was
+    dropped (a timed-out request it still runs) is unregistered on a later use."""
 
     def __init__(self, prefix: str, index: int) -> None:
         self._prefix = f"{prefix}_s{index}"
@@ -114,6 +115,7 @@ class _ShmSlot:
         self.input: _Region | None = None
         self.output: _Region | None = None
         self.registered = False
+        self.held_by_triton: list[str] = []  # dropped, but still registered at Triton
 
     def _new(self, kind: str, size: int) -> _Region:
         self._generation += 1
@@ -123,6 +125,7 @@ class _ShmSlot:
         self, client: triton_grpc.InferenceServerClient, in_bytes: int, out_bytes: int
     ) -> tuple[_Region, _Region]:
         """Regions of at least these sizes, registered with Triton."""
+        await self.let_go(client)
         if self.input is None or self.input.size < in_bytes:
             await self._drop(client, self.input, GROW_PATIENCE_S)
             self.input, self.registered = None, False
@@ -139,15 +142,31 @@ class _ShmSlot:
             self.registered = True
         return self.input, self.output
 
-    @staticmethod
     async def _drop(
-        client: triton_grpc.InferenceServerClient, region: _Region | None, patience_s: float = 0.0
+        self,
+        client: triton_grpc.InferenceServerClient,
+        region: _Region | None,
+        patience_s: float = 0.0,
     ) -> None:
         if region is None:
             return
-        with contextlib.suppress(InferenceServerException):  # Triton may be gone
+        try:
             await unregister(client, region.name, patience_s)
+        except InferenceServerException as exc:  # Triton may be gone, or still using it
+            if IN_USE in str(exc):
+                self.held_by_triton.append(region.name)
         region.destroy()
+
+    async def let_go(self, client: triton_grpc.InferenceServerClient) -> None:
+        """Unregisters the regions Triton still held when they were dropped, as far
+        as it has let go of them since (its mapping kept their memory alive)."""
+        for name in list(self.held_by_triton):
+            try:
+                await unregister(client, name)
+            except InferenceServerException as exc:
+                if IN_USE in str(exc) or str(exc.status()) in _TRANSPORT_FAILURES:
+                    continue  # still in use, or Triton out of reach: next time
+            self.held_by_triton.remove(name)  # unregistered, or Triton forgot it
 
     async def reset(self, client: triton_grpc.InferenceServerClient) -> None:
         """Forgets both regions: the next use creates and registers new ones."""
@@ -322,6 +341,7 @@ class VitClient:
     async def close(self) -> None:
         for slot in self._all_slots:
             await slot.reset(self._client)
+            await slot.let_go(self._client)
         await self._client.close()
         if self._http is not None:
             await self._http.close()

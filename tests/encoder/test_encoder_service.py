@@ -416,6 +416,39 @@ async def test_a_region_is_unregistered_once_triton_lets_go_of_it(
         await vit.close()
 
 
+async def test_regions_triton_held_when_a_request_timed_out_are_unregistered_later(
+    tiny_checkpoint: Path, triton: TritonServer
+) -> None:
+    """A request that times out at the client still runs in Triton, which refuses to
+    unregister its regions when the slot is reset; the slot's next use unregisters
+    them once Triton has let go, so their memory does not stay mapped there."""
+    vit = VitClient(
+        triton.config.grpc_url,
+        hidden_size=load_spec(tiny_checkpoint).vision.out_hidden_size,
+        max_in_flight=1,
+        timeout_s=0.5,
+    )
+    (slot,) = vit._all_slots
+    side = 160  # seconds of work for the tiny tower
+    grid = np.array([[1, side, side]])
+    try:
+        with pytest.raises(TritonUnavailableError):
+            await vit.infer(np.zeros((side * side, 1176), np.float32), grid)
+        held = set(slot.held_by_triton)
+        assert len(held) == 2, held  # its input and output, refused: Triton runs on
+        vit.timeout_s = 60.0
+        small = np.zeros((16, 1176), np.float32), np.array([[1, 4, 4]])
+        for _ in range(100):
+            await vit.infer(*small)
+            if not slot.held_by_triton:
+                break
+            await asyncio.sleep(0.1)
+        status = await vit._client.get_system_shared_memory_status(as_json=True)
+        assert not held & set(status.get("regions", {})), "left registered at Triton"
+    finally:
+        await vit.close()
+
+
 async def test_a_slot_stays_taken_while_triton_may_still_use_it(encoder: EncoderServer) -> None:
     """A caller that leaves does not hand its slot to the next request while
     Triton still reads and writes the slot's regions."""
