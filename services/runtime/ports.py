@@ -190,20 +190,16 @@ class PortClaims:
 
     def __init__(self) -> None:
         self._fds: list[int] = []
-
-    @staticmethod
-    def _folder() -> Path:
         try:
             namespace = os.readlink("/proc/self/ns/net").removeprefix("net:[").rstrip("]")
         except OSError:
             namespace = "host"
-        folder = Path(tempfile.gettempdir()) / f"epd-{os.getuid()}" / "ports" / namespace
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
+        self._folder = Path(tempfile.gettempdir()) / f"epd-{os.getuid()}" / "ports" / namespace
+        self._folder.mkdir(parents=True, exist_ok=True)
 
     def take(self, port: int) -> str | None:
         """Claims `port`: None once claimed, else who holds it ('pid N')."""
-        fd = os.open(self._folder() / str(port), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._folder / str(port), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
