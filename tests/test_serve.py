@@ -47,6 +47,7 @@ class Served:
     url: str
     ports: dict[str, int]
     banner: str
+    logs: Path
 
     @property
     def openai(self) -> OpenAI:
@@ -77,6 +78,7 @@ def _our_processes(marker: str) -> list[int]:
 def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     ports = free_serve_ports()
     banner: list[str] = []
+    logs = tmp_path_factory.mktemp("logs")
     process = launch(
         [
             "--model",
@@ -89,7 +91,7 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "--kv-cache-mb",
             "64",
             "--log-dir",
-            str(tmp_path_factory.mktemp("logs")),
+            str(logs),
         ],
         banner=banner,
         env={
@@ -98,7 +100,7 @@ def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         },
     )
     url = f"http://127.0.0.1:{ports['port']}"
-    served = Served(process, url, ports, "".join(banner))
+    served = Served(process, url, ports, "".join(banner), logs)
     yield served
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
@@ -459,7 +461,11 @@ def test_only_the_stacks_token_opens_its_control_plane(served: Served) -> None:
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:
     marker = f"--broker {served.url.split(':')[1][2:]}:{served.ports['broker-port']}"
     assert _our_processes(f":{served.ports['broker-port']}"), "the stack's processes are running"
-    assert list(SHM_DIR.glob(SHM_PREFIX + "*")), "the stack's shared memory is there"
+    deadline = time.monotonic() + 60  # a part started again makes its segments anew
+    while not list(SHM_DIR.glob(SHM_PREFIX + "*")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    tails = {log.name: log.read_text().splitlines()[-5:] for log in served.logs.glob("*.log")}
+    assert list(SHM_DIR.glob(SHM_PREFIX + "*")), f"the stack has no shared memory: {tails}"
     served.process.send_signal(signal.SIGINT)
     assert served.process.wait(60) == 0
     assert _our_processes(f":{served.ports['broker-port']}") == [], marker

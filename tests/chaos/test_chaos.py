@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -281,15 +282,23 @@ def _served_by(logs: Path, field: str, instance: str) -> list[tuple[float, float
     return served
 
 
-def _drain(stack: Stack, load: Load, since: float, command: str, instance: str, field: str) -> int:
-    """Stops the instance under load; how many of its requests were in flight then.
-    A language instance's requests end there: each before it left the broker (an
-    encoder's go on decoding elsewhere after their embeddings landed)."""
+def _drain(
+    stack: Stack,
+    load: Load,
+    since: float,
+    command: str,
+    instance: str,
+    field: str,
+    busy: Callable[[], bool] = lambda: True,
+) -> int:
+    """Stops the instance under load, once `busy`; how many of its requests were
+    in flight then. A language instance's requests end there: each before it left
+    the broker (an encoder's go on decoding elsewhere after their embeddings landed)."""
     logs = _log_dir(stack)
+    pid = stack.pid(f"services.launcher.cli {command}", f"--instance-id {instance}")
+    wait_for(busy, 30, f"{instance} busy")  # then at once: what ran may end any moment
     told = time.time()
-    os.kill(
-        stack.pid(f"services.launcher.cli {command}", f"--instance-id {instance}"), signal.SIGTERM
-    )
+    os.kill(pid, signal.SIGTERM)
     _recovered(stack, instance)
     _served_after(load, time.monotonic())
     left = _left_at(logs, instance, told)
@@ -312,14 +321,28 @@ def test_a_stopped_encoder_and_language_instance_drain_under_load(stack: Stack) 
     with Load(stack.url) as load:
         time.sleep(3)
         _drain(stack, load, since, "encoder", "encoder-1", "encoder")
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # long ones: some on language-1
-            long = [pool.submit(_ask, stack, 8_000_000 + i, 200) for i in range(4)]
-            metrics = stack.language_ports()[1] + 100
-            running = "epd_language_running_requests"
-            wait_for(lambda: stack.metric(metrics, running) > 0, 30, "a request on language-1")
-            in_flight = _drain(stack, load, since, "language", "language-1", "language")
-            assert [f.result().status_code for f in long] == [200] * 4
-    assert in_flight, "no request was in flight on language-1 when it was stopped"
+        metrics = stack.language_ports()[1] + 100
+        running = "epd_language_running_requests"
+        # A request seen running can still end before the stop lands: stop
+        # language-1 again (it was started again) until one was in flight then.
+        for attempt in range(3):
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:  # long ones: some on it
+                long = [
+                    pool.submit(_ask, stack, 8_000_000 + 4 * attempt + i, 200) for i in range(4)
+                ]
+                in_flight = _drain(
+                    stack,
+                    load,
+                    since,
+                    "language",
+                    "language-1",
+                    "language",
+                    lambda: stack.metric(metrics, running) > 0,
+                )
+                assert [f.result().status_code for f in long] == [200] * 4
+            if in_flight:
+                break
+    assert in_flight, "no request was in flight on language-1 when it was stopped, 3 times"
     failed = [o for o in load.outcomes if o.status != 200]
     assert not failed, failed
 
