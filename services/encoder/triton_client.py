@@ -217,7 +217,8 @@ class VitClient:
             if http_url
             else None
         )
-        self.shm_prefix = f"{env.SHM_PREFIX.get()}vit_{secrets.token_hex(4)}"
+        self._family = f"{env.SHM_PREFIX.get()}vit_"  # every encoder's under this prefix
+        self.shm_prefix = f"{self._family}{secrets.token_hex(4)}"
         self._all_slots = [_ShmSlot(self.shm_prefix, i) for i in range(max_in_flight)]
         self._slots: asyncio.Queue[_ShmSlot] = asyncio.Queue()
         for slot in self._all_slots:
@@ -332,6 +333,33 @@ class VitClient:
             headers=headers or None,
         )
         return triton_grpc, infer
+
+    async def reclaim(self) -> bool:
+        """Unregisters the regions Triton holds under this encoder's prefix but not
+        its own: a killed predecessor's, whose memory Triton's mappings keep alive
+        until they are unregistered. Only where EPD_SHM_PREFIX is this encoder's
+        alone (EPD_SHM_RECLAIM). True once none is left; False while Triton is out
+        of reach or a predecessor's inference it still runs holds one."""
+        try:
+            status = await self._client.get_system_shared_memory_status(
+                client_timeout=CONTROL_TIMEOUT_S
+            )
+            theirs = [
+                name
+                for name in status.regions
+                if name.startswith(self._family) and not name.startswith(self.shm_prefix + "_")
+            ]
+            held = False
+            for name in theirs:
+                try:
+                    await unregister(self._client, name)
+                except InferenceServerException as exc:
+                    if IN_USE not in str(exc):
+                        raise
+                    held = True
+        except InferenceServerException:
+            return False
+        return not held
 
     async def statistics(self) -> dict[str, Any]:
         stats = await self._client.get_inference_statistics(self.model_name, as_json=True)

@@ -150,8 +150,10 @@ class Component:
     retiring: bool = False
 
     def environment(self, stack: dict[str, str]) -> dict[str, str]:
-        """The environment it starts in: the stack's, with its own placement."""
-        environment = {**stack, env.SHM_PREFIX.name: self.shm_prefix}
+        """The environment it starts in: the stack's, with its own placement and its
+        own shared-memory prefix (what a killed predecessor left under it is its to
+        reclaim)."""
+        environment = {**stack, env.SHM_PREFIX.name: self.shm_prefix, env.SHM_RECLAIM.name: "1"}
         if self.cpus:
             environment = {**environment, env.CPUS.name: self.cpus}
         if self.nice:

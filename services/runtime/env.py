@@ -92,7 +92,8 @@ SHM_RECLAIM = EnvVar(
     lambda value: value.lower() in ("1", "true", "yes"),
     lambda: False,
     "EPD_SHM_PREFIX is this service's alone: at start, remove the segments a killed "
-    "predecessor left under it (a container that restarts)",
+    "predecessor left under it (a container that restarts; `epd serve` sets it for "
+    "each part), and an encoder unregisters the regions it left at Triton",
 )
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from services.gateway.backend import BROKER_BACK_S, BROKER_TIMEOUT_S
+from services.transfer.shared_memory import SHM_DIR
 from tests.chaos.conftest import BOUND_S, Load, Outcome, Stack, chat_body, wait_for
 from tests.chaos.test_burst import pools_are_whole
 
@@ -93,17 +94,31 @@ def test_triton_killed(stack: Stack) -> None:
     assert any(o.status == 503 for o in during if o.kind == "image"), "images did need Triton"
 
 
+def _regions_at_triton(stack: Stack, encoder: str) -> list[str]:
+    """The encoder's shared-memory regions Triton has registered (and mapped)."""
+    url = f"http://127.0.0.1:{stack.ports['triton_http']}/v2/systemsharedmemory/status"
+    return [r["name"] for r in httpx.get(url, timeout=5).json() if f"_{encoder}_vit_" in r["name"]]
+
+
 def test_an_encoder_killed_fails_over(stack: Stack) -> None:
     """With a second encoder, the image requests that were on it move to the other
-    one: no request fails."""
+    one: no request fails. The regions it had registered at Triton, whose files the
+    stack removed, are unregistered by its successor: Triton's mappings would keep
+    their memory until Triton restarts."""
     with Load(stack.url) as load:
         time.sleep(2)
+        wait_for(lambda: bool(_regions_at_triton(stack, "encoder-0")), 30, "encoder-0 encoding")
         killed = _kill(stack, "services.launcher.cli encoder", "--instance-id encoder-0")
         _recovered(stack, "encoder-0")
         _served_after(load, time.monotonic())
     during = [o for o in load.outcomes if o.ended > killed]
     assert all(o.status == 200 for o in during), [o for o in during if o.status != 200]
     assert any("encoder-0 exited (killed by SIGKILL)" in line for line in stack.output)
+    wait_for(
+        lambda: all((SHM_DIR / n).exists() for n in _regions_at_triton(stack, "encoder-0")),
+        30,
+        "the killed encoder's regions unregistered at Triton",
+    )
 
 
 def test_a_language_instance_killed(stack: Stack) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from services.loadgen.synthetic import encode_image, random_image
 from services.media.limits import ImageLimits
 from services.model.spec import load_spec
 from services.proto import broker_pb2, common_pb2, encoder_pb2
+from services.runtime import env
 from services.runtime.grpc_server import channel
 from services.runtime.ports import free_port
 from services.transfer.embedding_pool import tensor_from_bytes
@@ -447,6 +449,52 @@ async def test_regions_triton_held_when_a_request_timed_out_are_unregistered_lat
         assert not held & set(status.get("regions", {})), "left registered at Triton"
     finally:
         await vit.close()
+
+
+async def test_an_encoder_unregisters_at_triton_what_a_killed_one_left(
+    tiny_checkpoint: Path, triton: TritonServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed encoder's regions stay registered at Triton, mapped, their memory
+    alive after their files are removed. Under a prefix that is its alone, the next
+    encoder unregisters them once Triton has finished the dead one's inference, and
+    keeps its own."""
+    monkeypatch.setenv(env.SHM_PREFIX.name, f"epd_reclaim{secrets.token_hex(3)}_")
+    hidden_size = load_spec(tiny_checkpoint).vision.out_hidden_size
+    dead, successor = (
+        VitClient(triton.config.grpc_url, hidden_size=hidden_size, max_in_flight=1)
+        for _ in range(2)
+    )
+
+    async def registered(vit: VitClient) -> set[str]:
+        status = await vit._client.get_system_shared_memory_status(as_json=True)
+        return {name for name in status.get("regions", {}) if name.startswith(vit.shm_prefix)}
+
+    async def _any(names: Awaitable[set[str]]) -> bool:
+        return bool(await names)
+
+    side = 160  # seconds of work for the tiny tower
+    small = np.zeros((16, 1176), np.float32), np.array([[1, 4, 4]])
+    try:
+        await successor.infer(*small)
+        ours = await registered(successor)
+        assert len(ours) == 2
+        running = asyncio.ensure_future(
+            dead.infer(np.zeros((side * side, 1176), np.float32), np.array([[1, side, side]]))
+        )
+        await _until_async(lambda: _any(registered(dead)), 30)
+        await asyncio.sleep(0.3)  # the request's way to Triton
+        assert not await successor.reclaim(), "its inference still holds the dead one's"
+        await running  # Triton finishes it; the dead one's slot stays registered
+        left = await registered(dead)
+        assert len(left) == 2
+        assert await successor.reclaim()
+        assert not await registered(dead), "left registered at Triton"
+        assert await registered(successor) == ours
+        (embeddings,) = (await successor.infer(*small)).planes
+        assert embeddings.shape == (4, hidden_size)
+    finally:
+        await dead.close()
+        await successor.close()
 
 
 async def test_a_slot_stays_taken_while_triton_may_still_use_it(encoder: EncoderServer) -> None:
