@@ -69,3 +69,25 @@ def test_a_claim_holds_until_its_process_ends_however_it_ends() -> None:
     finally:
         claimant.kill()
         claimant.wait(10)
+
+
+@pytest.mark.parametrize("held", ["--port", "--metrics-port"])
+def test_a_port_taken_before_the_bind_is_named_with_its_holder(held: str) -> None:
+    """`epd serve` checks its ports, but another process can take one before its
+    child binds it: the child's error names the port and what holds it."""
+    ports = {"--port": free_port(), "--metrics-port": free_port()}
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", ports[held]))
+        listener.listen()
+        broker = subprocess.run(
+            [sys.executable, "-m", "services.launcher.cli", "broker"]
+            + [a for flag, port in ports.items() for a in (flag, str(port))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert broker.returncode != 0
+    what = "broker's metrics" if held == "--metrics-port" else "broker"
+    assert f"{what} cannot listen on 127.0.0.1:{ports[held]}: in use by pid {os.getpid()} (" in (
+        broker.stderr
+    ), broker.stderr

@@ -4,6 +4,7 @@ endpoint for its own metrics registry."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 
 from services.proto import telemetry_pb2, telemetry_pb2_grpc
 from services.runtime import tracing
+from services.runtime.ports import port_taken
 from services.runtime.security import Security, aio_channel, current
 
 logger = logging.getLogger(__name__)
@@ -127,17 +129,24 @@ class GrpcServer:
 
     async def start(self) -> None:
         bind = f"{self.host}:{self._requested_port}"
-        if self.security.tls:
-            self.port = self.server.add_secure_port(bind, self.security.server_credentials())
-        else:
-            self.port = self.server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"{self.name}: cannot bind {self.host}:{self._requested_port}")
+        try:
+            if self.security.tls:
+                self.port = self.server.add_secure_port(bind, self.security.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(bind)
+        except RuntimeError:  # grpc's "Failed to bind": it does not say why
+            raise port_taken(self.name, self.host, self._requested_port) from None
         await self.server.start()
         if self._requested_metrics_port is not None:
-            self._metrics_server, _ = start_http_server(
-                self._requested_metrics_port, addr=self.host, registry=self._registry
-            )
+            try:
+                self._metrics_server, _ = start_http_server(
+                    self._requested_metrics_port, addr=self.host, registry=self._registry
+                )
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                what = f"{self.name}'s metrics"
+                raise port_taken(what, self.host, self._requested_metrics_port) from None
             self.metrics_port = self._metrics_server.server_port
         await self.set_serving(True)
         if not self.security.token:

@@ -4,6 +4,7 @@ that `epd serve` holds from its checks until its children have bound them."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import random
@@ -94,6 +95,15 @@ def holder(port: int) -> str | None:
                 command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
                 return f"pid {proc.name} ({' '.join(command.split())[:80]})"
     return None
+
+
+def port_taken(what: str, host: str, port: int) -> OSError:
+    """The error of a listener that could not bind `port`: which one, and what
+    holds it (`epd serve` checks its ports, but another process may take one
+    before its child binds it)."""
+    who = holder(port)
+    why = f"in use by {who}" if who else "in use, or not an address of this machine"
+    return OSError(errno.EADDRINUSE, f"{what} cannot listen on {host}:{port}: {why}")
 
 
 def _links(fds: Path) -> set[str]:
