@@ -14,14 +14,13 @@
   was 38 % of the small demo's tower in bfloat16 on a 2-core AVX512-BF16 EPYC
   (33 of 87 ms an image); one 448x448 image a forward: 92 -> 67 ms (small),
   384 -> 304 ms (medium). Within bfloat16 rounding of SDPA, not bit-equal.
-- In bfloat16 (and float32 on AVX-512), the patch embedding. HF's is a Conv3d
+- Wherever oneDNN packs the dtype, the patch embedding. HF's is a Conv3d
   whose kernel is its stride: each patch's pixels times the weight, a GEMM,
   which vLLM runs as one
   (`Conv3dLayer`). torch's bfloat16 Conv3d takes 47 ms for a 448x448 image's
   1024 patches on a 2-core AMX Xeon, the GEMM 1.2 ms (float32: 24 ms and 3.8
-  ms). The GEMM sums the products in another order, so the float32 tower keeps
-  the convolution where torch is AVX2 and stays bit-equal to HF's there; in
-  bfloat16 the embeddings are within a bfloat16 step of HF's.
+  ms). The GEMM sums the products in another order: in float32 the tower is
+  within float32 rounding of HF's, in bfloat16 within a bfloat16 step.
 - In bfloat16, the projections and norms as the language model runs them: every
   nn.Linear on oneDNN's packed weights (linear.PackedLinear; torch's unpacked
   bf16 addmm ran the medium tower's at ~1.3 TFLOPS on a 2-core AMX Xeon, the
@@ -33,14 +32,15 @@
   round differently from HF's operators (another blocking of the GEMM; the
   norm's sum in another order), so in bfloat16 the tower is close to HF's
   (tests/layers/test_vision_tower.py) rather than equal to it, as the
-  language model in bfloat16 is; float32 keeps HF's norms, and its projections
-  too where torch's CPU kernels are AVX2 (then it is bit-equal to HF's tower).
-- In float32 where torch runs AVX-512, the projections on oneDNN's packed weights
-  as well: F.linear's GEMM is MKL's, which on AMD CPUs runs its AVX2 code (~200
-  GFLOPS on a 2-core Zen 5, oneDNN's ~1.9x that): one 448x448 image a forward
-  (bench/vision.py), the small tower 284 -> 170 ms, the medium one 1369 -> 743;
-  the patch embedding as a GEMM there too: 170 -> 161 and 743 -> 707. Within float32 rounding of
-  HF's, as the language model is there (backends.linear_backend).
+  language model in bfloat16 is; float32 keeps HF's norms.
+- In float32, the projections on oneDNN's packed weights as well: F.linear's GEMM
+  is MKL's, which on AMD CPUs runs its AVX2 code (~200 GFLOPS on a 2-core Zen 5,
+  oneDNN's ~1.9x that): one 448x448 image a forward (bench/vision.py), the small
+  tower 284 -> 170 ms, the medium one 1369 -> 743; the patch embedding as a GEMM
+  there too: 170 -> 161 and 743 -> 707. On AVX2 (a 2-core Zen 3 EPYC, where MKL
+  ran the tower's GEMMs at ~100-115 GFLOPS, oneDNN at ~120-135) the small tower
+  611 -> 452 ms, the medium one 2595 -> 2193. Within float32 rounding of HF's,
+  as the language model is (backends.linear_backend).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.layers.backends import avx512
 from services.layers.cpu_kernels import (
     FusedOps,
     Kernel,
@@ -202,9 +201,10 @@ class LinearPatchEmbedding(nn.Module):
 
 def fuse_vision_tower(tower: nn.Module) -> int:
     """Swaps, in a CPU vision tower (`load_vision_tower`'s), each block's attention
-    for a FusedVisionAttention (where the kernels build); in bfloat16 (where oneDNN
-    packs it), and in float32 where torch runs AVX-512, the patch embedding's
-    convolution for a LinearPatchEmbedding and every nn.Linear for a PackedLinear;
+    for a FusedVisionAttention (where the kernels build); where oneDNN packs the
+    tower's dtype (float32 wherever torch has oneDNN, bfloat16 where the CPU has
+    the instructions), the patch embedding's convolution for a
+    LinearPatchEmbedding and every nn.Linear for a PackedLinear;
     in bfloat16, each RMSNorm block for a FusedVisionBlock, the merger's norm for
     the language model's; returns how many modules it swapped (0 for a tower that
     is not on the CPU)."""
@@ -212,8 +212,7 @@ def fuse_vision_tower(tower: nn.Module) -> int:
     if weight.device.type != "cpu":
         return 0
     bf16 = weight.dtype == torch.bfloat16
-    # HF's own projections (and so its tower, bit for bit) only in float32 on AVX2
-    packed = onednn_supports(weight.dtype) and (bf16 or avx512())
+    packed = onednn_supports(weight.dtype)
     swapped = 0
     if packed:
         embedding = tower.get_submodule("patch_embed")
