@@ -17,7 +17,6 @@ from services.encoder.servicer import EncoderServicer
 from services.encoder.triton_client import VitClient
 from services.model.spec import ModelSpec, load_spec
 from services.proto import encoder_pb2, encoder_pb2_grpc
-from services.runtime import env
 from services.runtime.grpc_server import metrics_registry
 from services.transfer.embedding_pool import EmbeddingPool
 from services.transfer.layout import PoolLayout, embedding_planes
@@ -103,8 +102,6 @@ class EncoderServer(InstanceServer):
             registry,
         )
         self.triton_ready: bool | None = None  # unknown until the first probe
-        # what a killed predecessor left registered at Triton, until it is gone
-        self._reclaiming = env.SHM_RECLAIM.get() and config.triton_shared_memory
         self._reported_on = -1  # the attachment the broker last heard of the cache on
 
     def registration(self) -> Register:
@@ -154,8 +151,8 @@ class EncoderServer(InstanceServer):
         """Health follows Triton: NOT_SERVING (and unavailable to the broker's
         routing) while it is unreachable or its model is not ready."""
         ready = await self.vit.ready()
-        if ready and self._reclaiming:
-            self._reclaiming = not await self.vit.reclaim()
+        if ready and self.vit.reclaiming:
+            await self.vit.reclaim()
         if ready == self.triton_ready:
             return
         self.triton_ready = ready

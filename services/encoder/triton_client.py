@@ -219,6 +219,9 @@ class VitClient:
         )
         self._family = f"{env.SHM_PREFIX.get()}vit_"  # every encoder's under this prefix
         self.shm_prefix = f"{self._family}{secrets.token_hex(4)}"
+        # Where that prefix is this encoder's alone, what a killed predecessor left
+        # registered at Triton is its to unregister (reclaim), until none is left.
+        self.reclaiming = shared_memory and env.SHM_RECLAIM.get()
         self._all_slots = [_ShmSlot(self.shm_prefix, i) for i in range(max_in_flight)]
         self._slots: asyncio.Queue[_ShmSlot] = asyncio.Queue()
         for slot in self._all_slots:
@@ -338,8 +341,9 @@ class VitClient:
         """Unregisters the regions Triton holds under this encoder's prefix but not
         its own: a killed predecessor's, whose memory Triton's mappings keep alive
         until they are unregistered. Only where EPD_SHM_PREFIX is this encoder's
-        alone (EPD_SHM_RECLAIM). True once none is left; False while Triton is out
-        of reach or a predecessor's inference it still runs holds one."""
+        alone (EPD_SHM_RECLAIM). True once none is left (`reclaiming` is then
+        over); False while Triton is out of reach or a predecessor's inference it
+        still runs holds one."""
         try:
             status = await self._client.get_system_shared_memory_status(
                 client_timeout=CONTROL_TIMEOUT_S
@@ -359,6 +363,7 @@ class VitClient:
                     held = True
         except InferenceServerException:
             return False
+        self.reclaiming = held
         return not held
 
     async def statistics(self) -> dict[str, Any]:
