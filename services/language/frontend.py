@@ -303,9 +303,9 @@ class Frontend:
         self.prefill_while_encoding = prefill_while_encoding
         self.prefix_peers = prefix_peers  # None: a chat's KV pages never move here
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        # when each request now in `_receiving` came: the engine is told the oldest,
-        # and how long a request's embeddings have taken to arrive lately (smoothed)
-        self._awaiting_media: list[float] = []
+        # when each request (by id) now awaiting its embeddings came: the engine is
+        # told the oldest, and how long embeddings have taken to arrive lately (smoothed)
+        self._awaiting_media: dict[str, float] = {}
         self._media_wait_s = 0.0
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
@@ -522,9 +522,13 @@ class Frontend:
                         differing.append((meta, planes))
                         continue
                     embeds = planes["embeddings"]
-                    if embeds.shape[0]:
-                        self.engine.add_media(request_id, start, embeds, planes.get("deepstack"))
                     start += embeds.shape[0]
+                    if start >= sum(rendered.hints):  # the last part: told before it lands,
+                        self._await_media(rendered, False)  # its prefill takes every thread
+                    if embeds.shape[0]:
+                        self.engine.add_media(
+                            request_id, start - embeds.shape[0], embeds, planes.get("deepstack")
+                        )
         except BaseException:
             self.engine.abort(request_id)
             raise
@@ -541,7 +545,7 @@ class Frontend:
         meanwhile the engine knows that a request awaits its media."""
         assert self.receiver is not None, "a frontend without a receiver takes pixels"
         request_id, hinted = rendered.request_id, sum(rendered.hints)
-        self._await_media(rendered.arrived, True)
+        self._await_media(rendered, True)
         try:
             with tracing.span("language.receive", hinted_tokens=hinted):
                 await self.receiver.expect(request_id, hinted, skip)
@@ -551,18 +555,20 @@ class Frontend:
                 self._media_wait_s += MEDIA_WAIT_SMOOTHING * (waited - self._media_wait_s)
         finally:
             self.receiver.release(request_id, "the request ended before its embeddings arrived")
-            self._await_media(rendered.arrived, False)
+            self._await_media(rendered, False)
 
-    def _await_media(self, arrived: float, awaits: bool) -> None:
-        """A request that came at `arrived` now awaits its media, or no longer:
-        the engine is told when the oldest awaiting one came, as that changes,
-        with how long embeddings have taken to arrive lately (Pacing.urgency)."""
-        oldest = min(self._awaiting_media, default=None)
+    def _await_media(self, rendered: Rendered, awaits: bool) -> None:
+        """A request now awaits its media, or no longer (again: no change): the
+        engine is told when the oldest awaiting one came, as that changes, with
+        how long embeddings have taken to arrive lately (Pacing.urgency). The
+        engine's messages keep their order, so a request told done before its
+        last part is added prefills on all the threads the pacing has."""
+        oldest = min(self._awaiting_media.values(), default=None)
         if awaits:
-            self._awaiting_media.append(arrived)
+            self._awaiting_media[rendered.request_id] = rendered.arrived
         else:
-            self._awaiting_media.remove(arrived)
-        if (oldest_now := min(self._awaiting_media, default=None)) != oldest:
+            self._awaiting_media.pop(rendered.request_id, None)
+        if (oldest_now := min(self._awaiting_media.values(), default=None)) != oldest:
             self.engine.set_encoding(oldest_now, self._media_wait_s)
 
     async def rebuild(self, rendered: Rendered, grids: Sequence[MediaGrid]) -> Rendered:
