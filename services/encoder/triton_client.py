@@ -100,6 +100,21 @@ async def unregister(
         await asyncio.sleep(0.01)
 
 
+async def unregister_each(client: triton_grpc.InferenceServerClient, names: list[str]) -> list[str]:
+    """Unregisters each region; the names gone from Triton now. One an inference
+    still holds, or any while Triton is out of reach, stays for a later try; any
+    other refusal means Triton no longer has it."""
+    gone = []
+    for name in names:
+        try:
+            await unregister(client, name)
+        except InferenceServerException as exc:
+            if IN_USE in str(exc) or str(exc.status()) in _TRANSPORT_FAILURES:
+                continue
+        gone.append(name)
+    return gone
+
+
 class _ShmSlot:
     """An input and an output region, registered with Triton, for one request at a time.
 
@@ -160,13 +175,8 @@ class _ShmSlot:
     async def let_go(self, client: triton_grpc.InferenceServerClient) -> None:
         """Unregisters the regions Triton still held when they were dropped, as far
         as it has let go of them since (its mapping kept their memory alive)."""
-        for name in list(self.held_by_triton):
-            try:
-                await unregister(client, name)
-            except InferenceServerException as exc:
-                if IN_USE in str(exc) or str(exc.status()) in _TRANSPORT_FAILURES:
-                    continue  # still in use, or Triton out of reach: next time
-            self.held_by_triton.remove(name)  # unregistered, or Triton forgot it
+        for name in await unregister_each(client, list(self.held_by_triton)):
+            self.held_by_triton.remove(name)
 
     async def reset(self, client: triton_grpc.InferenceServerClient) -> None:
         """Forgets both regions: the next use creates and registers new ones."""
@@ -353,18 +363,10 @@ class VitClient:
                 for name in status.regions
                 if name.startswith(self._family) and not name.startswith(self.shm_prefix + "_")
             ]
-            held = False
-            for name in theirs:
-                try:
-                    await unregister(self._client, name)
-                except InferenceServerException as exc:
-                    if IN_USE not in str(exc):
-                        raise
-                    held = True
         except InferenceServerException:
             return False
-        self.reclaiming = held
-        return not held
+        self.reclaiming = len(await unregister_each(self._client, theirs)) < len(theirs)
+        return not self.reclaiming
 
     async def statistics(self) -> dict[str, Any]:
         stats = await self._client.get_inference_statistics(self.model_name, as_json=True)
