@@ -169,8 +169,14 @@ class SenderDriver(MachineDriver):
     def preallocated(self, request_id: str) -> asyncio.Future[int]:
         """A started transfer's first preallocation: how many tokens, from the
         first, the receiver does not want (its prefix cache holds their KV); fails
-        with TransferError if the transfer ends before."""
-        return self._preallocated[request_id]
+        with TransferError if the transfer ends before, as it starts included (its
+        meta lost with the broker out of reach)."""
+        heard = self._preallocated.get(request_id)
+        if heard is None:
+            heard = asyncio.get_running_loop().create_future()
+            heard.set_exception(TransferError(Failure.ABORTED, "ended unpreallocated"))
+            heard.exception()  # retrieved here if nobody awaits it
+        return heard
 
     def ready(self, request_id: str, tokens: int) -> None:
         """The first `tokens` of the request's data are in the source."""
