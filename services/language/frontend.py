@@ -505,7 +505,7 @@ class Frontend:
         the encoder's grids differ from the hinted ones the prompt was built from,
         the engine request is aborted and the media, received to the end,
         returned. On failure the engine request is aborted and the error raised."""
-        request_id = rendered.request_id
+        request_id, hinted = rendered.request_id, sum(rendered.hints)
         differing: list[tuple[EmbeddingMeta, dict[str, torch.Tensor]]] = []
         try:
             start = await held if held is not None else 0
@@ -522,13 +522,11 @@ class Frontend:
                         differing.append((meta, planes))
                         continue
                     embeds = planes["embeddings"]
-                    start += embeds.shape[0]
-                    if start >= sum(rendered.hints):  # the last part: told before it lands,
-                        self._await_media(rendered, False)  # its prefill takes every thread
+                    if start + embeds.shape[0] >= hinted:  # the last part: told before it
+                        self._await_media(rendered, False)  # lands, its prefill takes every thread
                     if embeds.shape[0]:
-                        self.engine.add_media(
-                            request_id, start - embeds.shape[0], embeds, planes.get("deepstack")
-                        )
+                        self.engine.add_media(request_id, start, embeds, planes.get("deepstack"))
+                    start += embeds.shape[0]
         except BaseException:
             self.engine.abort(request_id)
             raise
