@@ -17,7 +17,8 @@
  * once: a whole token row is one contiguous run, which the hardware prefetches
  * well (one task per KV head read a quarter of each row and was ~1.5x slower on
  * a cold cache); keys 16 and KEYS_AHEAD tokens on and this 16's values are
- * asked for ahead (prefetch_block).
+ * asked for ahead (prefetch_block), except in float32 (scores_f32), where the
+ * hardware's own prefetching was faster.
  * Softmax per chunk: the scores, then their maximum (and the running one: the
  * output so far and the running sum are scaled where it grows), exponentials and
  * sum (a vectorized e^x: libm's expf, called once a score, was a quarter of the
@@ -293,7 +294,11 @@ static void values_bf16(float *out, const float *weights, const uint16_t *values
 /* float32 caches, head_dim a multiple of 64, on AVX2 builds and up: GCC's vectors
  * of 8 floats (AVX2's registers; an AVX-512 build keeps them). A dot product a
  * (token, head) with its own horizontal sum, and an axpy a (token, head) whose
- * sums went to memory and back, made this path compute-bound. */
+ * sums went to memory and back, made this path compute-bound.
+ * No software prefetch: a float32 row is 1-2 KiB and a page 16-32 KiB of them, runs
+ * the hardware prefetchers follow. Measured on a 2-core EPYC (Zen 3, AVX2), the
+ * medium demo's caches over 20 layers: prefetch_block's asks (~130 prefetches a
+ * token) made the kernel 1.12x slower from memory and 1.4x in cache. */
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
@@ -317,12 +322,10 @@ static inline v8 sums8(const v8 a[8]) {
 
 /* scores[h][t] = q[h] . k[t][h / group], 8 tokens at a time, their 8 dot products'
  * sums taken together (a last block of fewer repeats its first row, computed and
- * not stored); the keys 16 and KEYS_AHEAD on and this 16's values asked for ahead */
-static void scores_f32(float *scores, const float *q, const float *keys, const float *values,
-                       const int64_t *rows, int64_t n, int64_t ahead, int64_t num_heads,
-                       int64_t group, int64_t dim, int64_t width) {
+ * not stored) */
+static void scores_f32(float *scores, const float *q, const float *keys, const int64_t *rows,
+                       int64_t n, int64_t num_heads, int64_t group, int64_t dim) {
     for (int64_t t = 0; t < n; t += 8) {
-        if (t % 16 == 0) prefetch_block(keys, values, rows, t, n, ahead, 4, width);
         const int64_t m = n - t < 8 ? n - t : 8;
         const float *row[8];
         for (int64_t j = 0; j < 8; j++) row[j] = keys + rows[j < m ? t + j : t];
@@ -336,7 +339,10 @@ static void scores_f32(float *scores, const float *q, const float *keys, const f
                 for (int j = 0; j < 8; j++) acc[j] += qc * load8(row[j] + head + c);
             }
             const v8 sums = sums8(acc);
-            memcpy(scores + h * n + t, &sums, sizeof(float) * m);
+            if (m == 8) /* a copy of a size known: a store (else `rep movs`, ~10 % of the kernel) */
+                memcpy(scores + h * n + t, &sums, sizeof sums);
+            else
+                memcpy(scores + h * n + t, &sums, sizeof(float) * m);
         }
     }
 }
@@ -357,18 +363,17 @@ static inline void values_f32_64(float *out, const float *weights, const float *
     memcpy(out, acc, sizeof acc);
 }
 
-/* Rows of float32 values every head weighs while they are in L1 */
-#define VALUE_BLOCK_F32 8
+/* Rows of float32 values every head weighs while they are in L1 (16 KiB-32 KiB;
+ * 8 rows, the sums loaded and stored twice as often, were ~3 % slower) */
+#define VALUE_BLOCK_F32 16
 
 /* out [num_heads][dim] += the weighed values, a block of rows at a time, each
  * query head 64 dims at a time; weights [num_heads][n] */
 static void values_f32(float *out, const float *weights, const float *values,
-                       const int64_t *rows, int64_t n, int64_t ahead, int64_t num_heads,
-                       int64_t group, int64_t dim, int64_t width) {
+                       const int64_t *rows, int64_t n, int64_t num_heads, int64_t group,
+                       int64_t dim) {
     for (int64_t t = 0; t < n; t += VALUE_BLOCK_F32) {
         const int64_t m = n - t < VALUE_BLOCK_F32 ? n - t : VALUE_BLOCK_F32;
-        for (int64_t u = t + VALUES_AHEAD; u < t + VALUES_AHEAD + m && u < ahead; u++)
-            prefetch_row(values, rows, u, 4, width, 0);
         for (int64_t h = 0; h < num_heads; h++)
             for (int64_t d = 0; d < dim; d += 64)
                 values_f32_64(out + h * dim + d, weights + h * n + t, values, rows + t, m,
@@ -486,7 +491,7 @@ static void attend(float *out, float *maxes, float *sums, const float *q, const 
         const int64_t n = len - c < sh->chunk ? len - c : sh->chunk, *at = rows + c;
 #if defined(__AVX2__)
         if (f32)
-            scores_f32(scores, q, keys, values, at, n, len - c, heads, group, dim, width);
+            scores_f32(scores, q, keys, at, n, heads, group, dim);
         else
 #endif
 #if defined(__AVX512BF16__)
@@ -498,7 +503,7 @@ static void attend(float *out, float *maxes, float *sums, const float *q, const 
         softmax_chunk(scores, n, sh, c == 0, maxes, sums, out);
 #if defined(__AVX2__)
         if (f32)
-            values_f32(out, scores, values, at, n, len - c, heads, group, dim, width);
+            values_f32(out, scores, values, at, n, heads, group, dim);
         else
 #endif
 #if defined(__AVX512BF16__)
