@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.ports import PortClaims, free_port, free_serve_ports, serve_port_args
+from services.runtime.ports import (
+    TRITON_HTTP_PORT,
+    PortClaims,
+    free_port,
+    free_serve_ports,
+    serve_port_args,
+)
 
 
 def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -61,7 +67,17 @@ def test_a_port_in_use_names_the_port_its_flag_and_its_holder(tiny_checkpoint: P
         # two listeners on the held port: the flags' clash is named, whatever holds it
         both = ["--port", str(port), "--broker-port", str(port)]
         line = _refused(_serve(*model, *both), f"port {port} is both --port and --broker-port")
-        assert "in use" not in line
+        assert "in use" not in line and "default" not in line
+
+
+def test_a_port_that_clashes_with_a_default_says_it_is_the_default(tiny_checkpoint: Path) -> None:
+    """Only --port given, on Triton's default HTTP port: the message says where the
+    other 8010 came from, and how to move every port at once."""
+    _refused(
+        _serve("--model", str(tiny_checkpoint), "--port", str(TRITON_HTTP_PORT)),
+        f"port {TRITON_HTTP_PORT} is both --port and --triton-http-port (its default)",
+        "--port-base",
+    )
 
 
 def test_a_port_another_epd_serve_claimed_names_its_flag_and_the_claimant(

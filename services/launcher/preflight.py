@@ -12,6 +12,7 @@ without the image processor's configuration; a KV cache that holds fewer tokens 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,10 @@ def check_ports(config: StackConfig) -> PortClaims:
     seen: dict[int, str] = {}
     for port, flag, _ in ports:
         if port in seen:
-            raise ConfigError(f"port {port} is both {seen[port]} and {flag}: move one of them")
+            raise ConfigError(
+                f"port {port} is both {_named(seen[port], port)} and {_named(flag, port)}: "
+                "move one of them, or every port with --port-base"
+            )
         seen[port] = flag
     for port, flag, host in ports:
         if listened_on(host, [port]):
@@ -101,6 +105,14 @@ def check_ports(config: StackConfig) -> PortClaims:
                 f"{flag.split()[0]}, or --port-base"
             )
     return claims
+
+
+def _named(flag: str, port: int) -> str:
+    """The flag, and "(its default)" where the port is that flag's default: a user
+    who gave only --port 8010 learns where the other 8010 came from."""
+    name = flag.split()[0].removeprefix("--").replace("-", "_")
+    defaults = {f.name: f.default for f in dataclasses.fields(StackConfig)}
+    return f"{flag} (its default)" if defaults.get(name) == port else flag
 
 
 def _check_processor(checkpoint: Path) -> None:
