@@ -457,9 +457,9 @@ ENGINE = (
     ),
     Option(
         "tpot_slo_ms",
-        help="or pace those steps by this TPOT target (ms): a decode step waits what "
-        "the target leaves over its measured time (0: no target; a decode interval "
-        "overrides it)",
+        help="or pace those steps by this TPOT target (ms): a decode step waits until "
+        "the target, kept on the mean over each running request's tokens, leaves only "
+        "its measured time (0: no target; a decode interval overrides it)",
     ),
     Option(
         "ttft_slo_ms",
@@ -650,8 +650,9 @@ STACK = Table(
             help="the running requests' TPOT target (ms): "
             "where the vision side shares the language instance's cores (as for "
             "--threads-while-encoding), a step that only decodes waits, while images "
-            "encode, what the target leaves over a decode step's measured time, and the "
-            "tower computes in between (0: back to back)",
+            "encode, until the target (a mean over each request's tokens) leaves only a "
+            "decode step's measured time, and the tower computes in between (0: back to "
+            "back)",
         ),
         Option(
             "ttft_slo_ms",

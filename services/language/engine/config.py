@@ -56,9 +56,9 @@ class EngineConfig:
     # takes, so first tokens come sooner and the running requests' tokens later.
     decode_interval_while_encoding_ms: int = 0
     # Or paced by a target: while requests await their embeddings, a step that only
-    # decodes waits what the running requests' TPOT target (ms) leaves over a decode
-    # step's measured time (Pacing.interval). 0: no target; a decode interval, when
-    # given, overrides it.
+    # decodes waits until the running requests' TPOT target (ms), kept on the mean
+    # over each one's tokens, leaves no more than a decode step's measured time
+    # (Pacing.interval). 0: no target; a decode interval, when given, overrides it.
     tpot_slo_ms: int = 0
     # And a TTFT target (ms): the waits come only as the oldest request awaiting
     # its embeddings needs them, by its age (or the recent media wait, if longer)

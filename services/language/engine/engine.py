@@ -262,7 +262,7 @@ class LLMEngine:
 
     def step_delay(self) -> float:
         """Seconds to hold the next step (Pacing.delay)."""
-        return self.pacing.delay(self.scheduler.has_prefill_work())
+        return self.pacing.delay(self.scheduler.has_prefill_work(), self.scheduler.running)
 
     def warm_up(self) -> None:
         """Two short requests through a prefill-only, a mixed and a decode-only

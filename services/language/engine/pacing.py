@@ -4,12 +4,21 @@ steps take fewer threads then, and a step that would only decode waits a while
 after the last one ended, so that the tower has the cores in between.
 
 How long: a fixed interval where one is given; else what the running requests'
-TPOT target leaves. A decode step plus its wait may take MARGIN of the target
-(the rest is for the prefill chunks that join some steps, and jitter), so the
-wait is MARGIN x target minus a decode step's measured time: a faster machine
-or a smaller batch gives the tower more, a slower one less, and none where a
-decode step alone takes the target, which the engine then counts (`unmet`):
-the first tokens and the TPOT target cannot both be kept there.
+TPOT target leaves. The target counts as the SLO counts it, a mean over a
+request's tokens since its first: its next token is due MARGIN x target x the
+tokens it has after its first (the rest of the target is for the prefill chunks
+that join some steps, and jitter). A decode step may wait until the earliest
+running request's next token is due less a decode step's measured time. A
+request whose tokens came faster than that has banked the difference, which the
+tower then gets at once: on 2 AVX2 cores (medium demo, one image request
+arriving while another decodes) the newcomer's TTFT was ~4.8 s when every step
+waited only its own share (MARGIN x target less a step) and ~3.2 s when the
+decode paused while it encoded, for the same TPOT of the running one: the tower
+and a decode each on one core were no faster than one after the other on both.
+A faster machine or a smaller batch gives the tower more, a slower one less,
+and none where a decode step alone takes longer than the requests have banked,
+which the engine then counts (`unmet`): the first tokens and the TPOT target
+cannot both be kept there.
 
 When: with a TTFT target too, only as the oldest request awaiting its
 embeddings needs it. Before EASY of the target has passed since it came, decode
@@ -33,6 +42,7 @@ from collections.abc import Sequence
 import torch
 
 from services.language.engine.config import EngineConfig
+from services.language.engine.request import Request
 from services.language.engine.scheduler import Scheduled
 
 MARGIN = 0.8  # of the TPOT target a decode step and its wait may take
@@ -76,15 +86,25 @@ class Pacing:
         due = max(now - self.awaiting_since, self.media_wait_s) / self.ttft_s
         return min(1.0, max(0.0, (due - EASY) / (URGENT - EASY)))
 
-    def interval(self) -> float:
+    def interval(self, running: Sequence[Request] = ()) -> float:
         """How long a decode-only step may wait after the last step ended while
-        requests await their embeddings: the fixed interval, else what the TPOT
-        target leaves over a decode step (0.0: back to back)."""
+        requests await their embeddings: the fixed interval, else until the
+        earliest of the `running` requests' next tokens is due (MARGIN x the
+        TPOT target a token since its first) less a decode step; MARGIN x the
+        target less a step where none has a first token (0.0: back to back)."""
         if self.interval_s or not self.tpot_s:
             return self.interval_s
-        return max(0.0, MARGIN * self.tpot_s - self.decode_step_s)
+        pace = MARGIN * self.tpot_s
+        due = [
+            r.first_token_time + pace * r.num_output_tokens
+            for r in running
+            if r.first_token_time is not None
+        ]
+        if not due:
+            return max(0.0, pace - self.decode_step_s)
+        return max(0.0, min(due) - self.decode_step_s - self.last_step)
 
-    def delay(self, prefill_work: bool) -> float:
+    def delay(self, prefill_work: bool, running: Sequence[Request] = ()) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
         step that would only decode (no `prefill_work`) waits as much of
         `interval()` after the last one ended as the oldest of them needs
@@ -94,7 +114,7 @@ class Pacing:
         urgency = self.urgency(now)
         if not urgency or prefill_work:
             return 0.0
-        interval = urgency * self.interval()
+        interval = urgency * self.interval(running)
         if not interval:
             self.unmet = bool(self.tpot_s)
             return 0.0
