@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.language.engine.pacing import MARGIN, Pacing
+from services.language.engine.pacing import MARGIN, URGENT, Pacing
 from services.language.engine.request import Request, SamplingParams
 from services.loadgen.synthetic import random_image
 from tests.language.engine_fixtures import (
@@ -322,10 +322,13 @@ def test_a_tpot_target_holds_decode_steps_as_long_as_the_running_requests_have_b
     difference, and every token still keeps the target on the mean, as the SLO
     counts it. Where decode steps are slower than the pace, the bank drains; then
     the step waits nothing and says the target left the tower no time. (A target
-    of 400 ms: a busy machine's ~30 ms steps may take several times that.)"""
-    target = 0.4
+    of 400 ms: a busy machine's ~30 ms steps may take several times that. A TTFT
+    target of 10 s, whole from the start: one wait is at most that; without it, a
+    step's own share.)"""
+    target, ttft = 0.4, 10.0
     engine = make_engine(tiny_checkpoint)
-    engine.pacing = Pacing(dataclasses.replace(engine.config, tpot_slo_ms=target * 1000))
+    config = dataclasses.replace(engine.config, tpot_slo_ms=target * 1000, ttft_slo_ms=ttft * 1000)
+    engine.pacing = Pacing(config)
     execute, pause = engine.runner.execute, [0.03]
 
     def slow_execute(batch: Any) -> torch.Tensor:
@@ -335,7 +338,7 @@ def test_a_tpot_target_holds_decode_steps_as_long_as_the_running_requests_have_b
     engine.runner.execute = slow_execute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     engine.add_request(make_request(tiny_checkpoint, "a", chat("Hello"), [], params))
-    engine.pacing.awaiting_since = time.monotonic()
+    engine.pacing.awaiting_since = time.monotonic() - URGENT * ttft  # urgent: whole waits
     for _ in range(3):  # the prompt, then decode steps of ~30 ms
         engine.step()
     (a,) = engine.scheduler.running
@@ -347,6 +350,11 @@ def test_a_tpot_target_holds_decode_steps_as_long_as_the_running_requests_have_b
     assert banked > MARGIN * target - measured  # more than one step's share: two came fast
     assert engine.pacing.interval(engine.scheduler.running) == pytest.approx(banked)
     assert banked - 0.05 < engine.step_delay() <= banked
+    engine.pacing.ttft_s = 0.0  # no TTFT target: a step's own share
+    assert engine.pacing.interval(engine.scheduler.running) == pytest.approx(
+        MARGIN * target - measured
+    )
+    engine.pacing.ttft_s = ttft
     while a.num_output_tokens < 6:  # held that long, the mean keeps the target
         time.sleep(engine.step_delay())
         engine.step()

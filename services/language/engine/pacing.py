@@ -10,15 +10,17 @@ tokens it has after its first (the rest of the target is for the prefill chunks
 that join some steps, and jitter). A decode step may wait until the earliest
 running request's next token is due less a decode step's measured time. A
 request whose tokens came faster than that has banked the difference, which the
-tower then gets at once: on 2 AVX2 cores (medium demo, one image request
-arriving while another decodes) the newcomer's TTFT was ~4.8 s when every step
-waited only its own share (MARGIN x target less a step) and ~3.2 s when the
-decode paused while it encoded, for the same TPOT of the running one: the tower
-and a decode each on one core were no faster than one after the other on both.
-A faster machine or a smaller batch gives the tower more, a slower one less,
-and none where a decode step alone takes longer than the requests have banked,
-which the engine then counts (`unmet`): the first tokens and the TPOT target
-cannot both be kept there.
+tower then gets at once (a tower and a decode each on one core were no faster
+than one after the other on both). Medium demo, 2 AVX2 cores, an image request
+arriving 2 s into another's decode: its TTFT 4.6 s when every step waited only
+its own share (MARGIN x target less a step), 3.5 s with the bank; the running
+one's TPOT 75 ms either way. One wait is at most the TTFT target (a reader of a
+running request waits no longer between two tokens than a new one for its
+first; without a TTFT target, a step's own share). A faster machine or a
+smaller batch gives the tower more, a slower one less, and none where a decode
+step alone takes longer than the requests have banked, which the engine then
+counts (`unmet`): the first tokens and the TPOT target cannot both be kept
+there.
 
 When: with a TTFT target too, only as the oldest request awaiting its
 embeddings needs it. Before EASY of the target has passed since it came, decode
@@ -90,19 +92,21 @@ class Pacing:
         """How long a decode-only step may wait after the last step ended while
         requests await their embeddings: the fixed interval, else until the
         earliest of the `running` requests' next tokens is due (MARGIN x the
-        TPOT target a token since its first) less a decode step; MARGIN x the
-        target less a step where none has a first token (0.0: back to back)."""
+        TPOT target a token since its first) less a decode step, at most the
+        TTFT target; MARGIN x the target less a step where none has a first
+        token or there is no TTFT target (0.0: back to back)."""
         if self.interval_s or not self.tpot_s:
             return self.interval_s
         pace = MARGIN * self.tpot_s
+        share = max(0.0, pace - self.decode_step_s)
         due = [
             r.first_token_time + pace * r.num_output_tokens
             for r in running
             if r.first_token_time is not None
         ]
-        if not due:
-            return max(0.0, pace - self.decode_step_s)
-        return max(0.0, min(due) - self.decode_step_s - self.last_step)
+        if not due or not self.ttft_s:
+            return share
+        return min(self.ttft_s, max(0.0, min(due) - self.decode_step_s - self.last_step))
 
     def delay(self, prefill_work: bool, running: Sequence[Request] = ()) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
