@@ -174,8 +174,7 @@ class SenderDriver(MachineDriver):
         heard = self._preallocated.get(request_id)
         if heard is None:
             heard = asyncio.get_running_loop().create_future()
-            heard.set_exception(TransferError(Failure.ABORTED, "ended unpreallocated"))
-            heard.exception()  # retrieved here if nobody awaits it
+            _fail(heard, _unpreallocated())
         return heard
 
     def ready(self, request_id: str, tokens: int) -> None:
@@ -253,8 +252,7 @@ class SenderDriver(MachineDriver):
     def _resolve(self, request_id: str, state: TransferState, error: TransferError | None) -> None:
         heard = self._preallocated.pop(request_id, None)
         if heard is not None and not heard.done():
-            heard.set_exception(error or TransferError(Failure.ABORTED, "ended unpreallocated"))
-            heard.exception()  # retrieved here if nobody awaits it
+            _fail(heard, error or _unpreallocated())
         done = self._done.pop(request_id, None)
         if done is None or done.done():
             return
@@ -262,8 +260,7 @@ class SenderDriver(MachineDriver):
         if error is None:
             done.set_result(None)
         else:
-            done.set_exception(error)
-            done.exception()  # retrieved here if nobody awaits it
+            _fail(done, error)
 
     def _write(self, action: Write) -> None:
         held, peer = self.buffer.held(action.request_id), self._targets[action.request_id]
@@ -342,3 +339,14 @@ class SenderDriver(MachineDriver):
                 del self._writes[request_id]
 
         task.add_done_callback(forget)
+
+
+def _unpreallocated() -> TransferError:
+    """Why a transfer's preallocation never comes: it ended first."""
+    return TransferError(Failure.ABORTED, "ended unpreallocated")
+
+
+def _fail(future: asyncio.Future[Any], error: TransferError) -> None:
+    """Fails the future, its exception retrieved here if nobody awaits it."""
+    future.set_exception(error)
+    future.exception()
