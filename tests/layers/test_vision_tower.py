@@ -28,6 +28,7 @@ from services.layers.linear import PackedLinear, onednn_supports
 from services.layers.vision_tower import (
     FusedVisionAttention,
     FusedVisionBlock,
+    FusedVisionMLP,
     LinearPatchEmbedding,
     _runs,
     fuse_vision_tower,
@@ -121,7 +122,11 @@ def test_the_fused_tower_computes_what_hf_does(
     assert isinstance(fused.patch_embed.proj, LinearPatchEmbedding) == packed
     rms_norms = hasattr(hf.blocks[0].norm1, "variance_epsilon")  # Qwen2.5-VL's
     blocks = [isinstance(block, FusedVisionBlock) for block in fused.blocks]
-    assert blocks == [bf16 and rms_norms] * len(blocks)
+    assert blocks == [rms_norms] * len(blocks)
+    gated = hasattr(hf.blocks[0].mlp, "gate_proj")  # Qwen2.5-VL's, on SiLU
+    assert [isinstance(block.mlp, FusedVisionMLP) for block in fused.blocks] == [gated] * len(
+        blocks
+    )
     assert all(not isinstance(m, torch.nn.Linear) for m in fused.modules()) == packed
     assert any(isinstance(m, PackedLinear) for m in fused.modules()) == packed
     if bf16:  # HF's tower from the same patch embeddings
@@ -172,6 +177,24 @@ def test_a_fused_block_adds_what_hfs_adds(tiny_checkpoint: Path) -> None:
         got = FusedVisionBlock(hf_block, ops)(*args, **kwargs) - x
     error = _relative_error(got, want)
     assert error <= 2**-6, f"relative error {error:.4f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_mlp_computes_what_hfs_does(tiny_checkpoint: Path, dtype: torch.dtype) -> None:
+    """Qwen2.5-VL's gated MLP, gate and up one GEMM and SiLU(gate) * up one pass:
+    float32 within float32 rounding of HF's (silu_mul's own e^x), bfloat16 within
+    a bfloat16 step (the GEMM blocks its wider output in its own way)."""
+    ops = fused_ops()
+    assert ops is not None
+    spec = load_spec(tiny_checkpoint)
+    hf_mlp = _tower(tiny_checkpoint, spec, dtype).blocks[0].mlp
+    torch.manual_seed(2)
+    x = torch.randn(300, hf_mlp.gate_proj.in_features).to(dtype)
+    with torch.inference_mode():
+        want = hf_mlp(x)
+        got = FusedVisionMLP(hf_mlp, ops)(x)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
