@@ -221,10 +221,16 @@ def cpu_class() -> str:
 
 
 def head_commit() -> str:
-    """The checked-out commit, short, that a report names."""
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    """The checked-out commit, short, that a report names; "+ changes" after it where
+    the code the stack runs (services/, model_repository/) differs from it: a figure
+    taken while the tree was being edited measured no commit."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout
+
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    edited = git("status", "--porcelain", "--", "services", "model_repository").strip()
+    return f"{commit} + changes" if commit and edited else commit
 
 
 def machine() -> str:

@@ -6,6 +6,7 @@ import base64
 import itertools
 import math
 import statistics
+import subprocess
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -402,3 +403,34 @@ def test_the_decode_bandwidth_row_of_a_class_replaces_only_its_own() -> None:
     section = _section(doc, new)
     assert avx2 in section and new in section and old not in section
     assert section.count("| CPU class") == 1
+
+
+def test_a_report_names_its_commit_and_says_when_the_code_differed_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A figure taken while services/ was being edited measured no commit: the
+    report says so; an edited page elsewhere (docs/) is not the stack's code."""
+    from bench import report
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+
+    (tmp_path / "services").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "services" / "engine.py").write_text("x = 1\n")
+    (tmp_path / "docs" / "performance.md").write_text("# figures\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    commit = git("rev-parse", "--short", "HEAD")
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    (tmp_path / "docs" / "performance.md").write_text("# new figures\n")
+    assert report.head_commit() == commit
+    (tmp_path / "services" / "engine.py").write_text("x = 2\n")
+    assert report.head_commit() == f"{commit} + changes"
