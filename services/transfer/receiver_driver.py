@@ -47,6 +47,7 @@ from services.transfer.state import (
     PoolExhaustedError,
     TransferFailedError,
     TransferState,
+    fail,
 )
 from services.transfer.transports.base import ReceiveEnd
 from services.wire.messages import (
@@ -345,8 +346,7 @@ class ReceiverDriver(MachineDriver):
         if done is None or done.done():
             return
         if isinstance(outcome, TransferFailedError):
-            done.set_exception(outcome)
-            done.exception()  # retrieved here if nobody waits
+            fail(done, outcome)
         else:
             done.set_result(outcome)
 

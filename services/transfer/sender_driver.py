@@ -36,7 +36,7 @@ from services.transfer.sender import (
     Succeed,
     Write,
 )
-from services.transfer.state import MachineDriver, TransferState
+from services.transfer.state import MachineDriver, TransferState, fail
 from services.transfer.transports.base import Part, Writer
 from services.wire.messages import (
     Abort,
@@ -174,7 +174,7 @@ class SenderDriver(MachineDriver):
         heard = self._preallocated.get(request_id)
         if heard is None:
             heard = asyncio.get_running_loop().create_future()
-            _fail(heard, _unpreallocated())
+            fail(heard, _unpreallocated())
         return heard
 
     def ready(self, request_id: str, tokens: int) -> None:
@@ -252,7 +252,7 @@ class SenderDriver(MachineDriver):
     def _resolve(self, request_id: str, state: TransferState, error: TransferError | None) -> None:
         heard = self._preallocated.pop(request_id, None)
         if heard is not None and not heard.done():
-            _fail(heard, error or _unpreallocated())
+            fail(heard, error or _unpreallocated())
         done = self._done.pop(request_id, None)
         if done is None or done.done():
             return
@@ -260,7 +260,7 @@ class SenderDriver(MachineDriver):
         if error is None:
             done.set_result(None)
         else:
-            _fail(done, error)
+            fail(done, error)
 
     def _write(self, action: Write) -> None:
         held, peer = self.buffer.held(action.request_id), self._targets[action.request_id]
@@ -344,9 +344,3 @@ class SenderDriver(MachineDriver):
 def _unpreallocated() -> TransferError:
     """Why a transfer's preallocation never comes: it ended first."""
     return TransferError(Failure.ABORTED, "ended unpreallocated")
-
-
-def _fail(future: asyncio.Future[Any], error: TransferError) -> None:
-    """Fails the future, its exception retrieved here if nobody awaits it."""
-    future.set_exception(error)
-    future.exception()

@@ -3,6 +3,7 @@ KVPoll), its errors, and the part of their drivers that is alike."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from typing import Any, Protocol
 
@@ -25,6 +26,13 @@ class TransferFailedError(RuntimeError):
 
 class PoolExhaustedError(TransferFailedError):
     """No receive blocks came free within the wait allowed: the instance is overloaded."""
+
+
+def fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    """Fails `future`, its exception retrieved here: a driver's waiter may be gone,
+    and asyncio would log an exception nobody retrieved."""
+    future.set_exception(error)
+    future.exception()
 
 
 class _Machine(Protocol):
