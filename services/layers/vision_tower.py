@@ -66,7 +66,7 @@ from services.layers.cpu_kernels import (
     bf16_window_attention,
     fused_ops,
 )
-from services.layers.language_model import RMSNorm
+from services.layers.language_model import MLP, RMSNorm
 from services.layers.linear import onednn_supports, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -146,33 +146,28 @@ def _runs(cu_seqlens: torch.Tensor) -> Iterator[tuple[int, int, int]]:
         start += length * count
 
 
-class FusedVisionMLP(nn.Module):
+class FusedVisionMLP(MLP):
     """Qwen2.5-VL's gated MLP (gate_proj, up_proj, down_proj; SiLU) as the language
-    model runs its own: gate and up one GEMM on their stacked weights (and biases),
-    SiLU(gate) * up one pass (FusedOps.silu_mul) instead of three operators."""
+    model's MLP, whose forward it runs: gate and up one GEMM on their stacked
+    weights (and biases), SiLU(gate) * up one pass (FusedOps.silu_mul)."""
 
     def __init__(self, mlp: nn.Module, ops: FusedOps) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the HF MLP's weights replace MLP's parameters
         gate = cast(nn.Linear, mlp.get_submodule("gate_proj"))
         up = cast(nn.Linear, mlp.get_submodule("up_proj"))
+        biased = gate.bias is not None
         self.gate_up_proj = nn.Linear(
-            gate.in_features,
-            gate.out_features + up.out_features,
-            bias=gate.bias is not None,
-            dtype=gate.weight.dtype,
+            gate.in_features, gate.out_features + up.out_features, biased, device="meta"
         )
         self.gate_up_proj.weight = nn.Parameter(
             torch.cat([gate.weight, up.weight]).detach(), requires_grad=False
         )
-        if gate.bias is not None:
+        if biased:
             self.gate_up_proj.bias = nn.Parameter(
                 torch.cat([gate.bias, up.bias]).detach(), requires_grad=False
             )
-        self.down_proj = mlp.get_submodule("down_proj")
+        self.down_proj = cast(nn.Linear, mlp.get_submodule("down_proj"))
         self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class FusedVisionBlock(nn.Module):
