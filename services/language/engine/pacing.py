@@ -88,7 +88,7 @@ class Pacing:
         due = max(now - self.awaiting_since, self.media_wait_s) / self.ttft_s
         return min(1.0, max(0.0, (due - EASY) / (URGENT - EASY)))
 
-    def interval(self, running: Sequence[Request] = ()) -> float:
+    def interval(self, running: Sequence[Request]) -> float:
         """How long a decode-only step may wait after the last step ended while
         requests await their embeddings: the fixed interval, else until the
         earliest of the `running` requests' next tokens is due (MARGIN x the
@@ -99,16 +99,19 @@ class Pacing:
             return self.interval_s
         pace = MARGIN * self.tpot_s
         share = max(0.0, pace - self.decode_step_s)
-        due = [
-            r.first_token_time + pace * r.num_output_tokens
-            for r in running
-            if r.first_token_time is not None
-        ]
-        if not due or not self.ttft_s:
+        due = min(
+            (
+                r.first_token_time + pace * r.num_output_tokens
+                for r in running
+                if r.first_token_time is not None
+            ),
+            default=None,
+        )
+        if due is None or not self.ttft_s:
             return share
-        return min(self.ttft_s, max(0.0, min(due) - self.decode_step_s - self.last_step))
+        return min(self.ttft_s, max(0.0, due - self.decode_step_s - self.last_step))
 
-    def delay(self, prefill_work: bool, running: Sequence[Request] = ()) -> float:
+    def delay(self, prefill_work: bool, running: Sequence[Request]) -> float:
         """Seconds to hold the next step: while requests await their embeddings, a
         step that would only decode (no `prefill_work`) waits as much of
         `interval()` after the last one ended as the oldest of them needs
