@@ -12,7 +12,13 @@ import sys
 import pytest
 
 from services.runtime import env
-from services.runtime.ports import PortClaims, free_port, free_serve_ports, holder
+from services.runtime.ports import (
+    PortClaims,
+    free_port,
+    free_port_block,
+    free_serve_ports,
+    holder,
+)
 
 
 def test_free_ports_come_from_the_range_given(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -21,6 +27,17 @@ def test_free_ports_come_from_the_range_given(monkeypatch: pytest.MonkeyPatch) -
     ports = free_serve_ports(encoders=2, languages=2)
     assert all(21000 <= port <= 21399 + 200 for port in ports.values()), ports
     assert 21000 <= ports["port"] <= 21399  # the block starts inside the range
+
+
+def test_picks_in_a_row_never_repeat_a_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing binds a pick until its server starts, so each pick must differ
+    from the last ones (CI once gave Triton one port for HTTP and gRPC)."""
+    monkeypatch.setenv(env.FREE_PORTS.name, "23000-23199")
+    picks = [free_port() for _ in range(100)]
+    assert len(set(picks)) == 100 and all(23000 <= port <= 23199 for port in picks)
+    base = free_port_block((0, 1, 2))
+    assert not {base, base + 1, base + 2} & set(picks)
+    assert free_port() not in {base, base + 1, base + 2}
 
 
 @pytest.mark.parametrize("value", ["21000", "21000-21100", "80-1000", "30000-20000", "a-b"])

@@ -10,11 +10,17 @@ import os
 import random
 import socket
 import tempfile
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
 LOWEST = 20000
+
+# the ports free_port() and free_port_block() handed out last in this process:
+# a pick is not bound until its server starts, so a pick right after it would
+# find it free too (seen: Triton given one port for HTTP and gRPC)
+_handed_out: deque[int] = deque(maxlen=1024)
 
 # each service's port when none is given (kept here, not in the servers, so that
 # `epd`'s argument parser imports no server: each process imports only its own)
@@ -118,16 +124,20 @@ def free_port() -> int:
     """A free port on loopback, outside the kernel's ephemeral range when it
     can: a port from that range may be taken by any outgoing connection between
     this check and the server's bind (seen: tritonserver failing with 'Address
-    already in use' on a port picked a second earlier)."""
+    already in use' on a port picked a second earlier). Never one of the last
+    ports this process handed out."""
     spans = _spans()
     pick = random.SystemRandom()
     for _ in range(200 if spans else 0):
         port = pick.choice(pick.choice(spans))
-        if _bindable(port):
+        if port not in _handed_out and _bindable(port):
+            _handed_out.append(port)
             return port
     with socket.socket() as s:  # no room outside the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.append(port)
+    return port
 
 
 def free_port_block(offsets: Sequence[int]) -> int:
@@ -135,14 +145,16 @@ def free_port_block(offsets: Sequence[int]) -> int:
     whose instances take consecutive ports, and their metrics ports + 100)."""
     for _ in range(200):
         base = free_port()
-        if base + max(offsets) >= 65536:
+        ports = [base + offset for offset in offsets]
+        if max(ports) >= 65536 or any(port in _handed_out for port in ports if port != base):
             continue
         sockets: list[socket.socket] = []
         try:
-            for offset in offsets:
+            for port in ports:
                 probe = socket.socket()
                 sockets.append(probe)
-                probe.bind(("127.0.0.1", base + offset))
+                probe.bind(("127.0.0.1", port))
+            _handed_out.extend(port for port in ports if port != base)
             return base
         except OSError:
             continue
