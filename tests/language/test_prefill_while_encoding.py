@@ -24,6 +24,7 @@ from services.encoder.pipeline import VIDEO_PART
 from services.encoder.server import EncoderServer
 from services.encoder.triton_client import VitOutput
 from services.language.engine.async_engine import AsyncEngine
+from services.language.engine.engine import LLMEngine
 from services.language.server import LanguageServer
 from services.loadgen.synthetic import encode_image, random_image, random_video
 from services.model.processor import ImageTokenRule
@@ -304,6 +305,27 @@ async def test_a_videos_parts_are_prefilled_as_they_come_and_the_tokens_equal_hf
     assert token_ids(responses) == expected
 
 
+def told_encoding(
+    stack: tuple[BrokerServer, EncoderServer, LanguageServer],
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+) -> tuple[LLMEngine, list[bool]]:
+    """The language instance's engine, with whether it had been told that
+    requests await their embeddings at each call of its `method`."""
+    _, _, language = stack
+    assert isinstance(language.engine, AsyncEngine)
+    engine = language.engine.engine
+    told: list[bool] = []
+    call = getattr(engine, method)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        told.append(engine.pacing.encoding)
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(engine, method, recording)
+    return engine, told
+
+
 @pytest.mark.parametrize("num_images", [1, 2])
 async def test_a_requests_last_embeddings_prefill_on_every_thread(
     stack: tuple[BrokerServer, EncoderServer, LanguageServer],
@@ -316,17 +338,7 @@ async def test_a_requests_last_embeddings_prefill_on_every_thread(
     threads, not on threads_while_encoding: told after it, that step ran on half
     of them beside no tower, some of the time (a one-image TTFT ~55 ms longer on
     2 cores). The parts before the last still find the engine told."""
-    _, _, language = stack
-    assert isinstance(language.engine, AsyncEngine)
-    engine = language.engine.engine
-    encoding_when_added: list[bool] = []
-    add_media = engine.add_media
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        encoding_when_added.append(engine.pacing.encoding)
-        return add_media(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "add_media", recording)
+    engine, encoding_when_added = told_encoding(stack, monkeypatch, "add_media")
     images = [encode_image(random_image(64, 64, seed=40 + i)) for i in range(num_images)]
     responses = await generate(stack, tiny_checkpoint, f"last-{num_images}", "Hi?", images, 2)
     assert token_ids(responses)
@@ -343,17 +355,7 @@ async def test_a_request_is_added_to_an_engine_told_it_awaits_its_embeddings(
     itself, so the step that prefills the text before its first image runs on
     threads_while_encoding beside the tower: told after it, that step ran on
     every thread, the tower's cores too (on 2 cores, 8 ms became 100-300 ms)."""
-    _, _, language = stack
-    assert isinstance(language.engine, AsyncEngine)
-    engine = language.engine.engine
-    encoding_when_added: list[bool] = []
-    add_request = engine.add_request
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        encoding_when_added.append(engine.pacing.encoding)
-        return add_request(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "add_request", recording)
+    engine, encoding_when_added = told_encoding(stack, monkeypatch, "add_request")
     image = encode_image(random_image(64, 64, seed=50))
     responses = await generate(stack, tiny_checkpoint, "told-first", "Hi?", [image], 2)
     assert token_ids(responses)
