@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -482,7 +483,10 @@ async def test_an_encoder_unregisters_at_triton_what_a_killed_one_left(
             dead.infer(np.zeros((side * side, 1176), np.float32), np.array([[1, side, side]]))
         )
         await _until_async(lambda: _any(registered(dead)), 30)
-        await asyncio.sleep(0.3)  # the request's way to Triton
+        # at Triton once the tower computes it (a fixed 0.3 s fell short on a busy
+        # machine: the regions were unregistered before it came)
+        computed = _stub_cpu_s(triton)
+        await _until_async(lambda: _after(lambda: _stub_cpu_s(triton) > computed + 0.2), 30)
         assert not await successor.reclaim(), "its inference still holds the dead one's"
         await running  # Triton finishes it; the dead one's slot stays registered
         left = await registered(dead)
@@ -635,6 +639,26 @@ async def test_the_broker_hears_what_enters_and_leaves_the_cache(
     finally:
         await server.stop()
         await broker.stop()
+
+
+def _stub_cpu_s(triton: TritonServer) -> float:
+    """CPU seconds of the Python backend stubs of `triton` (where the tower runs);
+    each test worker has a tritonserver of its own."""
+    assert triton._process is not None
+    seconds = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone since the listing
+            continue
+        if int(fields[1]) == triton._process.pid:  # its parent
+            seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+async def _after(condition: Callable[[], bool]) -> bool:
+    await asyncio.sleep(0)
+    return condition()
 
 
 async def _until_async(condition: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
