@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -18,6 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from bench.report import process_cpu
 from services.encoder.cache import ImageEmbedding
 from services.encoder.server import EncoderServer
 from services.encoder.triton_client import IN_USE, TritonUnavailableError, VitClient, unregister
@@ -486,7 +486,7 @@ async def test_an_encoder_unregisters_at_triton_what_a_killed_one_left(
         # at Triton once the tower computes it (a fixed 0.3 s fell short on a busy
         # machine: the regions were unregistered before it came)
         computed = _stub_cpu_s(triton)
-        await _until_async(lambda: _after(lambda: _stub_cpu_s(triton) > computed + 0.2), 30)
+        await _until_async(lambda: _stub_past(triton, computed + 0.2), 30)
         assert not await successor.reclaim(), "its inference still holds the dead one's"
         await running  # Triton finishes it; the dead one's slot stays registered
         left = await registered(dead)
@@ -645,20 +645,11 @@ def _stub_cpu_s(triton: TritonServer) -> float:
     """CPU seconds of the Python backend stubs of `triton` (where the tower runs);
     each test worker has a tritonserver of its own."""
     assert triton._process is not None
-    seconds = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone since the listing
-            continue
-        if int(fields[1]) == triton._process.pid:  # its parent
-            seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return seconds
+    return sum(p.seconds for p in process_cpu().values() if p.parent == triton._process.pid)
 
 
-async def _after(condition: Callable[[], bool]) -> bool:
-    await asyncio.sleep(0)
-    return condition()
+async def _stub_past(triton: TritonServer, seconds: float) -> bool:
+    return _stub_cpu_s(triton) > seconds
 
 
 async def _until_async(condition: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
