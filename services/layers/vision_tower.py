@@ -39,14 +39,19 @@
   forward, the old and new towers alternating in one process on a 2-core AVX2
   Zen 3 EPYC: the small tower 442 -> 427 ms, the medium one 2063 -> 1979
   (medians); within 1.2e-6 of the tower before (relative).
-- In float32, the projections on oneDNN's packed weights as well: F.linear's GEMM
-  is MKL's, which on AMD CPUs runs its AVX2 code (~200 GFLOPS on a 2-core Zen 5,
-  oneDNN's ~1.9x that): one 448x448 image a forward (bench/vision.py), the small
-  tower 284 -> 170 ms, the medium one 1369 -> 743; the patch embedding as a GEMM
-  there too: 170 -> 161 and 743 -> 707. On AVX2 (a 2-core Zen 3 EPYC, where MKL
-  ran the tower's GEMMs at ~100-115 GFLOPS, oneDNN at ~120-135) the small tower
-  611 -> 452 ms, the medium one 2595 -> 2193. Within float32 rounding of HF's,
-  as the language model is (backends.linear_backend).
+- In float32 where torch runs AVX-512, the projections on oneDNN's packed
+  weights as well: F.linear's GEMM is MKL's, which on AMD CPUs runs its AVX2
+  code there (~200 GFLOPS on a 2-core Zen 5, oneDNN's ~1.9x that): one 448x448
+  image a forward (bench/vision.py), the small tower 284 -> 170 ms, the medium
+  one 1369 -> 743; the patch embedding as a GEMM there too: 170 -> 161 and 743
+  -> 707. Without AVX-512 the projections stay on F.linear, as the language
+  model's prompt-sized ones do (linear.py's "cpu"): on a 2-core AVX2 Zen 3 EPYC
+  (torch 2.13) MKL ran the tower's at ~160 GFLOPS, oneDNN's packed GEMM at
+  ~145; the small tower 367 ms packed, 338 on F.linear (329 with
+  malloc.keep_freed_memory, which Triton's model calls), the medium one 1703
+  and 1538. (On another such host a session had measured the reverse, MKL
+  ~100-115 against oneDNN's ~120-135, with the whole tower ~1.8x slower.) Both
+  are within float32 rounding of HF's tower, as the language model is.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.layers.backends import avx512
 from services.layers.cpu_kernels import (
     FusedOps,
     Kernel,
@@ -236,22 +242,23 @@ class LinearPatchEmbedding(nn.Module):
         return out.view(*out.shape, 1, 1, 1)
 
 
-def fuse_vision_tower(tower: nn.Module) -> int:
+def fuse_vision_tower(tower: nn.Module, pack: bool | None = None) -> int:
     """Swaps, in a CPU vision tower (`load_vision_tower`'s), where the kernels
     build: each block's attention for a FusedVisionAttention, a gated SiLU MLP for
     a FusedVisionMLP, each RMSNorm block for a FusedVisionBlock, the merger's
     RMSNorm for the language model's; where oneDNN packs the tower's dtype
     (float32 wherever torch has oneDNN, bfloat16 where the CPU has the
     instructions), the patch embedding's convolution for a LinearPatchEmbedding
-    and every nn.Linear for a PackedLinear. Returns how many modules it swapped
-    (0 for a tower that is not on the CPU)."""
+    and, if `pack` (None: in bfloat16, and in float32 where torch runs AVX-512),
+    every nn.Linear for a PackedLinear.
+    Returns how many modules it swapped (0 for a tower that is not on the CPU)."""
     weight = next(tower.parameters())
     if weight.device.type != "cpu":
         return 0
     bf16 = weight.dtype == torch.bfloat16
-    packed = onednn_supports(weight.dtype)
+    packs = onednn_supports(weight.dtype)
     swapped = 0
-    if packed:
+    if packs:
         embedding = tower.get_submodule("patch_embed")
         embedding.proj = LinearPatchEmbedding(cast(nn.Conv3d, embedding.proj))
         swapped += 1
@@ -273,7 +280,7 @@ def fuse_vision_tower(tower: nn.Module) -> int:
         if ln_q is not None and _is_rms_norm(ln_q):
             merger.ln_q = _fused_norm(ln_q, ops)
             swapped += 1
-    if packed:
+    if packs and ((bf16 or avx512()) if pack is None else pack):
         swapped += pack_linears(tower)
     logger.info("vision tower: %d modules swapped for faster ones (vision_tower.py)", swapped)
     return swapped

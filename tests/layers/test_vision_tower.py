@@ -1,9 +1,9 @@
 """The vision towers as EPD runs them (services/layers/vision_tower.py)
 against HF's own: each architecture, float32 and bfloat16, images whose windows
 are all one length and images whose windows are not (a run of equal windows
-attends in one call; the runs must split where lengths change). Bit for bit in
-float32 on HF's projections (AVX2), within float32 rounding on oneDNN's (AVX-512:
-another GEMM). In bfloat16 the attention on SDPA is bit for bit HF's; the
+attends in one call; the runs must split where lengths change). In float32
+within float32 rounding of HF's on either GEMM (F.linear's without AVX-512,
+oneDNN's packed one with it). In bfloat16 the attention on SDPA is bit for bit HF's; the
 compiled window kernel is within bfloat16 rounding of SDPA; the whole tower is
 close to HF's, not equal: its patch embedding is a GEMM (within a bfloat16 step
 of the convolution), its projections oneDNN's packed GEMM, its attention the
@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.layers import vision_tower
 from services.layers.cpu_kernels import (
     BF16_KINDS,
     bf16_window_attention,
@@ -105,14 +106,15 @@ def test_the_fused_tower_computes_what_hf_does(
     checkpoint: Path, dtype: torch.dtype, grids: list[list[int]]
 ) -> None:
     """float32: within 1e-5 in relative error on oneDNN's projections (bit for bit
-    with HF's where torch has no oneDNN and the tower keeps them). bfloat16: from the
+    with HF's where torch has no oneDNN and the tower keeps them; F.linear's are
+    the next test's). bfloat16: from the
     same patch embeddings, within 2**-6 of HF's in relative (Frobenius) error; the
     demos' towers measured 0.0057 (small) and 0.0094 (medium, 12 blocks)."""
     spec = load_spec(checkpoint)
     hf = _tower(checkpoint, spec, dtype)
     fused = _tower(checkpoint, spec, dtype)
     bf16 = dtype == torch.bfloat16
-    assert fuse_vision_tower(fused) >= len(fused.blocks)
+    assert fuse_vision_tower(fused, pack=True) >= len(fused.blocks)
     assert all(isinstance(block.attn, FusedVisionAttention) for block in fused.blocks)
     kernels = [block.attn.kernel for block in fused.blocks]
     assert kernels == [bf16_window_attention(hf.blocks[0].attn.head_dim) if bf16 else None] * len(
@@ -144,14 +146,39 @@ def test_the_fused_tower_computes_what_hf_does(
             assert torch.equal(got, want)
 
 
-def test_a_float32_tower_runs_onednn_on_every_cpu_class(checkpoint: Path) -> None:
-    """AVX2 as well as AVX-512: oneDNN's packed GEMM ran the small tower's
-    projections ~1.2x as fast as F.linear's (MKL's) on a 2-core AVX2 EPYC."""
+@pytest.mark.parametrize("pack", [True, False], ids=["oneDNN", "F.linear"])
+def test_a_float32_tower_on_either_gemm_is_within_float32_rounding_of_hfs(
+    checkpoint: Path, pack: bool
+) -> None:
+    """oneDNN's packed GEMM or F.linear's (MKL's), whichever the CPU class runs
+    (next test): the tower within 1e-5 of HF's either way, on any class."""
     assert onednn_supports(torch.float32), "torch's CPU build has oneDNN"
+    spec = load_spec(checkpoint)
+    hf = _tower(checkpoint, spec, torch.float32)
+    fused = _tower(checkpoint, spec, torch.float32)
+    fuse_vision_tower(fused, pack=pack)
+    assert isinstance(fused.patch_embed.proj, LinearPatchEmbedding)
+    assert any(isinstance(m, PackedLinear) for m in fused.modules()) == pack
+    assert any(type(m) is torch.nn.Linear for m in fused.modules()) != pack
+    grid = torch.tensor(GRIDS["ragged windows"])
+    pixels = _pixels(spec, grid, torch.float32)
+    for got, want in zip(_outputs(fused, pixels, grid), _outputs(hf, pixels, grid), strict=True):
+        error = _relative_error(got, want)
+        assert error <= 1e-5, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["AVX-512", "AVX2"])
+def test_a_float32_tower_packs_its_projections_where_torch_runs_avx512(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, avx512: bool
+) -> None:
+    """Asked nothing: oneDNN's packed GEMM where torch runs AVX-512 (~1.9x MKL's
+    AVX2 code on a 2-core Zen 5), F.linear's (MKL's) without it (~1.1x oneDNN's
+    on a 2-core AVX2 Zen 3); the patch embedding a GEMM either way."""
+    monkeypatch.setattr(vision_tower, "avx512", lambda: avx512)
     tower = _tower(checkpoint, load_spec(checkpoint), torch.float32)
     fuse_vision_tower(tower)
-    assert any(isinstance(m, PackedLinear) for m in tower.modules())
-    assert not any(type(m) is torch.nn.Linear for m in tower.modules())
+    assert any(isinstance(m, PackedLinear) for m in tower.modules()) == avx512
+    assert any(type(m) is torch.nn.Linear for m in tower.modules()) != avx512
     assert isinstance(tower.patch_embed.proj, LinearPatchEmbedding)
 
 

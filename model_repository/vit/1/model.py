@@ -26,11 +26,13 @@ from torch.utils.dlpack import from_dlpack, to_dlpack  # noqa: E402
 from services.layers.vision_tower import fuse_vision_tower  # noqa: E402
 from services.model.checkpoint import load_vision_tower  # noqa: E402
 from services.model.spec import load_spec  # noqa: E402
+from services.runtime.malloc import keep_freed_memory  # noqa: E402
 from services.wire.dtypes import resolve_dtype  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        keep_freed_memory()  # the tower's activations are megabytes each (malloc.py)
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         checkpoint = os.environ.get("EPD_VIT_CHECKPOINT") or params["checkpoint"]
