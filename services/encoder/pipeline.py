@@ -38,6 +38,7 @@ from services.encoder.triton_client import VitClient
 from services.media.decode import check_count
 from services.media.limits import ImageLimits
 from services.runtime import tracing
+from services.transfer.state import fail
 from services.wire.messages import MediaGrid
 
 RECENT_S = 10.0  # the window of the recent encode time the broker hears
@@ -147,15 +148,12 @@ class _Items:
 
     def held(self, index: int) -> None:
         """An item its receiver holds: not encoded; its waiters encode it themselves."""
-        future = self.waiters.pop(index)
-        future.set_exception(RuntimeError("not encoded: its receiver held it"))
-        future.exception()  # retrieved: a waiter may not exist
+        fail(self.waiters.pop(index), RuntimeError("not encoded: its receiver held it"))
 
     def fail(self, exc: BaseException) -> None:
         """This encode failed: the waiters for what it had not encoded hear it."""
         for future in self.waiters.values():
-            future.set_exception(RuntimeError(f"the encode this waited for failed: {exc!r}"))
-            future.exception()  # retrieved: a waiter may not exist
+            fail(future, RuntimeError(f"the encode this waited for failed: {exc!r}"))
 
 
 class EncodePipeline:
