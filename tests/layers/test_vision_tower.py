@@ -3,12 +3,12 @@ against HF's own: each architecture, float32 and bfloat16, images whose windows
 are all one length and images whose windows are not (a run of equal windows
 attends in one call; the runs must split where lengths change). In float32
 within float32 rounding of HF's on either GEMM (F.linear's without AVX-512,
-oneDNN's packed one with it). In bfloat16 the attention on SDPA is bit for bit HF's; the
-compiled window kernel is within bfloat16 rounding of SDPA; the whole tower is
-close to HF's, not equal: its patch embedding is a GEMM (within a bfloat16 step
-of the convolution), its projections oneDNN's packed GEMM, its attention the
-window kernel where the CPU has one, and Qwen2.5-VL's norms the language model's
-kernels, each rounding in its own order."""
+oneDNN's packed one with it). In bfloat16 the attention on SDPA is bit for bit
+HF's; the compiled window kernel is within bfloat16 rounding of SDPA; the whole
+tower is close to HF's, not equal: its patch embedding is a GEMM (within a
+bfloat16 step of the convolution), its projections oneDNN's packed GEMM, its
+attention the window kernel where the CPU has one, and Qwen2.5-VL's norms the
+language model's kernels, each rounding in its own order."""
 
 from __future__ import annotations
 
@@ -107,9 +107,9 @@ def test_the_fused_tower_computes_what_hf_does(
 ) -> None:
     """float32: within 1e-5 in relative error on oneDNN's projections (bit for bit
     with HF's where torch has no oneDNN and the tower keeps them; F.linear's are
-    the next test's). bfloat16: from the
-    same patch embeddings, within 2**-6 of HF's in relative (Frobenius) error; the
-    demos' towers measured 0.0057 (small) and 0.0094 (medium, 12 blocks)."""
+    the next test's). bfloat16: from the same patch embeddings, within 2**-6 of
+    HF's in relative (Frobenius) error; the demos' towers measured 0.0057 (small)
+    and 0.0094 (medium, 12 blocks)."""
     spec = load_spec(checkpoint)
     hf = _tower(checkpoint, spec, dtype)
     fused = _tower(checkpoint, spec, dtype)
