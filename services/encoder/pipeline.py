@@ -38,7 +38,7 @@ from services.encoder.triton_client import VitClient
 from services.media.decode import check_count
 from services.media.limits import ImageLimits
 from services.runtime import tracing
-from services.transfer.state import fail
+from services.transfer.state import fail as fail_future
 from services.wire.messages import MediaGrid
 
 RECENT_S = 10.0  # the window of the recent encode time the broker hears
@@ -148,12 +148,12 @@ class _Items:
 
     def held(self, index: int) -> None:
         """An item its receiver holds: not encoded; its waiters encode it themselves."""
-        fail(self.waiters.pop(index), RuntimeError("not encoded: its receiver held it"))
+        fail_future(self.waiters.pop(index), RuntimeError("not encoded: its receiver held it"))
 
     def fail(self, exc: BaseException) -> None:
         """This encode failed: the waiters for what it had not encoded hear it."""
         for future in self.waiters.values():
-            fail(future, RuntimeError(f"the encode this waited for failed: {exc!r}"))
+            fail_future(future, RuntimeError(f"the encode this waited for failed: {exc!r}"))
 
 
 class EncodePipeline:

@@ -242,15 +242,15 @@ class LinearPatchEmbedding(nn.Module):
         return out.view(*out.shape, 1, 1, 1)
 
 
-def fuse_vision_tower(tower: nn.Module, pack: bool | None = None) -> int:
+def fuse_vision_tower(tower: nn.Module) -> int:
     """Swaps, in a CPU vision tower (`load_vision_tower`'s), where the kernels
     build: each block's attention for a FusedVisionAttention, a gated SiLU MLP for
     a FusedVisionMLP, each RMSNorm block for a FusedVisionBlock, the merger's
     RMSNorm for the language model's; where oneDNN packs the tower's dtype
     (float32 wherever torch has oneDNN, bfloat16 where the CPU has the
     instructions), the patch embedding's convolution for a LinearPatchEmbedding
-    and, if `pack` (None: in bfloat16, and in float32 where torch runs AVX-512),
-    every nn.Linear for a PackedLinear. Returns how many modules it swapped (0
+    and, in bfloat16 and in float32 where torch runs AVX-512, every nn.Linear for
+    a PackedLinear. Returns how many modules it swapped (0
     for a tower that is not on the CPU)."""
     weight = next(tower.parameters())
     if weight.device.type != "cpu":
@@ -280,7 +280,7 @@ def fuse_vision_tower(tower: nn.Module, pack: bool | None = None) -> int:
         if ln_q is not None and _is_rms_norm(ln_q):
             merger.ln_q = _fused_norm(ln_q, ops)
             swapped += 1
-    if packs and ((bf16 or avx512()) if pack is None else pack):
+    if packs and (bf16 or avx512()):
         swapped += pack_linears(tower)
     logger.info("vision tower: %d modules swapped for faster ones (vision_tower.py)", swapped)
     return swapped
