@@ -250,8 +250,8 @@ def fuse_vision_tower(tower: nn.Module) -> int:
     (float32 wherever torch has oneDNN, bfloat16 where the CPU has the
     instructions), the patch embedding's convolution for a LinearPatchEmbedding
     and, in bfloat16 and in float32 where torch runs AVX-512, every nn.Linear for
-    a PackedLinear. Returns how many modules it swapped (0
-    for a tower that is not on the CPU)."""
+    a PackedLinear. Returns how many modules it swapped (0 for a tower that is
+    not on the CPU)."""
     weight = next(tower.parameters())
     if weight.device.type != "cpu":
         return 0
