@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -111,6 +112,18 @@ class Stack:
         inspected: list[dict[str, Any]] = json.loads(_run("docker", "inspect", name).stdout)
         return inspected[0]
 
+    @contextlib.contextmanager
+    def told_on_failure(self) -> Iterator[None]:
+        """A failure inside prints each service's restarts and its last log lines
+        (the cause is in a container's log, which the stack's `down` removes)."""
+        try:
+            yield
+        except BaseException:
+            for service in ("broker", "triton", "encoder", "language", "gateway"):
+                print(f"{service}: restarted {self.container(service)['RestartCount']} times")
+            print(self.compose("logs", "--timestamps", "--tail", "80").stdout)
+            raise
+
     def client(self) -> AsyncOpenAI:
         return AsyncOpenAI(
             base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=120
@@ -142,11 +155,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stack.compose("build")
         _timed("build", started)
         started = time.monotonic()
-        try:
+        with stack.told_on_failure():
             stack.compose("up", "-d", "--wait", "--wait-timeout", str(int(UP_S)), timeout=UP_S + 60)
-        except AssertionError:
-            print(stack.compose("logs", "--tail", "60").stdout)
-            raise
         _timed("up --wait", started)
         yield stack
         stack.compose("down", "-v", "--remove-orphans")
@@ -192,33 +202,34 @@ def _image(seed: int | None = None) -> tuple[Any, dict[str, Any]]:
 async def test_greedy_answers_equal_hf_streamed_or_not(stack: Stack, tiny_checkpoint: Path) -> None:
     """The demo built in the container is the tests' (same size and seed): its
     answers, text and one and two images, equal HF generate()'s."""
-    client = stack.client()
-    assert [m.id for m in (await client.models.list()).data] == [MODEL]
-    tokenizer = load_tokenizer(tiny_checkpoint)
-    for count in (0, 1, 2):
-        pictures = [_image(seed) for seed in range(11, 11 + count)]
-        text = "Describe these." if count else "Tell me a story."
-        content = [part for _, part in pictures] + [{"type": "text", "text": text}]
-        messages = [{"role": "user", "content": content}]
-        expected = hf_greedy(tiny_checkpoint, chat(text, count), [i for i, _ in pictures], 12)
-        want = tokenizer.decode(expected, skip_special_tokens=True)
-        reply = await client.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            max_tokens=12,
-            temperature=0,  # type: ignore[arg-type]
-        )
-        assert reply.choices[0].message.content == want, count
-        pieces = []
-        async for chunk in await client.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            max_tokens=12,
-            temperature=0,
-            stream=True,  # type: ignore[arg-type]
-        ):
-            pieces += [c.delta.content or "" for c in chunk.choices]
-        assert "".join(pieces) == want, count
+    with stack.told_on_failure():
+        client = stack.client()
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+        tokenizer = load_tokenizer(tiny_checkpoint)
+        for count in (0, 1, 2):
+            pictures = [_image(seed) for seed in range(11, 11 + count)]
+            text = "Describe these." if count else "Tell me a story."
+            content = [part for _, part in pictures] + [{"type": "text", "text": text}]
+            messages = [{"role": "user", "content": content}]
+            expected = hf_greedy(tiny_checkpoint, chat(text, count), [i for i, _ in pictures], 12)
+            want = tokenizer.decode(expected, skip_special_tokens=True)
+            reply = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=12,
+                temperature=0,  # type: ignore[arg-type]
+            )
+            assert reply.choices[0].message.content == want, count
+            pieces = []
+            async for chunk in await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=12,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
+            ):
+                pieces += [c.delta.content or "" for c in chunk.choices]
+            assert "".join(pieces) == want, count
 
 
 def test_grpcurl_in_the_debug_profile_lists_the_instances(stack: Stack) -> None:
@@ -280,27 +291,28 @@ async def test_a_killed_container_comes_back_and_serves(stack: Stack, service: s
     would be a manual stop, which moby's restart policy leaves stopped): requests
     in flight end within a bound, the container restarts (its policy), its
     instance attaches again, and requests succeed again."""
-    client = stack.client()
-    before = stack.container(service)
-    stop = asyncio.Event()
-    load = asyncio.ensure_future(_load(client, stop))
-    await asyncio.sleep(4)
-    killed = time.monotonic()
-    os.kill(before["State"]["Pid"], 9)
-    await _serving(client, killed + RECOVERY_S)
-    recovered = _timed(f"{service} killed: serving again after", killed)
-    await asyncio.sleep(2)  # the load on the stack come back, too
-    stop.set()
-    results = await load
-    assert all(seconds < 90 for _, seconds in results), results  # none hung
-    assert sum(ok for ok, _ in results) >= 1, results
-    after = stack.container(service)
-    assert after["RestartCount"] == before["RestartCount"] + 1
-    deadline = time.monotonic() + RECOVERY_S
-    while stack.container(service)["State"].get("Health", {}).get("Status") != "healthy":
-        assert time.monotonic() < deadline, f"{service} not healthy again"
-        await asyncio.sleep(1)
-    assert recovered < RECOVERY_S
-    async with httpx.AsyncClient() as http:
-        health = (await http.get(f"http://127.0.0.1:{stack.port}/health")).json()
-    assert health["status"] == "ok", health
+    with stack.told_on_failure():
+        client = stack.client()
+        before = stack.container(service)
+        stop = asyncio.Event()
+        load = asyncio.ensure_future(_load(client, stop))
+        await asyncio.sleep(4)
+        killed = time.monotonic()
+        os.kill(before["State"]["Pid"], 9)
+        await _serving(client, killed + RECOVERY_S)
+        recovered = _timed(f"{service} killed: serving again after", killed)
+        await asyncio.sleep(2)  # the load on the stack come back, too
+        stop.set()
+        results = await load
+        assert all(seconds < 90 for _, seconds in results), results  # none hung
+        assert sum(ok for ok, _ in results) >= 1, results
+        after = stack.container(service)
+        assert after["RestartCount"] == before["RestartCount"] + 1
+        deadline = time.monotonic() + RECOVERY_S
+        while stack.container(service)["State"].get("Health", {}).get("Status") != "healthy":
+            assert time.monotonic() < deadline, f"{service} not healthy again"
+            await asyncio.sleep(1)
+        assert recovered < RECOVERY_S
+        async with httpx.AsyncClient() as http:
+            health = (await http.get(f"http://127.0.0.1:{stack.port}/health")).json()
+        assert health["status"] == "ok", health
