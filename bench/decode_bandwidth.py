@@ -41,6 +41,7 @@ from services.language.engine.request import SamplingParams, new_request
 from services.language.engine.scheduler import SchedulerConfig
 from services.model.demo import SIZES, cached_demo_checkpoint
 from services.model.spec import TextSpec
+from services.runtime.malloc import advise_huge_pages, huge_pages_advised
 from services.wire.dtypes import AUTO, resolve_dtype
 
 READ_MIB = 512
@@ -128,6 +129,7 @@ def main() -> None:
     )
     parser.add_argument("--doc", action="store_true", help="write this class's row")
     args = parser.parse_args()
+    advise_huge_pages()  # as `epd` does, before the first tensor
     dtype = resolve_dtype(args.dtype)
     folder = cached_demo_checkpoint(args.size)
     engine = load_engine(
@@ -155,7 +157,11 @@ def main() -> None:
     # this machine's neighbours weigh on both alike
     reads += read_seconds(dtype)  # before and after: this machine's neighbours come and go
     bandwidth = READ_MIB * 2**20 / statistics.median(reads)
-    print(f"{machine()}; demo {args.size}, {dtype}, torch threads {torch.get_num_threads()}")
+    huge = huge_pages_advised(engine.runner.kv_cache.pool.tensors[0].data_ptr())
+    print(
+        f"{machine()}; demo {args.size}, {dtype}, torch threads {torch.get_num_threads()}, "
+        f"huge pages {'advised' if huge else 'not advised'}"
+    )
     print(
         f"read bandwidth (torch.sum over {READ_MIB} MiB, the median of {len(reads)} before and "
         f"after): {bandwidth / 1e9:.1f} GB/s"

@@ -1,11 +1,16 @@
 """keep_freed_memory: blocks of megabytes come from the heap and stay there once
 freed, for the next step, instead of a mapping each that is faulted in page by
-page and unmapped on free (glibc's defaults); threads allocate from that heap."""
+page and unmapped on free (glibc's defaults); threads allocate from that heap.
+advise_huge_pages: torch's large blocks are advised into huge pages."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
+
+from services.runtime.malloc import HUGE_PAGES
 
 # In a fresh process (the settings are the process's): where a 16 MiB block
 # comes from (did the count of mapped blocks grow?), and whether the heap keeps
@@ -78,3 +83,25 @@ def test_a_thread_allocates_from_the_same_heap() -> None:
     not from an arena of its own."""
     assert fresh(ARENAS, "default")[0] > 1
     assert fresh(ARENAS, "keep")[0] == 1
+
+
+# Whether a tensor's mapping is advised into huge pages, in a fresh process that
+# sets torch's switch first ("huge") or not ("default"): 64 MiB, then 1 MiB.
+HUGE = """
+import sys
+from services.runtime.malloc import advise_huge_pages, huge_pages_advised
+if sys.argv[1] == "huge":
+    advise_huge_pages()
+import torch
+for size in (64 << 20, 1 << 20):
+    block = torch.ones(size, dtype=torch.uint8)  # held: a freed mapping is gone
+    print(int(huge_pages_advised(block.data_ptr())))
+"""
+
+
+def test_tensors_of_megabytes_are_advised_into_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's allocations of 2 MiB and more are, once advise_huge_pages() set its
+    switch before the first one; smaller ones never are; without it none is."""
+    monkeypatch.delenv(HUGE_PAGES, raising=False)
+    assert fresh(HUGE, "default") == [0, 0]
+    assert fresh(HUGE, "huge") == [1, 0]

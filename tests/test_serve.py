@@ -34,6 +34,7 @@ from services.runtime import env
 from services.runtime.ports import free_serve_ports, serve_port_args
 from services.transfer.shared_memory import SHM_DIR
 from tests.bad_images import png_header_only
+from tests.processes import family
 from tests.reference import chat, hf_greedy
 from tests.reflection import grpcurl
 
@@ -456,6 +457,20 @@ def test_only_the_stacks_token_opens_its_control_plane(served: Served) -> None:
         refused = grpcurl("-plaintext", *header, broker, "epd.v1.Broker/ListInstances")
         assert "Code: Unauthenticated" in refused.stderr, refused.stderr
     assert "epd.v1.Broker" in grpcurl("-plaintext", broker, "list").stdout
+
+
+def test_the_engine_process_asks_for_huge_pages(served: Served) -> None:
+    """`epd` sets torch's huge-page switch before its first allocation
+    (malloc.advise_huge_pages), and the engine process it starts inherits it:
+    its weights and KV cache lie in mappings advised into huge pages."""
+    (engine,) = [
+        pid
+        for pid, line in family(served.process.pid).items()
+        if "services.language.engine.process import main" in line
+    ]
+    smaps = Path(f"/proc/{engine}/smaps").read_text().splitlines()
+    advised = [line for line in smaps if line.startswith("VmFlags:") and " hg" in line]
+    assert advised, "no mapping of the engine process is advised into huge pages"
 
 
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from services.launcher import flags, options
 from services.runtime import env, logs
+from services.runtime.malloc import advise_huge_pages
 
 if TYPE_CHECKING:
     from services.launcher.serve import StackConfig
@@ -430,6 +431,7 @@ def place_process() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    advise_huge_pages()  # before torch's first allocation (parse_args imports torch)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     export_security(args)
     export_tracing(args)
