@@ -19,6 +19,10 @@ Each is the median of `--rounds` rounds of the four steps (the KV's are
 differences of two steps, taken within a round: one run's drift in the machine's
 memory speed moved them by 50 % and more).
 
+Memory as `epd` has it: torch's allocations of 2 MiB and more advised into
+transparent huge pages (services/runtime/malloc.py), the read's tensor too; the
+output says whether the KV cache is.
+
 The dtype is what `epd serve` picks on this CPU (`--dtype auto`: bfloat16 with
 AVX512-BF16 or AMX, else float32); the CPU class is named in the output. `--doc`
 writes this class's line of docs/performance.md's section.
@@ -54,8 +58,9 @@ HEADER = (
     "(torch.sum over 512 MiB on the same threads, the same run): the weights at batch 1 "
     "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens, and as what one "
     "request alone adds from 16 to 8192 (KV alone); the medium demo in the dtype `--dtype auto` "
-    "picks; medians of 3 rounds. `python -m bench.decode_bandwidth --doc` rewrites this "
-    "class's row.",
+    "picks, in transparent huge pages as `epd` asks for them (malloc.advise_huge_pages; "
+    "rows from 2026-12-03 on); medians of 3 rounds. `python -m bench.decode_bandwidth --doc` "
+    "rewrites this class's row.",
     "",
     "| CPU class | date | commit | dtype | read GB/s | weights | KV | KV alone |",
     "|---|---|---|---|---:|---:|---:|---:|",
