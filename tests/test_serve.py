@@ -459,18 +459,22 @@ def test_only_the_stacks_token_opens_its_control_plane(served: Served) -> None:
     assert "epd.v1.Broker" in grpcurl("-plaintext", broker, "list").stdout
 
 
+def _advised(pid: int) -> bool:
+    """Whether a mapping of the process is advised into huge pages (VmFlags hg)."""
+    smaps = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    return any(line.startswith("VmFlags:") and " hg" in line for line in smaps)
+
+
 def test_the_engine_process_asks_for_huge_pages(served: Served) -> None:
-    """`epd` sets torch's huge-page switch before its first allocation
+    """`epd language` sets torch's huge-page switch before its first allocation
     (malloc.advise_huge_pages), and the engine process it starts inherits it:
-    its weights and KV cache lie in mappings advised into huge pages."""
-    (engine,) = [
-        pid
-        for pid, line in family(served.process.pid).items()
-        if "services.language.engine.process import main" in line
-    ]
-    smaps = Path(f"/proc/{engine}/smaps").read_text().splitlines()
-    advised = [line for line in smaps if line.startswith("VmFlags:") and " hg" in line]
-    assert advised, "no mapping of the engine process is advised into huge pages"
+    its weights and KV cache lie in mappings advised into huge pages. The
+    encoder does not set it (it gained nothing there)."""
+    processes = family(served.process.pid)
+    (engine,) = [p for p, line in processes.items() if "engine.process import main" in line]
+    assert _advised(engine), "no mapping of the engine process is advised into huge pages"
+    (encoder,) = [p for p, line in processes.items() if "launcher.cli encoder" in line]
+    assert not _advised(encoder)
 
 
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(served: Served) -> None:

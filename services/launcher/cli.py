@@ -406,10 +406,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def command_of(argv: Sequence[str]) -> str | None:
+    return next((arg for arg in argv if arg in COMMANDS), None)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """argv parsed by a parser holding only its command's flags."""
-    command = next((arg for arg in argv if arg in COMMANDS), None)
-    return build_parser(command).parse_args(argv)
+    return build_parser(command_of(argv)).parse_args(argv)
 
 
 def place_process() -> None:
@@ -431,8 +434,10 @@ def place_process() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    advise_huge_pages()  # before torch's first allocation (parse_args imports torch)
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if command_of(argv) == "language":  # its engine's weights and KV cache (malloc.py)
+        advise_huge_pages()  # before torch's first allocation: parse_args makes some
+    args = parse_args(argv)
     export_security(args)
     export_tracing(args)
     place_process()

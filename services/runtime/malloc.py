@@ -46,15 +46,18 @@ def keep_freed_memory() -> bool:
 
 def advise_huge_pages() -> None:
     """torch's allocations of 2 MiB and more in transparent huge pages (2 MiB
-    pages where the kernel has them; the system's setting is `madvise` here and
-    on most distributions, so nothing is unless asked): a decode step reads
-    every weight and each sequence's KV once, hundreds of megabytes, and with
-    4 KiB pages the TLB misses once a page. On the AVX2 class, the medium demo
-    in float32, a decode step of 8 sequences at 1024 tokens took 90 ms against
-    104-111, of one at 16 tokens 37-40 against 40-48 (docs/performance.md,
-    "Decode against the memory limit"). torch reads the switch once, at its
-    first allocation: `epd` sets it before any (children inherit it), and an
-    operator's own value (0: off) stands."""
+    pages where the kernel has them; its setting is `madvise` here, as on many
+    distributions, so none is unless asked): a decode step reads every weight
+    and each sequence's KV once, hundreds of megabytes, and with 4 KiB pages the
+    TLB misses once a page. On the AVX2 class, the medium demo in float32, a
+    decode step of 8 sequences at 1024 tokens took 90 ms against 104-111, of one
+    at 16 tokens 37-40 against 40-48 (docs/performance.md, "Decode against the
+    memory limit"); a 300-token prefill of the small demo was no slower. A
+    language instance's processes only (`epd language` sets it, its engine
+    process inherits it): the vision tower gained nothing, and with it in every
+    process of `epd serve` one image's TTFT alone was 644-710 ms against 577-582.
+    torch reads the switch once, at its first allocation, so it is set before
+    any; an operator's own value (0: off) stands."""
     os.environ.setdefault(HUGE_PAGES, "1")
 
 
