@@ -19,7 +19,7 @@ Each is the median of `--rounds` rounds of the four steps (the KV's are
 differences of two steps, taken within a round: one run's drift in the machine's
 memory speed moved them by 50 % and more).
 
-Memory as `epd` has it: torch's allocations of 2 MiB and more advised into
+Memory as `epd language` has it: torch's allocations of 2 MiB and more advised into
 transparent huge pages (services/runtime/malloc.py), the read's tensor too; the
 output says whether the KV cache is.
 
@@ -34,19 +34,24 @@ import argparse
 import statistics
 import time
 
-import torch
-
-from bench.engine import TOPICS, load_engine
-from bench.peer import with_section
-from bench.report import DOC, cpu_class, head_commit, machine
-from services.language.engine.config import EngineConfig
-from services.language.engine.engine import LLMEngine
-from services.language.engine.request import SamplingParams, new_request
-from services.language.engine.scheduler import SchedulerConfig
-from services.model.demo import SIZES, cached_demo_checkpoint
-from services.model.spec import TextSpec
 from services.runtime.malloc import advise_huge_pages, huge_pages_advised
-from services.wire.dtypes import AUTO, resolve_dtype
+
+# As `epd language` does, before torch's first allocation (the engine's imports
+# make one: xgrammar's)
+advise_huge_pages()
+
+import torch  # noqa: E402
+
+from bench.engine import TOPICS, load_engine  # noqa: E402
+from bench.peer import with_section  # noqa: E402
+from bench.report import DOC, cpu_class, head_commit, machine  # noqa: E402
+from services.language.engine.config import EngineConfig  # noqa: E402
+from services.language.engine.engine import LLMEngine  # noqa: E402
+from services.language.engine.request import SamplingParams, new_request  # noqa: E402
+from services.language.engine.scheduler import SchedulerConfig  # noqa: E402
+from services.model.demo import SIZES, cached_demo_checkpoint  # noqa: E402
+from services.model.spec import TextSpec  # noqa: E402
+from services.wire.dtypes import AUTO, resolve_dtype  # noqa: E402
 
 READ_MIB = 512
 START = "<!-- bench/decode_bandwidth.py: start -->"
@@ -58,8 +63,8 @@ HEADER = (
     "(torch.sum over 512 MiB on the same threads, the same run): the weights at batch 1 "
     "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens, and as what one "
     "request alone adds from 16 to 8192 (KV alone); the medium demo in the dtype `--dtype auto` "
-    "picks, in transparent huge pages as `epd` asks for them (malloc.advise_huge_pages; "
-    "rows from 2026-12-03 on); medians of 3 rounds. `python -m bench.decode_bandwidth --doc` "
+    "picks, in transparent huge pages as `epd language` asks for them (rows from "
+    "2026-12-03 on); medians of 3 rounds. `python -m bench.decode_bandwidth --doc` "
     "rewrites this class's row.",
     "",
     "| CPU class | date | commit | dtype | read GB/s | weights | KV | KV alone |",
@@ -134,7 +139,6 @@ def main() -> None:
     )
     parser.add_argument("--doc", action="store_true", help="write this class's row")
     args = parser.parse_args()
-    advise_huge_pages()  # as `epd` does, before the first tensor
     dtype = resolve_dtype(args.dtype)
     folder = cached_demo_checkpoint(args.size)
     engine = load_engine(

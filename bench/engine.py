@@ -27,7 +27,7 @@ from services.model.checkpoint import load_language_weights
 from services.model.demo import ARCHS, SIZES, cached_demo_checkpoint
 from services.model.spec import load_spec
 from services.model.tokenizer import build_prompt, load_tokenizer
-from services.runtime.malloc import advise_huge_pages, keep_freed_memory
+from services.runtime.malloc import keep_freed_memory
 
 TOPICS = [
     "the sea",
@@ -82,9 +82,7 @@ def hf_tokens_per_second(folder: str, token_ids: list[list[int]], output_len: in
 
 def load_engine(folder: Path, config: EngineConfig) -> LLMEngine:
     """The language engine of a checkpoint, in this process, which keeps its
-    freed memory and asks for huge pages as `epd serve`'s engine process does
-    (malloc.py; the latter only where no tensor was allocated before)."""
-    advise_huge_pages()
+    freed memory as `epd serve`'s engine process does (keep_freed_memory)."""
     keep_freed_memory()
     spec = load_spec(folder)
     return LLMEngine(spec, load_language_weights(folder, spec), load_tokenizer(folder), config)
