@@ -31,27 +31,24 @@ writes this class's line of docs/performance.md's section.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
-from services.runtime.malloc import advise_huge_pages, huge_pages_advised
+import torch
 
-# As `epd language` does, before torch's first allocation (the engine's imports
-# make one: xgrammar's)
-advise_huge_pages()
-
-import torch  # noqa: E402
-
-from bench.engine import TOPICS, load_engine  # noqa: E402
-from bench.peer import with_section  # noqa: E402
-from bench.report import DOC, cpu_class, head_commit, machine  # noqa: E402
-from services.language.engine.config import EngineConfig  # noqa: E402
-from services.language.engine.engine import LLMEngine  # noqa: E402
-from services.language.engine.request import SamplingParams, new_request  # noqa: E402
-from services.language.engine.scheduler import SchedulerConfig  # noqa: E402
-from services.model.demo import SIZES, cached_demo_checkpoint  # noqa: E402
-from services.model.spec import TextSpec  # noqa: E402
-from services.wire.dtypes import AUTO, resolve_dtype  # noqa: E402
+from bench.engine import TOPICS, load_engine
+from bench.peer import with_section
+from bench.report import DOC, cpu_class, head_commit, machine
+from services.language.engine.config import EngineConfig
+from services.language.engine.engine import LLMEngine
+from services.language.engine.request import SamplingParams, new_request
+from services.language.engine.scheduler import SchedulerConfig
+from services.model.demo import SIZES, cached_demo_checkpoint
+from services.model.spec import TextSpec
+from services.runtime.malloc import HUGE_PAGES, advise_huge_pages, huge_pages_advised
+from services.wire.dtypes import AUTO, resolve_dtype
 
 READ_MIB = 512
 START = "<!-- bench/decode_bandwidth.py: start -->"
@@ -139,6 +136,11 @@ def main() -> None:
     )
     parser.add_argument("--doc", action="store_true", help="write this class's row")
     args = parser.parse_args()
+    if HUGE_PAGES not in os.environ:
+        # as `epd language` sets it, before torch's first allocation: this
+        # module's imports have made one (xgrammar's), so it starts again
+        advise_huge_pages()
+        os.execv(sys.executable, [sys.executable, "-m", "bench.decode_bandwidth", *sys.argv[1:]])
     dtype = resolve_dtype(args.dtype)
     folder = cached_demo_checkpoint(args.size)
     engine = load_engine(
