@@ -434,3 +434,15 @@ def test_a_report_names_its_commit_and_says_when_the_code_differed_from_it(
     assert report.head_commit() == commit
     (tmp_path / "services" / "engine.py").write_text("x = 2\n")
     assert report.head_commit() == f"{commit} + changes"
+
+
+def test_each_requests_ttft_is_set_against_its_own_compute_alone() -> None:
+    from bench.breakdown import over_alone
+
+    # (preprocessing, tower on one image, prefill) a request; two images a request
+    samples = [(10.0, 100.0, 50.0), (10.0, 200.0, 50.0), (10.0, 100.0, 50.0)]
+    parts, floor, ratio = over_alone(2, [300.0, 500.0, 450.0], samples)
+    assert parts == (10.0, 100.0, 50.0)
+    assert floor == 260.0
+    # 300/260, 500/460 and 450/260: each over its own, not the medians' ratio (450/260)
+    assert ratio == 300.0 / 260.0
