@@ -3,9 +3,11 @@ as a share of the machine's read bandwidth, on the medium demo.
 
     .venv/bin/python -m bench.decode_bandwidth [--size medium] [--dtype auto]
 
-The baseline, in the same run on the same threads: torch.sum over 512 MiB, the
-median of several before the steps and after them (a read of memory at the rate
-this machine gives one process).
+The baseline, in the same run on the same threads: torch.sum over 512 MiB (a
+read of memory at the rate this machine gives one process), three times right
+before each step that is timed, each figure taken against the reads beside its
+own steps: on a 2-core AVX2 VM the read rate moved between 17 and 29 GB/s within
+minutes, and a figure against a run's overall median read 128 % one day.
 A decode step reads every weight of the decoder layers and the LM head once,
 and each sequence's KV once. Three figures:
 
@@ -17,7 +19,8 @@ and each sequence's KV once. Three figures:
 
 Each is the median of `--rounds` rounds of the four steps (the KV's are
 differences of two steps, taken within a round: one run's drift in the machine's
-memory speed moved them by 50 % and more).
+memory speed moved them by 50 % and more), each round's share against the reads
+beside its steps.
 
 Memory as `epd language` has it: torch's allocations of 2 MiB and more advised into
 transparent huge pages (services/runtime/malloc.py), the read's tensor too; the
@@ -57,11 +60,13 @@ HEADER = (
     "## Decode against the memory limit",
     "",
     "A decode step's bytes read over its time, as a share of the read bandwidth "
-    "(torch.sum over 512 MiB on the same threads, the same run): the weights at batch 1 "
+    "(torch.sum over 512 MiB on the same threads, three times right before each timed step; "
+    "each figure against its own steps' reads; rows dated before 2026-12-03 against the run's "
+    "median read): the weights at batch 1 "
     "and 16 tokens, the KV as what batch 8 adds from 16 to 1024 tokens, and as what one "
     "request alone adds from 16 to 8192 (KV alone); the medium demo in the dtype `--dtype auto` "
     "picks, in transparent huge pages as `epd language` asks for them (rows from "
-    "2026-12-03 on); medians of 3 rounds. `python -m bench.decode_bandwidth --doc` "
+    "2026-12-03 on); medians of 3 rounds or more. `python -m bench.decode_bandwidth --doc` "
     "rewrites this class's row.",
     "",
     "| CPU class | date | commit | dtype | read GB/s | weights | KV | KV alone |",
@@ -123,6 +128,16 @@ def decode_step_s(engine: LLMEngine, batch: int, context: int) -> float:
     return statistics.median(times[4 : 4 + STEPS])
 
 
+# a decode step's seconds and the read rate (bytes/s) measured right before it
+Paired = tuple[float, float]
+
+
+def paired(engine: LLMEngine, batch: int, context: int, dtype: torch.dtype) -> Paired:
+    """decode_step_s, and the median of three reads just before its steps."""
+    read = READ_MIB * 2**20 / statistics.median(read_seconds(dtype, 3))
+    return decode_step_s(engine, batch, context), read
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -155,78 +170,72 @@ def main() -> None:
     )
     engine.warm_up()
     text = engine.spec.text
-    reads = read_seconds(dtype)
     rounds = [
         (
-            decode_step_s(engine, 1, SHORT),
-            decode_step_s(engine, args.batch, SHORT),
-            decode_step_s(engine, args.batch, args.context),
-            decode_step_s(engine, 1, args.batch * args.context),
+            paired(engine, 1, SHORT, dtype),
+            paired(engine, args.batch, SHORT, dtype),
+            paired(engine, args.batch, args.context, dtype),
+            paired(engine, 1, args.batch * args.context, dtype),
         )
         for _ in range(args.rounds)
     ]  # the KV's figures are differences of two steps: taken within each round, where
     # this machine's neighbours weigh on both alike
-    reads += read_seconds(dtype)  # before and after: this machine's neighbours come and go
-    bandwidth = READ_MIB * 2**20 / statistics.median(reads)
+    bandwidth = statistics.median(read for r in rounds for _, read in r)
     huge = huge_pages_advised(engine.runner.kv_cache.pool.tensors[0].data_ptr())
     print(
         f"{machine()}; demo {args.size}, {dtype}, torch threads {torch.get_num_threads()}, "
         f"huge pages {'advised' if huge else 'not advised'}"
     )
     print(
-        f"read bandwidth (torch.sum over {READ_MIB} MiB, the median of {len(reads)} before and "
-        f"after): {bandwidth / 1e9:.1f} GB/s"
+        f"read bandwidth (torch.sum over {READ_MIB} MiB beside each step, the median): "
+        f"{bandwidth / 1e9:.1f} GB/s"
     )
-    one = statistics.median(r[0] for r in rounds)
-    weights = weight_bytes(text, dtype) + kv_bytes(text, dtype, SHORT)
+    one = statistics.median(r[0][0] for r in rounds)
+    weights_bytes = weight_bytes(text, dtype) + kv_bytes(text, dtype, SHORT)
+    weights = statistics.median(weights_bytes / step / read for (step, read), *_ in rounds)
     print(
         f"weights: batch 1, {SHORT} tokens: {one * 1e3:.2f} ms a step, "
-        f"{weights / 2**20:.0f} MiB read: {weights / one / 1e9:.1f} GB/s, "
-        f"{weights / one / bandwidth:.0%} of the read bandwidth"
+        f"{weights_bytes / 2**20:.0f} MiB read: {weights_bytes / one / 1e9:.1f} GB/s, "
+        f"{weights:.0%} of the read bandwidth beside it (the median of {len(rounds)} rounds)"
     )
-    kv = kv_share(
-        "KV", [(r[1], r[2]) for r in rounds], args.batch, args.context, text, dtype, bandwidth
-    )
+    kv = kv_share("KV", [(r[1], r[2]) for r in rounds], args.batch, args.context, text, dtype)
     alone = kv_share(
-        "KV alone",
-        [(r[0], r[3]) for r in rounds],
-        1,
-        args.batch * args.context,
-        text,
-        dtype,
-        bandwidth,
+        "KV alone", [(r[0], r[3]) for r in rounds], 1, args.batch * args.context, text, dtype
     )
     if args.doc:
         row = (
             f"| {cpu_class()} | {time.strftime('%Y-%m-%d')} | {head_commit()} | {dtype} "
-            f"| {bandwidth / 1e9:.1f} | {weights / one / bandwidth:.0%} | {kv:.0%} | {alone:.0%} |"
+            f"| {bandwidth / 1e9:.1f} | {weights:.0%} | {kv:.0%} | {alone:.0%} |"
         )
         DOC.write_text(with_section(DOC.read_text(), _section(DOC.read_text(), row), START, END))
 
 
 def kv_share(
     name: str,
-    steps: list[tuple[float, float]],
+    steps: list[tuple[Paired, Paired]],
     batch: int,
     context: int,
     text: TextSpec,
     dtype: torch.dtype,
-    bandwidth: float,
 ) -> float:
     """The KV's share of the read bandwidth: what `batch` sequences' KV adds from
-    SHORT to `context` tokens over the time it adds, the median of the rounds'
-    (short, long) steps; printed."""
+    SHORT to `context` tokens over the time it adds, against the mean of the reads
+    beside the two steps; the median of the rounds' (short, long) pairs; printed."""
     added = batch * kv_bytes(text, dtype, context - SHORT)
-    rate = statistics.median(added / (long - short) for short, long in steps)
-    shares = sorted(added / (long - short) / bandwidth for short, long in steps)
-    short, long = (statistics.median(step[i] for step in steps) for i in (0, 1))
+    shares = sorted(
+        added / (long - short) / ((before + beside) / 2)
+        for (short, before), (long, beside) in steps
+    )
+    rate = statistics.median(added / (long - short) for (short, _), (long, _) in steps)
+    short, long = (statistics.median(step[i][0] for step in steps) for i in (0, 1))
+    share = statistics.median(shares)
     print(
         f"{name}: batch {batch}, {SHORT} -> {context} tokens: {short * 1e3:.2f} -> "
         f"{long * 1e3:.2f} ms a step for {added / 2**20:.0f} MiB more KV: "
-        f"{rate / 1e9:.1f} GB/s, {rate / bandwidth:.0%} of the read bandwidth "
+        f"{rate / 1e9:.1f} GB/s, {share:.0%} of the read bandwidth beside it "
         f"(the median of {len(steps)} rounds: {', '.join(f'{x:.0%}' for x in shares)})"
     )
-    return rate / bandwidth
+    return share
 
 
 def _section(doc: str, row: str) -> str:
