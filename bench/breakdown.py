@@ -56,6 +56,9 @@ from services.model.spec import load_spec
 from services.wire.dtypes import resolve_dtype
 
 BUDGET = 256  # tokens a step (short prefill chunks), unless an --epd-arg sets it
+# seconds between a request's end and its compute alone: a server's threads may
+# spin on after a request (vLLM's CPU worker held a core for ~1.5 s)
+QUIET_S = 2.0
 
 
 class Spans(trace_service_pb2_grpc.TraceServiceServicer):
@@ -170,7 +173,8 @@ def one_by_one(
     url: str, requests: list[BenchRequest], alone: ComputeAlone
 ) -> tuple[list[float], list[tuple[float, float, float]]]:
     """Each request's TTFT (ms), sent one at a time, each followed by a sample of
-    its compute alone (its prompt's tokens): the two a few seconds apart."""
+    its compute alone (its prompt's tokens) once the server is quiet: the two a few
+    seconds apart."""
     config = RunConfig(url, max_concurrency=1, warmup=0, progress=False)
     ttfts, samples = [], []
     for request in requests:
@@ -178,6 +182,7 @@ def one_by_one(
         if result.ttft is None:
             raise SystemExit(f"a request failed: {result.status} {result.error}")
         ttfts.append(1000 * result.ttft)
+        time.sleep(QUIET_S)
         samples.append(alone.sample(result.prompt_tokens))
     return ttfts, samples
 
