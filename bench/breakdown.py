@@ -37,7 +37,7 @@ import grpc
 import torch
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from bench.engine import TOPICS, load_engine
+from bench.engine import load_engine, text_prompts
 from bench.report import Setup, machine, serve
 from services.encoder.preprocess import Preprocessor
 from services.language.engine.config import EngineConfig
@@ -138,9 +138,7 @@ class ComputeAlone:
         config = EngineConfig(dtype=dtype, prefix_caching=False, scheduler=scheduler)
         self.engine: LLMEngine = load_engine(checkpoint, config)
         self.engine.warm_up()
-        self.words = self.engine.tokenizer.encode(" ".join(TOPICS * 64))
         self.image = encode_image(random_image(448, 448, seed=1), "JPEG")
-        self.prompts = 0
         self.sample(16)  # warms the tower and the preprocessing up
 
     def sample(self, prompt_tokens: int) -> tuple[float, float, float]:
@@ -154,11 +152,10 @@ class ComputeAlone:
             grid = torch.tensor([[image.grid.t, image.grid.h, image.grid.w]])
             self.tower(pixels, grid_thw=grid)
         encoded = time.perf_counter()
-        self.prompts += 1
-        at = self.prompts * 7
-        ids = [self.words[(at + j) % len(self.words)] for j in range(prompt_tokens)]
+        (ids,) = text_prompts(self.engine, prompt_tokens, 1)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
-        self.engine.add_request(new_request(f"alone-{at}", ids, params, self.engine.spec))
+        name = f"alone-{time.monotonic_ns()}"
+        self.engine.add_request(new_request(name, ids, params, self.engine.spec))
         while self.engine.has_work():
             self.engine.step()
         ended = time.perf_counter()

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from bench.engine import TOPICS, load_engine
+from bench.engine import load_engine, text_prompts
 from bench.peer import with_section
 from bench.report import DOC, cpu_class, head_commit, machine
 from services.language.engine.config import EngineConfig
@@ -108,9 +108,7 @@ def kv_bytes(text: TextSpec, dtype: torch.dtype, tokens: int) -> int:
 
 def decode_step_s(engine: LLMEngine, batch: int, context: int) -> float:
     """The median decode-only step of `batch` sequences at about `context` tokens."""
-    words = engine.tokenizer.encode(" ".join(TOPICS * 64))
-    for i in range(batch):
-        ids = [words[(7 * i + j) % len(words)] for j in range(context)]  # text, other a row
+    for i, ids in enumerate(text_prompts(engine, context, batch)):
         engine.add_request(
             new_request(
                 f"bw{time.monotonic_ns()}-{i}",

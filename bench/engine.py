@@ -58,6 +58,13 @@ def prompts(n: int) -> list[list[dict[str, object]]]:
     ]
 
 
+def text_prompts(engine: LLMEngine, tokens: int, count: int) -> list[list[int]]:
+    """`count` text prompts of `tokens` token ids each, from the topics' words,
+    each starting 7 tokens further in than the one before."""
+    words = engine.tokenizer.encode(" ".join(TOPICS * 64))
+    return [[words[(7 * i + j) % len(words)] for j in range(tokens)] for i in range(count)]
+
+
 def hf_tokens_per_second(folder: str, token_ids: list[list[int]], output_len: int) -> float:
     from transformers import AutoModelForImageTextToText
 
